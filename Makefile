@@ -1,0 +1,41 @@
+# The README's two commands: `make demo` and `make test`. Both run `make install` first, which
+# is idempotent and skipped when nothing it depends on changed.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.pdserve-installed
+INSTALL_INPUTS := pyproject.toml setup.py scripts/install.sh $(wildcard workers/fabric/_build.py)
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
+export RAY_USAGE_STATS_ENABLED := 0
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+.PHONY: install test lint typecheck unit demo bench clean
+
+install: $(STAMP)
+
+$(STAMP): $(INSTALL_INPUTS)
+	@bash scripts/install.sh
+	@touch $(STAMP)
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: install
+	$(VENV)/bin/mypy
+
+unit: install
+	$(PY) -m pytest -m "not bench"
+
+test: lint typecheck unit
+
+demo: install
+	$(PY) -m orchestrator.cli demo
+
+bench: install
+	$(PY) bench/engine.py
+	$(PY) bench/fabric.py
+
+clean:
+	rm -rf build *.egg-info .pytest_cache .mypy_cache .ruff_cache

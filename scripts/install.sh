@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One-time (idempotent) setup used by `make install`, `make test` and `make demo`:
+# system packages (libfabric, iperf3), the .venv, and the project with its dev extras.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+log() { printf '\033[1m[install]\033[0m %s\n' "$*"; }
+
+# --- system packages -------------------------------------------------------------------------
+apt_packages=()
+[ -f /usr/include/rdma/fabric.h ] || apt_packages+=(libfabric-dev libfabric1)
+command -v fi_info >/dev/null 2>&1 || apt_packages+=(libfabric-bin)
+command -v iperf3 >/dev/null 2>&1 || apt_packages+=(iperf3)
+if [ ${#apt_packages[@]} -gt 0 ]; then
+  if ! command -v apt-get >/dev/null 2>&1; then
+    echo "error: missing ${apt_packages[*]} and no apt-get; install libfabric (>= 1.17, with headers) by hand" >&2
+    exit 1
+  fi
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  log "apt-get install ${apt_packages[*]}"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${apt_packages[@]}" >/dev/null
+fi
+
+# --- virtual environment -----------------------------------------------------------------------
+python=""
+for candidate in python3.11 python3.12 python3.13 python3; do
+  if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+    python="$candidate"; break
+  fi
+done
+[ -n "$python" ] || { echo "error: Python >= 3.11 is required" >&2; exit 1; }
+if [ ! -x .venv/bin/python ]; then
+  log "creating .venv with $python"
+  "$python" -m venv .venv
+fi
+log "installing pdserve and its dev extras into .venv (torch 2.13.0 CPU build)"
+.venv/bin/pip install -q --disable-pip-version-check --upgrade pip setuptools wheel cffi 2>&1 | grep -v "is ignored" || true
+# --no-build-isolation: the build needs only setuptools + cffi, already in the venv; this keeps
+# the native fabric extension built against the same cffi that imports it.
+.venv/bin/pip install -q --disable-pip-version-check --no-build-isolation -e '.[dev]' 2>&1 | grep -v "is ignored" || true
+.venv/bin/python -c 'import workers, orchestrator' || { echo "error: install failed" >&2; exit 1; }
+log "done"

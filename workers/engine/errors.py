@@ -1,0 +1,22 @@
+"""Typed errors of the engine. Mapped to gRPC / HTTP status codes only at the service edge."""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Base class of every error the engine raises on purpose."""
+
+
+class InvalidRequestError(EngineError, ValueError):
+    """A request the engine will never serve as given (bad prompt, bad sampling values).
+
+    Raised before anything is allocated for the request.
+    """
+
+
+class UnsupportedCheckpointError(EngineError):
+    """A checkpoint directory the engine cannot load (architecture, missing files, dtype)."""
+
+
+class CapacityError(EngineError):
+    """No room right now (queue full, KV pool too small for the request even when empty)."""

@@ -1,0 +1,104 @@
+"""Model hyper-parameters read from an HF ``config.json`` (Llama / Qwen2 / Qwen3 families)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from workers.engine.errors import UnsupportedCheckpointError
+
+# HF ``architectures`` entries we can run, and the per-family switches they imply.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": {"qk_norm": False, "default_bias": False},
+    "MistralForCausalLM": {"qk_norm": False, "default_bias": False},
+    "Qwen2ForCausalLM": {"qk_norm": False, "default_bias": True},
+    "Qwen3ForCausalLM": {"qk_norm": True, "default_bias": False},
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    rope_scaling: dict[str, Any] | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    torch_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedCheckpointError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise UnsupportedCheckpointError(f"config value {name} must be positive")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise UnsupportedCheckpointError(
+                f"unsupported architecture {archs or raw.get('model_type')!r}; "
+                f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        family = SUPPORTED_ARCHITECTURES[arch]
+        try:
+            num_heads = int(raw["num_attention_heads"])
+            hidden = int(raw["hidden_size"])
+            eos = raw.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+            return cls(
+                architecture=arch,
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(raw["intermediate_size"]),
+                num_layers=int(raw["num_hidden_layers"]),
+                num_heads=num_heads,
+                num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+                head_dim=int(raw.get("head_dim") or hidden // num_heads),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(
+                    raw.get("rope_theta")
+                    or (raw.get("rope_parameters") or {}).get("rope_theta")
+                    or 10000.0
+                ),
+                max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                attention_bias=bool(raw.get("attention_bias", family["default_bias"])),
+                qk_norm=bool(family["qk_norm"]),
+                rope_scaling=raw.get("rope_scaling"),
+                bos_token_id=raw.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+                torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UnsupportedCheckpointError(f"malformed config.json: {exc}") from exc
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise UnsupportedCheckpointError(f"{path} not found: not an HF checkpoint directory")
+        return cls.from_dict(json.loads(path.read_text()))
+
+    @property
+    def kv_bytes_per_token_per_layer(self) -> int:
+        """Bytes of K+V for one token in one layer at float32 (scale by element size)."""
+        return 2 * self.num_kv_heads * self.head_dim * 4
