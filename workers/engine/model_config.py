@@ -18,6 +18,21 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 
+def _rope_scaling(raw: dict[str, Any]) -> dict[str, Any] | None:
+    """The RoPE scaling dict, or None for plain RoPE.
+
+    transformers < 5 writes ``rope_scaling`` (key ``type`` or ``rope_type``); transformers 5 writes
+    ``rope_parameters`` that always carries ``rope_type`` (``"default"`` for plain RoPE).
+    """
+    params = raw.get("rope_scaling") or raw.get("rope_parameters")
+    if not isinstance(params, dict):
+        return None
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type == "default":
+        return None
+    return {**params, "rope_type": rope_type}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -83,7 +98,7 @@ class ModelConfig:
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 attention_bias=bool(raw.get("attention_bias", family["default_bias"])),
                 qk_norm=bool(family["qk_norm"]),
-                rope_scaling=raw.get("rope_scaling"),
+                rope_scaling=_rope_scaling(raw),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
