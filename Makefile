@@ -5,18 +5,23 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pdserve-installed
 INSTALL_INPUTS := pyproject.toml setup.py scripts/install.sh $(wildcard workers/fabric/_build.py)
+PROTO_SRCS := $(wildcard protos/pdserve/v1/*.proto)
+PROTO_STUBS := $(PROTO_SRCS:.proto=_pb2.py)
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_USAGE_STATS_ENABLED := 0
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install test lint typecheck unit demo bench clean
+.PHONY: install test lint lint-protos typecheck unit demo bench clean
 
-install: $(STAMP)
+install: $(STAMP) $(PROTO_STUBS)
 
 $(STAMP): $(INSTALL_INPUTS)
 	@bash scripts/install.sh
 	@touch $(STAMP)
+
+$(PROTO_STUBS) &: $(PROTO_SRCS) scripts/gen_protos.sh | $(STAMP)
+	@bash scripts/gen_protos.sh
 
 lint: install
 	$(VENV)/bin/ruff check .
@@ -28,7 +33,10 @@ typecheck: install
 unit: install
 	$(PY) -m pytest -m "not bench"
 
-test: lint typecheck unit
+lint-protos: install
+	bash scripts/lint_protos.sh
+
+test: lint lint-protos typecheck unit
 
 demo: install
 	$(PY) -m orchestrator.cli demo

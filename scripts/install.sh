@@ -36,9 +36,17 @@ if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv
 fi
 log "installing pdserve and its dev extras into .venv (torch 2.13.0 CPU build)"
-.venv/bin/pip install -q --disable-pip-version-check --upgrade pip setuptools wheel cffi 2>&1 | grep -v "is ignored" || true
+# The machine's pip config adds local wheel indexes that may be absent; hide only that noise
+# (pipefail keeps pip's own exit status).
+pip_install() { .venv/bin/pip install -q --disable-pip-version-check "$@" 2>&1 | { grep -v "is ignored" || true; }; }
+pip_install --upgrade pip setuptools wheel cffi
 # --no-build-isolation: the build needs only setuptools + cffi, already in the venv; this keeps
 # the native fabric extension built against the same cffi that imports it.
-.venv/bin/pip install -q --disable-pip-version-check --no-build-isolation -e '.[dev]' 2>&1 | grep -v "is ignored" || true
-.venv/bin/python -c 'import workers, orchestrator' || { echo "error: install failed" >&2; exit 1; }
+pip_install --no-build-isolation -e '.[dev]'
+# The editable install builds the cffi extension in place with current setuptools; if another
+# setuptools left it elsewhere, compile it next to the sources (fails with one clear message).
+.venv/bin/python -c 'import workers.fabric._fabric_cffi' 2>/dev/null || .venv/bin/python workers/fabric/_build.py
+log "generating the gRPC stubs (scripts/gen_protos.sh)"
+bash scripts/gen_protos.sh .venv/bin/python
+.venv/bin/python -c 'import workers, orchestrator, workers.fabric._fabric_cffi, protos.pdserve.v1.generation_pb2_grpc' || { echo "error: install failed" >&2; exit 1; }
 log "done"

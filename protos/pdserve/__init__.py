@@ -1,0 +1,1 @@
+"""Protobuf packages of the pdserve API, one subpackage per version (``pdserve.v1``)."""

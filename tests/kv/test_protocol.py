@@ -1,0 +1,209 @@
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import random
+
+import msgpack
+import pytest
+
+from workers.kv.errors import ProtocolError
+from workers.kv.protocol import (
+    MAX_RANKS,
+    PROTOCOL_VERSION,
+    AbortAcknowledged,
+    AbortPrefill,
+    Message,
+    MessageType,
+    PrefillAccepted,
+    PrefillRejected,
+    PrefillRequest,
+    RejectReason,
+    decode_message,
+    encode_message,
+)
+
+
+def make_request(**overrides: object) -> PrefillRequest:
+    fields: dict[str, object] = {
+        "request_id": "req-1",
+        "transfer_id": 3 << 20 | 17,
+        "token_ids": tuple(range(40)),
+        "page_size": 16,
+        "dst_page_ids": ((4, 5, 9),),
+        "decode_tp_size": 2,
+        "num_kv_heads": 8,
+        "is_mla": False,
+        "source_sets": (0,),
+        "coalesce_pages": True,
+        "segment_pages": 4,
+        "max_pages_per_run": 0,
+        "dst_descriptors": (b"\x01rank0", b"\x02rank1"),
+        "context_descriptor": b"ctx",
+        "context_offset": 4096,
+        "expected_write_count": 123,
+        "timeout_ms": 30_000,
+    }
+    fields.update(overrides)
+    return PrefillRequest(**fields)  # type: ignore[arg-type]
+
+
+MESSAGES: list[Message] = [
+    make_request(),
+    make_request(dst_page_ids=((1, 2, 3), (7, 8, 9)), context_descriptor=b"", source_sets=()),
+    PrefillAccepted("req-1", 5, 640),
+    PrefillRejected("req-1", 5, RejectReason.NO_PAGES, "pool full"),
+    AbortPrefill("req-1", 5),
+    AbortAcknowledged("req-1", 5, 0),
+]
+
+
+@pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
+def test_roundtrip(message: Message) -> None:
+    data = encode_message(message)
+    assert decode_message(data) == message
+    assert decode_message(bytearray(data)) == message
+
+
+def test_request_helpers_and_compactness() -> None:
+    request = make_request(dst_page_ids=((1, 2, 3), (7, 8, 9)))
+    assert request.dst_pages_of_rank(1) == (7, 8, 9)
+    assert make_request().dst_pages_of_rank(1) == (4, 5, 9)
+    assert request.num_context_writes == 1 and request.decode_sharding.heads_per_rank == 4
+    big = make_request(token_ids=tuple(range(100_000)), dst_page_ids=(tuple(range(6250)),))
+    assert len(encode_message(big)) < 4 * (100_000 + 6250) + 512
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("request_id", ""),
+        ("request_id", 5),
+        ("transfer_id", -1),
+        ("transfer_id", 1 << 32),
+        ("transfer_id", True),
+        ("token_ids", ()),
+        ("token_ids", (1, -2)),
+        ("token_ids", [1, 2]),
+        ("page_size", 0),
+        ("dst_page_ids", ((4, 5),)),  # 40 tokens need 3 pages of 16
+        ("dst_page_ids", ((4, 5, 9),) * 3),  # neither one list nor one per rank
+        ("dst_page_ids", ()),
+        ("decode_tp_size", 3),  # 8 heads cannot be split over 3 ranks
+        ("is_mla", 1),
+        ("source_sets", (MAX_RANKS,)),
+        ("source_sets", (0, 1)),  # one decode replica set: one choice
+        ("segment_pages", -1),
+        ("max_pages_per_run", None),
+        ("dst_descriptors", (b"x",)),
+        ("dst_descriptors", ("x", "y")),
+        ("context_descriptor", b"x" * 5000),
+        ("expected_write_count", -3),
+        ("timeout_ms", 0),
+    ],
+)
+def test_invalid_request_fields_are_rejected(field: str, value: object) -> None:
+    with pytest.raises(ProtocolError):
+        make_request(**{field: value})
+
+
+def test_invalid_small_messages_are_rejected() -> None:
+    with pytest.raises(ProtocolError):
+        PrefillAccepted("r", 1, 0)  # zero writes: nothing would ever complete the transfer
+    with pytest.raises(ProtocolError):
+        PrefillRejected("r", 1, 2, "")  # type: ignore[arg-type]
+    with pytest.raises(ProtocolError):
+        AbortAcknowledged("r", 1, -1)
+
+
+def wire(message: Message) -> list[object]:
+    decoded = msgpack.unpackb(encode_message(message), raw=False)
+    assert isinstance(decoded, list)
+    return decoded
+
+
+def pack(values: object) -> bytes:
+    packed: bytes = msgpack.packb(values, use_bin_type=True)
+    return packed
+
+
+def test_unknown_version_type_and_field_count() -> None:
+    good = wire(AbortPrefill("r", 1))
+    for bad in (
+        [PROTOCOL_VERSION + 1, *good[1:]],
+        [True, *good[1:]],
+        [good[0], 99, *good[2:]],
+        [good[0], "4", *good[2:]],
+        good[:-1],
+        [*good, 0],
+        [PROTOCOL_VERSION],
+        {"v": 1},
+        "text",
+    ):
+        with pytest.raises(ProtocolError):
+            decode_message(pack(bad))
+
+
+def test_wrong_wire_types_are_rejected() -> None:
+    good = wire(make_request())
+    names = [f.name for f in dataclasses.fields(PrefillRequest)]
+    valid = [("request_id", "s"), ("context_descriptor", b"b"), ("source_sets", [1])]
+    for index, name in enumerate(names, start=2):
+        replacements: tuple[object, ...] = ("s", b"b", 1.5, None, [1], -1, {})
+        for replacement in replacements:
+            if replacement == good[index]:
+                continue
+            bad = list(good)
+            bad[index] = replacement
+            try:
+                decode_message(pack(bad))
+            except ProtocolError:
+                continue
+            # Only replacements that are valid values of the field may decode.
+            assert (name, replacement) in valid, (name, replacement)
+
+
+def test_ids_must_be_whole_uint32s() -> None:
+    bad = wire(make_request())
+    bad[4] = b"\x00\x01\x02"  # token_ids: not a multiple of 4 bytes
+    with pytest.raises(ProtocolError, match="uint32"):
+        decode_message(pack(bad))
+    reason = wire(PrefillRejected("r", 1, RejectReason.TOO_LONG))
+    reason[4] = 77
+    with pytest.raises(ProtocolError, match="RejectReason"):
+        decode_message(pack(reason))
+
+
+def test_oversized_lists_are_rejected() -> None:
+    bad = wire(make_request())
+    page_lists = bad[6]
+    assert isinstance(page_lists, list)
+    bad[6] = [page_lists[0]] * (MAX_RANKS + 1)
+    with pytest.raises(ProtocolError):
+        decode_message(pack(bad))
+
+
+def test_truncated_and_garbage_bytes_raise_protocol_error_only() -> None:
+    data = encode_message(make_request())
+    for end in range(len(data)):
+        with pytest.raises(ProtocolError):
+            decode_message(data[:end])
+    rng = random.Random(7)
+    for _ in range(2000):
+        blob = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))
+        with contextlib.suppress(ProtocolError):
+            decode_message(blob)
+    for _ in range(500):  # single-byte corruptions of a valid message
+        corrupt = bytearray(data)
+        corrupt[rng.randrange(len(corrupt))] = rng.randrange(256)
+        with contextlib.suppress(ProtocolError):
+            decode_message(bytes(corrupt))
+    with pytest.raises(ProtocolError):
+        decode_message("not bytes")  # type: ignore[arg-type]
+
+
+def test_message_types_are_stable() -> None:
+    # Wire numbers are part of the protocol: changing one needs a PROTOCOL_VERSION bump.
+    assert PROTOCOL_VERSION == 1
+    assert [int(t) for t in MessageType] == [1, 2, 3, 4, 5]
+    assert wire(AbortPrefill("r", 9)) == [1, 4, "r", 9]

@@ -1,0 +1,31 @@
+"""Typed errors of the KV messenger's logic layer.
+
+Each one fails a single transfer (its request), never the process; the messenger maps them to a
+`PrefillRejected` / request failure at its edge.
+"""
+
+from __future__ import annotations
+
+
+class KvTransferError(Exception):
+    """Base class of every error the KV messenger raises on purpose."""
+
+
+class ShardingError(KvTransferError, ValueError):
+    """A prefill/decode group pair whose KV sharding cannot be mapped onto each other."""
+
+
+class ImmError(KvTransferError, ValueError):
+    """An immediate-data layout or value that does not fit the rules (bits, slot, generation)."""
+
+
+class SlotsExhaustedError(KvTransferError):
+    """Every transfer slot is live: the decoder cannot start another transfer right now."""
+
+
+class ProtocolError(KvTransferError, ValueError):
+    """A control message that is malformed, of an unknown version, or violates the schema."""
+
+
+class IllegalTransitionError(KvTransferError):
+    """A transfer state machine was asked to move along an edge its table does not have."""

@@ -1,0 +1,378 @@
+"""Control messages between the decoder's and the prefill worker's KV messengers.
+
+Wire format (msgpack, never pickle): one array ``[version, message_type, field, ...]`` with the
+fields of the message in the order of its dataclass. Page and token ids travel as little-endian
+uint32 byte strings (4 bytes each: compact, and decoded without a per-item type check). Decoding
+is strict: an unknown version or type, a missing or extra field, a wrong type, an out-of-range
+number or an oversized list raises `ProtocolError`, never anything else. A version bump is the
+only way to change a message; a peer on another version is rejected, not guessed at.
+
+Flow (see README): decoder -> `PrefillRequest`; prefill -> `PrefillAccepted` or
+`PrefillRejected`; decoder may send `AbortPrefill`, answered by `AbortAcknowledged`. KV itself
+moves by RDMA writes and there is no "done" message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import msgpack
+import numpy as np
+
+from workers.kv.errors import ProtocolError, ShardingError
+from workers.kv.pages import num_pages_for_tokens
+from workers.kv.sharding import GroupSharding
+
+PROTOCOL_VERSION = 1
+
+MAX_MESSAGE_BYTES = 64 << 20
+MAX_TOKENS = 1 << 21
+MAX_RANKS = 256
+MAX_ID_CHARS = 256
+MAX_DESCRIPTOR_BYTES = 4096
+MAX_DETAIL_CHARS = 1024
+U32_MAX = (1 << 32) - 1
+U64_MAX = (1 << 64) - 1
+
+
+class MessageType(enum.IntEnum):
+    PREFILL_REQUEST = 1
+    PREFILL_ACCEPTED = 2
+    PREFILL_REJECTED = 3
+    ABORT_PREFILL = 4
+    ABORT_ACKNOWLEDGED = 5
+
+
+class RejectReason(enum.IntEnum):
+    TOO_LONG = 1  # prompt exceeds what the prefill worker serves at all
+    NO_PAGES = 2  # no KV pages free right now; the router may retry elsewhere
+    OVERLOADED = 3  # queue full
+    INCOMPATIBLE = 4  # model / page geometry / sharding the prefill group cannot serve
+    WRITE_COUNT_MISMATCH = 5  # the decoder's expected count differs from the prefill's plan
+    DRAINING = 6  # worker is shutting down
+    INTERNAL = 7
+
+
+class _Field(ABC):
+    """One message field: checks the Python value and converts it to and from the wire."""
+
+    @abstractmethod
+    def check(self, name: str, value: object) -> None: ...
+
+    def to_wire(self, value: object) -> object:
+        return value
+
+    def from_wire(self, name: str, raw: object) -> object:
+        return raw  # checked by the message's __post_init__
+
+
+@dataclasses.dataclass(frozen=True)
+class _Int(_Field):
+    low: int = 0
+    high: int = U32_MAX
+
+    def check(self, name: str, value: object) -> None:
+        # bool is an int subclass; a True where a count belongs is a peer bug.
+        if type(value) is not int or not self.low <= value <= self.high:
+            raise ProtocolError(f"{name} must be an int in [{self.low}, {self.high}]: {value!r}")
+
+
+class _Bool(_Field):
+    def check(self, name: str, value: object) -> None:
+        if type(value) is not bool:
+            raise ProtocolError(f"{name} must be a bool: {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Str(_Field):
+    min_len: int
+    max_len: int
+
+    def check(self, name: str, value: object) -> None:
+        if type(value) is not str or not self.min_len <= len(value) <= self.max_len:
+            raise ProtocolError(f"{name} must be a str of {self.min_len}..{self.max_len} chars")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Bytes(_Field):
+    max_len: int
+
+    def check(self, name: str, value: object) -> None:
+        if type(value) is not bytes or len(value) > self.max_len:
+            raise ProtocolError(f"{name} must be bytes of at most {self.max_len}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Enum(_Field):
+    cls: type[enum.IntEnum]
+
+    def check(self, name: str, value: object) -> None:
+        if not isinstance(value, self.cls):
+            raise ProtocolError(f"{name} must be a {self.cls.__name__}: {value!r}")
+
+    def to_wire(self, value: object) -> object:
+        return int(value)  # type: ignore[call-overload]
+
+    def from_wire(self, name: str, raw: object) -> object:
+        if type(raw) is not int or raw not in self.cls._value2member_map_:
+            raise ProtocolError(f"{name}: unknown {self.cls.__name__} {raw!r}")
+        return self.cls(raw)
+
+
+@dataclasses.dataclass(frozen=True)
+class _IdArray(_Field):
+    """tuple of uint32 ids <-> little-endian uint32 bytes."""
+
+    min_len: int
+    max_len: int
+
+    def check(self, name: str, value: object) -> None:
+        if type(value) is not tuple or not self.min_len <= len(value) <= self.max_len:
+            raise ProtocolError(f"{name} must be a tuple of {self.min_len}..{self.max_len} ids")
+        if not all(type(v) is int and 0 <= v <= U32_MAX for v in value):
+            raise ProtocolError(f"{name} must hold ints in [0, {U32_MAX}]")
+
+    def to_wire(self, value: object) -> object:
+        return np.asarray(value, dtype="<u4").tobytes()
+
+    def from_wire(self, name: str, raw: object) -> object:
+        if type(raw) is not bytes or len(raw) % 4 != 0:
+            raise ProtocolError(f"{name} must be packed uint32 bytes")
+        return tuple(np.frombuffer(raw, dtype="<u4").tolist())
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tuple(_Field):
+    item: _Field
+    min_len: int
+    max_len: int
+
+    def check(self, name: str, value: object) -> None:
+        if type(value) is not tuple or not self.min_len <= len(value) <= self.max_len:
+            raise ProtocolError(f"{name} must be a tuple of {self.min_len}..{self.max_len} items")
+        for index, item in enumerate(value):
+            self.item.check(f"{name}[{index}]", item)
+
+    def to_wire(self, value: object) -> object:
+        assert isinstance(value, tuple)
+        return [self.item.to_wire(item) for item in value]
+
+    def from_wire(self, name: str, raw: object) -> object:
+        if type(raw) is not list or len(raw) > self.max_len:
+            raise ProtocolError(f"{name} must be a list of at most {self.max_len} items")
+        return tuple(self.item.from_wire(f"{name}[{i}]", item) for i, item in enumerate(raw))
+
+
+_REQUEST_ID = _Str(1, MAX_ID_CHARS)
+_TRANSFER_ID = _Int()  # the imm of the transfer
+
+
+class _Message:
+    """Base of every message: field checks from ``_FIELDS`` plus a cross-field ``_validate``."""
+
+    TYPE: ClassVar[MessageType]
+    _FIELDS: ClassVar[tuple[_Field, ...]]
+
+    def __post_init__(self) -> None:
+        for field, spec in zip(dataclasses.fields(self), self._FIELDS, strict=True):  # type: ignore[arg-type]
+            spec.check(field.name, getattr(self, field.name))
+        self._validate()
+
+    def _validate(self) -> None:
+        """Rules across fields (override)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillRequest(_Message):
+    """Decoder -> prefill: prefill these tokens and write their KV into these pages.
+
+    ``token_ids`` are every prompt token but the last (the decoder runs that one).
+    ``dst_page_ids`` holds one list (the decode group's ranks share one page table) or one per
+    decode rank, each with the pages of ``len(token_ids)`` tokens. ``source_sets`` is the
+    decoder's choice of source replica set per destination replica set (empty: the prefill side
+    chooses). ``segment_pages`` / ``max_pages_per_run`` 0 means no cut / no limit (run rule of
+    `workers.kv.pages`; the decoder sets the limit from its ``max_msg_size`` and a prefill
+    worker whose own limit is lower rejects with INCOMPATIBLE). ``expected_write_count``
+    0 means the decoder waits for the count in `PrefillAccepted` (coalescing depends on the
+    prefill's page ids). ``timeout_ms`` is relative: the two hosts' clocks are not compared.
+    """
+
+    TYPE: ClassVar[MessageType] = MessageType.PREFILL_REQUEST
+    _FIELDS: ClassVar[tuple[_Field, ...]] = (
+        _REQUEST_ID,
+        _TRANSFER_ID,
+        _IdArray(1, MAX_TOKENS),
+        _Int(1, 1 << 16),
+        _Tuple(_IdArray(0, MAX_TOKENS), 1, MAX_RANKS),
+        _Int(1, MAX_RANKS),
+        _Int(1, 1 << 16),
+        _Bool(),
+        _Tuple(_Int(0, MAX_RANKS - 1), 0, MAX_RANKS),
+        _Bool(),
+        _Int(0, MAX_TOKENS),
+        _Int(0, MAX_TOKENS),
+        _Tuple(_Bytes(MAX_DESCRIPTOR_BYTES), 1, MAX_RANKS),
+        _Bytes(MAX_DESCRIPTOR_BYTES),
+        _Int(0, U64_MAX),
+        _Int(0, U64_MAX),
+        _Int(1, 1 << 31),
+    )
+
+    request_id: str
+    transfer_id: int
+    token_ids: tuple[int, ...]
+    page_size: int
+    dst_page_ids: tuple[tuple[int, ...], ...]
+    decode_tp_size: int
+    num_kv_heads: int
+    is_mla: bool
+    source_sets: tuple[int, ...]
+    coalesce_pages: bool
+    segment_pages: int
+    max_pages_per_run: int
+    dst_descriptors: tuple[bytes, ...]
+    context_descriptor: bytes
+    context_offset: int
+    expected_write_count: int
+    timeout_ms: int
+
+    def _validate(self) -> None:
+        try:
+            sharding = GroupSharding(self.decode_tp_size, self.num_kv_heads, self.is_mla)
+        except ShardingError as e:
+            raise ProtocolError(f"decode group layout: {e}") from e
+        num_picks = 1 if self.is_mla else sharding.num_replica_sets
+        if len(self.source_sets) not in (0, num_picks):
+            raise ProtocolError(f"source_sets needs 0 or {num_picks} entries")
+        if len(self.dst_page_ids) not in (1, self.decode_tp_size):
+            raise ProtocolError("dst_page_ids needs one list or one per decode rank")
+        num_pages = num_pages_for_tokens(len(self.token_ids), self.page_size)
+        if any(len(pages) != num_pages for pages in self.dst_page_ids):
+            raise ProtocolError(f"every dst page list needs {num_pages} pages")
+        if len(self.dst_descriptors) != self.decode_tp_size:
+            raise ProtocolError("dst_descriptors needs one descriptor per decode rank")
+
+    @property
+    def decode_sharding(self) -> GroupSharding:
+        return GroupSharding(self.decode_tp_size, self.num_kv_heads, self.is_mla)
+
+    @property
+    def num_context_writes(self) -> int:
+        """One write of the last hidden state when the decoder asked for context."""
+        return 1 if self.context_descriptor else 0
+
+    def dst_pages_of_rank(self, rank: int) -> tuple[int, ...]:
+        return self.dst_page_ids[0] if len(self.dst_page_ids) == 1 else self.dst_page_ids[rank]
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillAccepted(_Message):
+    """Prefill -> decoder: queued; ``expected_write_count`` is exactly what it will write."""
+
+    TYPE: ClassVar[MessageType] = MessageType.PREFILL_ACCEPTED
+    _FIELDS: ClassVar[tuple[_Field, ...]] = (_REQUEST_ID, _TRANSFER_ID, _Int(1, U64_MAX))
+
+    request_id: str
+    transfer_id: int
+    expected_write_count: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillRejected(_Message):
+    """Prefill -> decoder: will not serve it; nothing was or will be written."""
+
+    TYPE: ClassVar[MessageType] = MessageType.PREFILL_REJECTED
+    _FIELDS: ClassVar[tuple[_Field, ...]] = (
+        _REQUEST_ID,
+        _TRANSFER_ID,
+        _Enum(RejectReason),
+        _Str(0, MAX_DETAIL_CHARS),
+    )
+
+    request_id: str
+    transfer_id: int
+    reason: RejectReason
+    detail: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class AbortPrefill(_Message):
+    """Decoder -> prefill: stop; submit no more writes for this transfer."""
+
+    TYPE: ClassVar[MessageType] = MessageType.ABORT_PREFILL
+    _FIELDS: ClassVar[tuple[_Field, ...]] = (_REQUEST_ID, _TRANSFER_ID)
+
+    request_id: str
+    transfer_id: int
+
+
+@dataclasses.dataclass(frozen=True)
+class AbortAcknowledged(_Message):
+    """Prefill -> decoder: aborted; it submitted ``num_writes_submitted`` writes in total and
+    submits none after this message (lets the decoder lift the page quarantine early)."""
+
+    TYPE: ClassVar[MessageType] = MessageType.ABORT_ACKNOWLEDGED
+    _FIELDS: ClassVar[tuple[_Field, ...]] = (_REQUEST_ID, _TRANSFER_ID, _Int(0, U64_MAX))
+
+    request_id: str
+    transfer_id: int
+    num_writes_submitted: int
+
+
+Message = PrefillRequest | PrefillAccepted | PrefillRejected | AbortPrefill | AbortAcknowledged
+
+_BY_TYPE: dict[int, type[_Message]] = {
+    cls.TYPE: cls
+    for cls in (PrefillRequest, PrefillAccepted, PrefillRejected, AbortPrefill, AbortAcknowledged)
+}
+
+
+def encode_message(message: Message) -> bytes:
+    fields = dataclasses.fields(message)
+    wire = [
+        spec.to_wire(getattr(message, f.name))
+        for f, spec in zip(fields, message._FIELDS, strict=True)
+    ]
+    packed: bytes = msgpack.packb([PROTOCOL_VERSION, int(message.TYPE), *wire], use_bin_type=True)
+    return packed
+
+
+def decode_message(data: bytes | bytearray | memoryview) -> Message:
+    """Parse one message; anything malformed raises `ProtocolError`."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise ProtocolError(f"expected bytes, got {type(data).__name__}")
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        raw = msgpack.unpackb(
+            data,
+            raw=False,
+            use_list=True,
+            max_str_len=MAX_DETAIL_CHARS,
+            max_bin_len=4 * MAX_TOKENS,
+            max_array_len=MAX_RANKS + 16,
+            max_map_len=0,
+            max_ext_len=0,
+        )
+    except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as e:
+        raise ProtocolError(f"not a valid msgpack message: {e}") from e
+    if type(raw) is not list or len(raw) < 2:
+        raise ProtocolError("a message is an array [version, type, fields...]")
+    version, message_type, *values = raw
+    if version != PROTOCOL_VERSION or type(version) is not int:
+        raise ProtocolError(f"unsupported protocol version {version!r} (mine: {PROTOCOL_VERSION})")
+    cls = _BY_TYPE.get(message_type) if type(message_type) is int else None
+    if cls is None:
+        raise ProtocolError(f"unknown message type {message_type!r}")
+    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+    if len(values) != len(fields):
+        raise ProtocolError(f"{cls.__name__} has {len(fields)} fields, got {len(values)}")
+    decoded = [
+        spec.from_wire(f.name, value)
+        for f, spec, value in zip(fields, cls._FIELDS, values, strict=True)
+    ]
+    message: Message = cls(*decoded)  # type: ignore[assignment]
+    return message
