@@ -1,0 +1,131 @@
+"""Parent-side plumbing: spawned children and the engines a test opens."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Any
+
+from tests.fabric import remote
+from workers.fabric import MemoryRegionDescriptor, TransferEngine
+
+SPAWN = multiprocessing.get_context("spawn")
+CHILD_TIMEOUT_S = 30.0
+
+
+class RemoteTarget:
+    """A child process running `remote.target_main`."""
+
+    def __init__(self, provider: str, num_bytes: int) -> None:
+        self.conn, child_conn = SPAWN.Pipe()
+        self.process: BaseProcess = SPAWN.Process(
+            target=remote.target_main, args=(child_conn, provider, num_bytes), daemon=True
+        )
+        self.process.start()
+        child_conn.close()
+        self.address = self._recv_bytes()
+        self.descriptor = MemoryRegionDescriptor.from_bytes(self._recv_bytes())
+        self.events: list[dict[str, Any]] = []
+        self.killed = False
+
+    def kill(self) -> None:
+        self.killed = True
+        self.process.kill()
+        self.process.join(CHILD_TIMEOUT_S)
+        if self.address.startswith(b"fi_shm://"):
+            # A killed shm endpoint cannot unlink its region; do it for it.
+            name = self.address[len(b"fi_shm://") :].rstrip(b"\0").decode()
+            Path("/dev/shm", name).unlink(missing_ok=True)
+
+    def _recv_bytes(self) -> bytes:
+        if not self.conn.poll(CHILD_TIMEOUT_S):
+            raise TimeoutError("child did not answer")
+        return self.conn.recv_bytes()
+
+    def _send(self, **command: Any) -> None:
+        self.conn.send_bytes(json.dumps(command).encode())
+
+    def next_event(self, timeout: float = CHILD_TIMEOUT_S) -> dict[str, Any]:
+        if not self.conn.poll(timeout):
+            raise TimeoutError("no event from the child")
+        event: dict[str, Any] = json.loads(self.conn.recv_bytes())
+        return event
+
+    def poll_event(self, timeout: float) -> dict[str, Any] | None:
+        return self.next_event(timeout) if self.conn.poll(timeout) else None
+
+    def wait_for(self, name: str) -> dict[str, Any]:
+        """Next event called `name`; earlier events of other names are kept in `events`."""
+        while True:
+            event = self.next_event()
+            if event["event"] == name:
+                return event
+            self.events.append(event)
+
+    def expect(self, imms: list[int], count: int, timeout: float | None = None) -> None:
+        self._send(op="expect", imms=imms, count=count, timeout=timeout)
+        self.wait_for("armed")
+
+    def cancel(self, imm: int) -> bool:
+        self._send(op="cancel", imm=imm)
+        return bool(self.wait_for("cancelled")["had"])
+
+    def stats(self) -> dict[str, Any]:
+        self._send(op="stats")
+        return self.wait_for("stats")
+
+    def dump(self) -> bytes:
+        self._send(op="dump")
+        return self._recv_bytes()
+
+    def close(self) -> int | None:
+        if self.process.is_alive():
+            with contextlib.suppress(OSError):
+                self._send(op="close")
+            self.process.join(CHILD_TIMEOUT_S)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self.conn.close()
+        return self.process.exitcode
+
+
+class Sender:
+    """A child process running `remote.sender_main` (messages to `peer_address`)."""
+
+    def __init__(self, provider: str, peer_address: bytes, num_messages: int) -> None:
+        self.conn, child_conn = SPAWN.Pipe()
+        self.process = SPAWN.Process(
+            target=remote.sender_main,
+            args=(child_conn, provider, peer_address, num_messages),
+            daemon=True,
+        )
+        self.process.start()
+        child_conn.close()
+
+    def submitted(self) -> dict[str, Any]:
+        assert self.conn.poll(CHILD_TIMEOUT_S), "sender did not report"
+        result: dict[str, Any] = json.loads(self.conn.recv_bytes())
+        return result
+
+    def close(self) -> int | None:
+        with contextlib.suppress(OSError):
+            self.conn.send_bytes(b"{}")
+        self.process.join(CHILD_TIMEOUT_S)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self.conn.close()
+        return self.process.exitcode
+
+
+def close_engine(engine: TransferEngine) -> None:
+    engine.close()
+    assert not any(thread.is_alive() for thread in engine.threads), "engine threads leaked"
+
+
+__all__ = ["SPAWN", "Connection", "RemoteTarget", "Sender", "close_engine"]

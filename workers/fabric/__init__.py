@@ -1,0 +1,66 @@
+"""pdserve data plane: libfabric one-sided writes with immediate data (see README.md).
+
+Public surface: `TransferEngine` (writes, immediate counters, messages), the handles and
+descriptors it hands out, the page-run rule shared by both ends of a KV transfer, NIC
+discovery, and the `FabricError` family.
+"""
+
+from __future__ import annotations
+
+from workers.fabric.counters import ImmStats
+from workers.fabric.descriptors import MemoryRegionDescriptor
+from workers.fabric.engine import EngineStats, TransferEngine
+from workers.fabric.errors import (
+    AddressError,
+    DescriptorError,
+    EngineClosedError,
+    FabricError,
+    FabricUnavailableError,
+    ImmError,
+    ImmTimeoutError,
+    MessageTooLargeError,
+    OperationTimeoutError,
+    OutOfRangeError,
+    PeerFailedError,
+    ProviderError,
+    RegistrationError,
+    SubmitQueueFullError,
+    TransferError,
+)
+from workers.fabric.handles import MemoryRegionHandle, PeerHandle
+from workers.fabric.messages import Message
+from workers.fabric.paging import can_coalesce, coalesce_page_runs, count_paged_write_runs
+from workers.fabric.progress import ProgressStats
+from workers.fabric.providers import FabricInfo, query_fabric, select_nics
+
+__all__ = [
+    "AddressError",
+    "DescriptorError",
+    "EngineClosedError",
+    "EngineStats",
+    "FabricError",
+    "FabricInfo",
+    "FabricUnavailableError",
+    "ImmError",
+    "ImmStats",
+    "ImmTimeoutError",
+    "MemoryRegionDescriptor",
+    "MemoryRegionHandle",
+    "Message",
+    "MessageTooLargeError",
+    "OperationTimeoutError",
+    "OutOfRangeError",
+    "PeerFailedError",
+    "PeerHandle",
+    "ProgressStats",
+    "ProviderError",
+    "RegistrationError",
+    "SubmitQueueFullError",
+    "TransferEngine",
+    "TransferError",
+    "can_coalesce",
+    "coalesce_page_runs",
+    "count_paged_write_runs",
+    "query_fabric",
+    "select_nics",
+]

@@ -1,0 +1,52 @@
+"""The callback thread: where every user callback of an engine runs.
+
+The progress thread never runs user code. It hands `(callback, args)` to this thread through
+a FIFO, so a slow or blocking callback delays only later callbacks, never polling (a stalled
+poller would stall every peer's transfers, and on `tcp` the target's own incoming writes).
+Callbacks of one engine run one at a time, in the order their events were observed (messages
+from one peer therefore arrive in submission order). Exceptions are logged and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterable
+
+log = logging.getLogger(__name__)
+
+Fire = tuple[Callable[..., None], tuple[object, ...]]
+
+
+class CallbackDispatcher:
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[Fire | None] = queue.SimpleQueue()
+        self.errors = 0
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def submit(self, callback: Callable[..., None], *args: object) -> None:
+        self._queue.put((callback, args))
+
+    def submit_all(self, fires: Iterable[Fire]) -> None:
+        for fire in fires:
+            self._queue.put(fire)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Run what is queued, then stop. From a callback itself, stop without waiting."""
+        self._queue.put(None)
+        if threading.current_thread() is not self.thread:
+            self.thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            callback, args = item
+            try:
+                callback(*args)
+            except Exception:
+                self.errors += 1
+                log.exception("fabric callback %r raised", callback)

@@ -1,0 +1,550 @@
+"""`TransferEngine`: one libfabric RDM endpoint, its progress thread and its callback thread.
+
+Threads. The progress thread polls the completion queue (targets must poll for writes to land
+on manual-progress providers such as `tcp`), posts queued submissions and checks deadlines.
+User callbacks (`on_done`, `on_error`, `on_reached`, message handlers) never run there: they run
+one at a time, in event order, on the engine's callback thread, so a slow callback cannot stall
+transfers. Callbacks may call the engine (submit, expect, ...); they should still be short.
+
+Back-pressure. `submit_*` validates in the caller, then queues one entry per call. When
+`max_queued_submits` calls are queued (not yet fully posted), the caller blocks until there is
+room, at most `submit_timeout` seconds, then gets `SubmitQueueFullError` (`submit_timeout=0`
+raises at once). Submitting never spins.
+
+Failures. Every operation has a deadline (`op_timeout`); a connection error completion or a
+missed deadline marks the peer failed: its unfinished operations end in `on_error`
+(`PeerFailedError` / `OperationTimeoutError`) and later submissions to it raise
+`PeerFailedError`. Other peers are unaffected.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from workers.fabric import paging
+from workers.fabric._lib import ffi, lib, strerror
+from workers.fabric.callbacks import CallbackDispatcher
+from workers.fabric.counters import ImmCounters, ImmStats
+from workers.fabric.descriptors import MemoryRegionDescriptor
+from workers.fabric.errors import (
+    AddressError,
+    DescriptorError,
+    EngineClosedError,
+    FabricError,
+    FabricUnavailableError,
+    ImmError,
+    MessageTooLargeError,
+    OutOfRangeError,
+    ProviderError,
+    RegistrationError,
+)
+from workers.fabric.handles import MemoryRegionHandle, PeerHandle, buffer_extent
+from workers.fabric.messages import MAX_ADDRESS_BYTES, Message, MessagePools
+from workers.fabric.progress import SEND, WRITE, Job, ProgressLoop, ProgressStats
+from workers.fabric.providers import FabricInfo, describe, fi_info_list, normalize_provider
+
+log = logging.getLogger(__name__)
+
+ErrorCallback = Callable[[FabricError], None]
+_engine_ids = itertools.count(1)
+_SHM_DIR = Path("/dev/shm")
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    progress: ProgressStats
+    imm: ImmStats
+    callback_errors: int
+
+
+class TransferEngine:
+    """One-sided writes with immediate data, immediate counters and small messages."""
+
+    def __init__(
+        self,
+        provider: str = "tcp;ofi_rxm",
+        node: str | None = "127.0.0.1",
+        *,
+        domain: str | None = None,
+        op_timeout: float = 30.0,
+        submit_timeout: float = 10.0,
+        max_queued_submits: int = 4096,
+        max_inflight_ops: int = 4096,
+        max_message_bytes: int = 64 * 1024,
+        num_receive_buffers: int = 64,
+        num_send_buffers: int = 64,
+        spin_us: int = 50,
+        idle_spin_us: int = 2000,
+        idle_wait_us: int | None = None,
+    ) -> None:
+        self._id = next(_engine_ids)
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._native: Any = None
+        self._regions: dict[int, MemoryRegionHandle] = {}
+        self._peers: dict[bytes, PeerHandle] = {}
+        self._next_key = 1
+        self.op_timeout = op_timeout
+        self.submit_timeout = submit_timeout
+        self.max_message_bytes = max_message_bytes
+        provider = normalize_provider(provider)
+        # shm ignores node names; tcp needs one to stay on loopback (ENV.md).
+        node_arg = None if provider == "shm" else node
+        self.info, self._native = self._open(provider, node_arg, domain, max_inflight_ops)
+        try:
+            self.address = self._getname()
+            self._pools = MessagePools(max_message_bytes, num_send_buffers, num_receive_buffers)
+            self._pools.register(lambda array: self._register_native(array).desc)
+            self.counters = ImmCounters()
+            self._dispatcher = CallbackDispatcher(f"fabric-callbacks-{self._id}")
+            if idle_wait_us is None:
+                # With a CQ fd the idle thread wakes on traffic; without one it must poll.
+                idle_wait_us = 20_000 if lib.pd_engine_wait_fd(self._native) >= 0 else 200
+            self._loop = ProgressLoop(
+                self._native,
+                name=f"fabric-progress-{self._id}",
+                counters=self.counters,
+                dispatcher=self._dispatcher,
+                pools=self._pools,
+                max_queued_submits=max_queued_submits,
+                spin_us=spin_us,
+                idle_spin_us=idle_spin_us,
+                idle_wait_us=idle_wait_us,
+                provider_name=self.info.provider,
+            )
+            self._loop.start()
+        except BaseException:
+            self._release_native()
+            raise
+        log.debug("opened %s engine %s on %s", self.provider, self._id, self.info.domain)
+
+    # -- properties ---------------------------------------------------------------------------
+
+    @property
+    def provider(self) -> str:
+        return self.info.provider
+
+    @property
+    def imm_bits(self) -> int:
+        """Width of immediate data here: 8 * fi_info cq_data_size, at most 64."""
+        return self.info.imm_bits
+
+    @property
+    def max_write_bytes(self) -> int:
+        return self.info.max_msg_size
+
+    @property
+    def threads(self) -> tuple[threading.Thread, threading.Thread]:
+        return self._loop.thread, self._dispatcher.thread
+
+    def max_pages_per_run(self, page_bytes: int) -> int | None:
+        """The split the engine applies to long runs (None: never split on this provider)."""
+        limit = self.max_write_bytes // page_bytes
+        return None if limit >= 1 << 40 else max(1, limit)
+
+    # -- setup --------------------------------------------------------------------------------
+
+    @staticmethod
+    def _open(
+        provider: str, node: str | None, domain: str | None, num_slots: int
+    ) -> tuple[FabricInfo, Any]:
+        with fi_info_list(provider, node) as info_list:
+            infos = describe(info_list)
+            index = 0
+            if domain is not None:
+                names = [info.domain for info in infos]
+                if domain not in names:
+                    raise FabricUnavailableError(f"{provider}: no domain {domain!r} in {names}")
+                index = names.index(domain)
+            error = ffi.new("char[256]")
+            native = lib.pd_engine_open(info_list, index, num_slots, error, len(error))
+            if native == ffi.NULL:
+                raise ProviderError(f"{provider}: {ffi.string(error).decode()}")
+            return infos[index], native
+
+    def _getname(self) -> bytes:
+        buffer = ffi.new("char[]", MAX_ADDRESS_BYTES)
+        length = ffi.new("size_t *", MAX_ADDRESS_BYTES)
+        rc = lib.pd_engine_getname(self._native, buffer, length)
+        if rc != 0:
+            raise ProviderError(f"fi_getname: {strerror(rc)}", -rc)
+        return bytes(ffi.buffer(buffer, length[0]))
+
+    def _register_native(self, owner: object) -> MemoryRegionHandle:
+        address, length, keep_alive = buffer_extent(owner)
+        key = self._next_key
+        self._next_key += 1
+        mr = ffi.new("struct fid_mr **")
+        key_out = ffi.new("uint64_t *")
+        desc = ffi.new("void **")
+        rc = lib.pd_mr_reg(
+            self._native, ffi.cast("void *", address), length, key, mr, key_out, desc
+        )
+        if rc != 0:
+            raise RegistrationError(f"fi_mr_reg of {length} bytes: {strerror(rc)} ({rc})")
+        handle = MemoryRegionHandle(
+            address, length, int(key_out[0]), self._id, mr[0], desc[0], keep_alive
+        )
+        self._regions[id(handle)] = handle
+        return handle
+
+    # -- memory and peers -----------------------------------------------------------------------
+
+    def register(self, buffer: object) -> tuple[MemoryRegionHandle, MemoryRegionDescriptor]:
+        """Register host memory (torch CPU tensor, numpy array, bytearray, memoryview).
+
+        Returns the local handle (source of writes) and the descriptor to give peers (target of
+        their writes). The engine keeps `buffer` alive until `deregister` or `close`.
+        """
+        self._check_open()
+        handle: MemoryRegionHandle = self._loop.call(lambda: self._register_native(buffer))
+        virt = bool(self.info.mr_mode & lib.FI_MR_VIRT_ADDR)
+        descriptor = MemoryRegionDescriptor(
+            self.provider, handle.address if virt else 0, handle.length, handle.key, virt
+        )
+        return handle, descriptor
+
+    def deregister(self, handle: MemoryRegionHandle) -> None:
+        """Release a region; writes still posted from or into it are the caller's bug."""
+        self._check_open()
+        if self._regions.pop(id(handle), None) is not None:
+            self._loop.call(lambda: lib.pd_mr_close(handle.mr))
+
+    def add_peer(self, address: bytes) -> PeerHandle:
+        """Insert a peer's `address` (its `engine.address`); idempotent per address."""
+        self._check_open()
+        address = bytes(address)
+        known = self._peers.get(address)
+        if known is not None:
+            return known
+        self._check_address(address)
+        peer: PeerHandle = self._loop.call(lambda: self._insert_peer(address))
+        self._peers[address] = peer
+        return peer
+
+    def _check_address(self, address: bytes) -> None:
+        own = self.address
+        if not address or len(address) > MAX_ADDRESS_BYTES:
+            raise AddressError(f"peer address of {len(address)} bytes")
+        scheme = own.split(b"://", 1)[0] + b"://" if b"://" in own else None
+        if scheme is not None and not address.startswith(scheme):
+            raise AddressError(f"not a {self.provider} address: {address[:32]!r}")
+        # Binary (sockaddr) formats: same length and address family as ours.
+        if scheme is None and (len(address) != len(own) or address[:2] != own[:2]):
+            raise AddressError(
+                f"not a {self.provider} address: {len(address)} bytes {address[:16].hex()}"
+            )
+        if self.provider == "shm":
+            # shm accepts any name into its AV and silently reuses the slot when no such
+            # region exists; refuse names with no region on this host up front.
+            name = address[len(scheme or b"") :].rstrip(b"\0").decode(errors="replace")
+            if "/" in name or not (_SHM_DIR / name).exists():
+                raise AddressError(f"no shm endpoint {name!r} on this host (peer not running?)")
+
+    def _insert_peer(self, address: bytes) -> PeerHandle:
+        # The provider may read a fixed-size name: hand it a zero-padded copy.
+        raw = ffi.new("char[]", address + bytes(MAX_ADDRESS_BYTES - len(address) + 1))
+        fi_addr = ffi.new("fi_addr_t *")
+        rc = lib.pd_av_insert(self._native, raw, fi_addr)
+        if rc != 0:
+            raise AddressError(f"fi_av_insert of {address!r}: {strerror(rc)} ({rc})")
+        text = ffi.new("char[]", 128)
+        name = address.hex()
+        if lib.pd_av_straddr(self._native, raw, text, len(text)) == 0:
+            name = ffi.string(text).decode(errors="replace")
+        for other in list(self._peers.values()):
+            if other.fi_addr == fi_addr[0]:
+                # The provider reused the slot of an entry it never really kept.
+                log.warning("peer %s replaced stale AV entry of %s", name, other.name)
+                del self._peers[other.address]
+                self._loop.failed_peers.discard(other.fi_addr)
+        return PeerHandle(address, int(fi_addr[0]), name)
+
+    # -- one-sided writes -----------------------------------------------------------------------
+
+    def submit_write(
+        self,
+        src: MemoryRegionHandle,
+        src_offset: int,
+        peer: PeerHandle,
+        dst: MemoryRegionDescriptor,
+        dst_offset: int,
+        length: int,
+        imm: int | None = None,
+        on_done: Callable[[], None] | None = None,
+        on_error: ErrorCallback | None = None,
+    ) -> None:
+        """Write `length` bytes; `on_done` means the bytes left (not landed) on `tcp`."""
+        self._check_write(src, peer, dst, imm)
+        if length <= 0 or length > self.max_write_bytes:
+            raise OutOfRangeError(f"write length {length} is not in [1, max_msg_size]")
+        _check_span("source region", src_offset, length, src.length)
+        _check_span("destination descriptor", dst_offset, length, dst.length)
+        # One op: a 3-element native array (local address, length, remote address) is much
+        # cheaper than the numpy path of paged writes on this per-call hot path.
+        row = ffi.new("uint64_t[3]", [src.address + src_offset, length, dst.base + dst_offset])
+        arrays = (row, row + 1, row + 2)
+        self._queue_write(src, peer, dst, arrays, row, 1, length, imm, on_done, on_error)
+
+    def submit_paged_writes(
+        self,
+        src: MemoryRegionHandle,
+        src_pages: paging.PageList,
+        peer: PeerHandle,
+        dst: MemoryRegionDescriptor,
+        dst_pages: paging.PageList,
+        page_bytes: int,
+        src_stride: int | None = None,
+        dst_stride: int | None = None,
+        src_offset: int = 0,
+        dst_offset: int = 0,
+        imm: int | None = None,
+        on_done: Callable[[], None] | None = None,
+        on_error: ErrorCallback | None = None,
+    ) -> int:
+        """Write page `src_pages[i]` to page `dst_pages[i]`; returns the number of writes.
+
+        Byte offset of page p: `offset + p * stride` (stride defaults to `page_bytes`), and
+        `page_bytes` bytes move per page. One write per run (see `paging`); each carries `imm`.
+        The decoder expects `count_paged_write_runs(src_pages, dst_pages,
+        coalesce=can_coalesce(page_bytes, src_stride, dst_stride),
+        max_pages_per_run=engine.max_pages_per_run(page_bytes))` completions.
+        """
+        src_stride = page_bytes if src_stride is None else src_stride
+        dst_stride = page_bytes if dst_stride is None else dst_stride
+        if page_bytes <= 0 or src_stride < page_bytes or dst_stride < page_bytes:
+            raise OutOfRangeError(
+                f"page_bytes {page_bytes} must be positive and <= strides {src_stride}/{dst_stride}"
+            )
+        runs = paging.coalesce_page_runs(
+            src_pages,
+            dst_pages,
+            coalesce=paging.can_coalesce(page_bytes, src_stride, dst_stride),
+            max_pages_per_run=self.max_pages_per_run(page_bytes),
+        )
+        if runs.shape[0] == 0:
+            self._check_open()
+            if on_done is not None:
+                self._dispatcher.submit(on_done)
+            return 0
+        ops = np.empty((runs.shape[0], 3), dtype=np.int64)
+        ops[:, 0] = src_offset + runs[:, 0] * src_stride
+        ops[:, 1] = dst_offset + runs[:, 1] * dst_stride
+        ops[:, 2] = runs[:, 2] * page_bytes
+        self._submit_ops(src, peer, dst, ops, imm, on_done, on_error)
+        return int(runs.shape[0])
+
+    def _submit_ops(
+        self,
+        src: MemoryRegionHandle,
+        peer: PeerHandle,
+        dst: MemoryRegionDescriptor,
+        ops: np.ndarray,
+        imm: int | None,
+        on_done: Callable[[], None] | None,
+        on_error: ErrorCallback | None,
+    ) -> None:
+        """`ops` rows: (src byte offset, dst byte offset, length); checked, then queued."""
+        self._check_write(src, peer, dst, imm)
+        src_off, dst_off, lengths = ops[:, 0], ops[:, 1], ops[:, 2]
+        _check_extent("source region", src_off, lengths, src.length)
+        _check_extent("destination descriptor", dst_off, lengths, dst.length)
+        if int(lengths.max()) > self.max_write_bytes:
+            raise OutOfRangeError(f"write of {int(lengths.max())} bytes exceeds max_msg_size")
+        laddr = (src_off + src.address).astype(np.uint64)
+        raddr = (dst_off + dst.base).astype(np.uint64)
+        lens = lengths.astype(np.uint64)
+        arrays = tuple(ffi.cast("uint64_t *", ffi.from_buffer(a)) for a in (laddr, lens, raddr))
+        keep_alive = (laddr, lens, raddr)
+        total_bytes = int(lengths.sum())
+        self._queue_write(
+            src, peer, dst, arrays, keep_alive, len(lens), total_bytes, imm, on_done, on_error
+        )
+
+    def _check_write(
+        self,
+        src: MemoryRegionHandle,
+        peer: PeerHandle,
+        dst: MemoryRegionDescriptor,
+        imm: int | None,
+    ) -> None:
+        self._check_open()
+        self._check_local(src)
+        self._check_peer(peer)
+        if dst.provider != self.provider:
+            raise DescriptorError(
+                f"descriptor is for {dst.provider!r}, engine is {self.provider!r}"
+            )
+        self._check_imm(imm)
+
+    def _queue_write(
+        self,
+        src: MemoryRegionHandle,
+        peer: PeerHandle,
+        dst: MemoryRegionDescriptor,
+        arrays: tuple[Any, ...],
+        keep_alive: object,
+        num_ops: int,
+        num_bytes: int,
+        imm: int | None,
+        on_done: Callable[[], None] | None,
+        on_error: ErrorCallback | None,
+    ) -> None:
+        job = Job(
+            job_id=self._loop.new_job_id(),
+            kind=WRITE,
+            peer=peer,
+            total=num_ops,
+            deadline=time.monotonic() + self.op_timeout,
+            on_done=on_done,
+            on_error=on_error,
+            arrays=arrays,
+            desc=src.desc,
+            key=dst.key,
+            imm=imm,
+            byte_count=num_bytes,
+            keep_alive=keep_alive,
+        )
+        self._loop.enqueue(job, self.submit_timeout)
+
+    # -- immediate counters ---------------------------------------------------------------------
+
+    def expect_imm(
+        self,
+        imm: int,
+        count: int,
+        on_reached: Callable[[], None],
+        on_error: ErrorCallback | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        """Call `on_reached()` once when `count` writes carrying `imm` have landed here.
+
+        Writes that landed before this call count. See `workers.fabric.counters` for the exact
+        semantics (surplus, cancel tombstones, timeouts).
+        """
+        self._check_open()
+        self._check_imm(imm)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._dispatcher.submit_all(
+            self.counters.expect(imm, count, on_reached, on_error, deadline)
+        )
+
+    def cancel_imm(self, imm: int) -> bool:
+        """Disarm `imm`; its late writes are ignored (stats().imm.late_dropped) until re-armed."""
+        self._check_imm(imm)
+        return self.counters.cancel(imm)
+
+    # -- messages -------------------------------------------------------------------------------
+
+    def submit_send(
+        self,
+        peer: PeerHandle,
+        payload: bytes,
+        on_done: Callable[[], None] | None = None,
+        on_error: ErrorCallback | None = None,
+    ) -> None:
+        """Send a small message; messages to one peer arrive in submission order."""
+        self._check_open()
+        self._check_peer(peer)
+        if len(payload) > self.max_message_bytes:
+            raise MessageTooLargeError(
+                f"message of {len(payload)} bytes exceeds max_message_bytes={self.max_message_bytes}"
+            )
+        job = Job(
+            job_id=self._loop.new_job_id(),
+            kind=SEND,
+            peer=peer,
+            total=1,
+            deadline=time.monotonic() + self.op_timeout,
+            on_done=on_done,
+            on_error=on_error,
+            payload=MessagePools.frame(self.address, bytes(payload)),
+        )
+        self._loop.enqueue(job, self.submit_timeout)
+
+    def on_message(self, handler: Callable[[Message], None] | None) -> None:
+        """Deliver later messages to `handler` (callback thread) instead of `recv()`."""
+        self._pools.handler = handler
+
+    def recv(self, timeout: float | None = None) -> Message:
+        """Next message not taken by a handler; raises `queue.Empty` after `timeout`."""
+        return self._pools.inbox.get(timeout=timeout)
+
+    # -- checks ---------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError("engine is closed")
+
+    def _check_local(self, handle: MemoryRegionHandle) -> None:
+        if handle.engine_id != self._id or id(handle) not in self._regions:
+            raise RegistrationError("memory region handle is not registered with this engine")
+
+    def _check_peer(self, peer: PeerHandle) -> None:
+        if self._peers.get(peer.address) is not peer:
+            raise AddressError(f"peer {peer.name} was not added to this engine")
+
+    def _check_imm(self, imm: int | None) -> None:
+        if imm is not None and not 0 <= imm < 1 << self.imm_bits:
+            raise ImmError(f"imm {imm:#x} does not fit {self.imm_bits} bits on {self.provider}")
+
+    # -- teardown -------------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        return EngineStats(self._loop.stats, self.counters.stats(), self._dispatcher.errors)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Fail what is outstanding (`EngineClosedError`), stop both threads, free every fid.
+
+        Idempotent. From inside a callback the callback thread is stopped without waiting.
+        """
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._loop.stop()
+        self._loop.thread.join(timeout)
+        if self._loop.thread.is_alive():
+            log.error("fabric progress thread did not stop; leaking its endpoint")
+            return
+        self._dispatcher.close(timeout)
+        self._release_native()
+
+    def _release_native(self) -> None:
+        for handle in self._regions.values():
+            lib.pd_mr_close(handle.mr)
+        self._regions.clear()
+        if self._native is not None:
+            lib.pd_engine_close(self._native)
+            self._native = None
+
+    def __enter__(self) -> TransferEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _check_span(what: str, offset: int, length: int, limit: int) -> None:
+    if offset < 0 or offset + length > limit:
+        raise OutOfRangeError(
+            f"write [{offset}, {offset + length}) is outside the {what} of {limit} bytes"
+        )
+
+
+def _check_extent(what: str, offsets: np.ndarray, lengths: np.ndarray, limit: int) -> None:
+    ends = offsets + lengths
+    if int(offsets.min()) < 0 or int(ends.max()) > limit:
+        bad = int(np.argmax((offsets < 0) | (ends > limit)))
+        raise OutOfRangeError(
+            f"write [{int(offsets[bad])}, {int(ends[bad])}) is outside the {what} of {limit} bytes"
+        )

@@ -1,0 +1,91 @@
+"""Local resources (`*Handle`): valid only inside the engine that created them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from workers.fabric._lib import ffi
+from workers.fabric.errors import RegistrationError
+
+
+@dataclass(frozen=True)
+class PeerHandle:
+    """A peer inserted in this engine's address vector."""
+
+    address: bytes
+    fi_addr: int
+    name: str
+
+    def __repr__(self) -> str:
+        return f"PeerHandle({self.name})"
+
+
+@dataclass(frozen=True, eq=False)
+class MemoryRegionHandle:
+    """A region registered with this engine's domain; keeps the registered object alive."""
+
+    address: int
+    length: int
+    key: int
+    engine_id: int
+    mr: Any = field(repr=False)
+    desc: Any = field(repr=False)
+    owner: object = field(repr=False)
+
+
+def buffer_extent(obj: object) -> tuple[int, int, object]:
+    """(address, length, keep-alive object) of a writable, contiguous host buffer.
+
+    Accepts torch CPU tensors, numpy arrays, bytearray, writable memoryviews and anything else
+    exporting a writable contiguous buffer.
+    """
+    torch_tensor = _torch_extent(obj)
+    if torch_tensor is not None:
+        return torch_tensor
+    if isinstance(obj, np.ndarray):
+        if not obj.flags.c_contiguous or not obj.flags.writeable:
+            raise RegistrationError("numpy array must be C-contiguous and writable")
+        if obj.nbytes == 0:
+            raise RegistrationError("cannot register an empty array")
+        return int(obj.ctypes.data), int(obj.nbytes), obj
+    try:
+        cdata = ffi.from_buffer(obj, require_writable=True)
+    except (TypeError, BufferError, ValueError) as exc:
+        raise RegistrationError(
+            f"cannot register {type(obj).__name__}: need a writable contiguous buffer "
+            "(torch CPU tensor, numpy array, bytearray, memoryview)"
+        ) from exc
+    if len(cdata) == 0:
+        raise RegistrationError("cannot register an empty buffer")
+    if isinstance(obj, memoryview) and not obj.contiguous:
+        raise RegistrationError("memoryview must be contiguous")
+    return int(ffi.cast("uintptr_t", cdata)), len(cdata), (obj, cdata)
+
+
+def _torch_extent(obj: object) -> tuple[int, int, object] | None:
+    torch = _torch_module(obj)
+    if torch is None or not isinstance(obj, torch.Tensor):
+        return None
+    if obj.device.type != "cpu":
+        raise RegistrationError(
+            f"tensor on {obj.device} needs FI_HMEM registration, not supported by this build"
+        )
+    if not obj.is_contiguous():
+        raise RegistrationError("tensor must be contiguous")
+    nbytes = obj.numel() * obj.element_size()
+    if nbytes == 0:
+        raise RegistrationError("cannot register an empty tensor")
+    return int(obj.data_ptr()), int(nbytes), obj
+
+
+def _torch_module(obj: object) -> Any:
+    # Import torch only when given something from it: the data plane must not pay torch's
+    # import time in processes that never see a tensor.
+    if type(obj).__module__.split(".")[0] != "torch":
+        return None
+    import torch
+
+    return torch

@@ -1,0 +1,104 @@
+"""Buffers of the two-sided control messages and their framing.
+
+Frame: ``u16 source_len | source address | payload``. `tcp;ofi_rxm` cannot report a message's
+source (no FI_SOURCE), so the sender's engine address travels in the frame; the receiver can
+`add_peer(message.source)` to answer. Every engine posts `num_receives` receive buffers of
+`frame_bytes` each and reposts a buffer as soon as its message is copied out; sends are copied
+into one of `num_sends` registered bounce buffers (providers with FI_MR_LOCAL need registered
+memory) that is released at the send's completion.
+"""
+
+from __future__ import annotations
+
+import queue
+import struct
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from workers.fabric._lib import ffi, lib, strerror
+from workers.fabric.callbacks import CallbackDispatcher
+from workers.fabric.errors import ProviderError
+
+_LEN = struct.Struct("<H")
+MAX_ADDRESS_BYTES = 256
+RECEIVE_ID_BASE = 1 << 62
+
+
+class Message(NamedTuple):
+    """A received message: the sender engine's address and the payload."""
+
+    source: bytes
+    payload: bytes
+
+
+class MessagePools:
+    def __init__(self, max_payload: int, num_sends: int, num_receives: int) -> None:
+        self.frame_bytes = _LEN.size + MAX_ADDRESS_BYTES + max_payload
+        self._send = np.zeros(num_sends * self.frame_bytes, dtype=np.uint8)
+        self._recv = np.zeros(num_receives * self.frame_bytes, dtype=np.uint8)
+        self._send_lengths = [0] * num_sends
+        self._free_sends = list(range(num_sends))
+        self._num_receives = num_receives
+        self.send_desc: Any = ffi.NULL
+        self._recv_desc: Any = ffi.NULL
+        self._send_base = int(self._send.ctypes.data)
+        self._recv_base = int(self._recv.ctypes.data)
+        self.handler: Callable[[Message], None] | None = None
+        self.inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
+
+    def register(self, register: Callable[[np.ndarray], Any]) -> None:
+        """Register both pools with `register(array) -> desc` (the engine's MR path)."""
+        self.send_desc = register(self._send)
+        self._recv_desc = register(self._recv)
+
+    @staticmethod
+    def frame(source: bytes, payload: bytes) -> bytes:
+        return _LEN.pack(len(source)) + source + payload
+
+    def take_send_slot(self, frame: bytes) -> int:
+        if not self._free_sends:
+            return -1
+        slot = self._free_sends.pop()
+        start = slot * self.frame_bytes
+        self._send[start : start + len(frame)] = np.frombuffer(frame, dtype=np.uint8)
+        self._send_lengths[slot] = len(frame)
+        return slot
+
+    def send_buffer(self, slot: int) -> tuple[Any, int]:
+        address = self._send_base + slot * self.frame_bytes
+        return ffi.cast("void *", address), self._send_lengths[slot]
+
+    def release_send_slot(self, slot: int) -> None:
+        self._free_sends.append(slot)
+
+    def is_receive(self, job_id: int) -> bool:
+        return RECEIVE_ID_BASE <= job_id < RECEIVE_ID_BASE + self._num_receives
+
+    def post_all_receives(self, native: Any) -> None:
+        for slot in range(self._num_receives):
+            self.repost_receive(native, RECEIVE_ID_BASE + slot)
+
+    def repost_receive(self, native: Any, job_id: int) -> None:
+        slot = job_id - RECEIVE_ID_BASE
+        address = ffi.cast("void *", self._recv_base + slot * self.frame_bytes)
+        rc = lib.pd_post_recv(native, address, self.frame_bytes, self._recv_desc, job_id)
+        if rc != 0:
+            raise ProviderError(f"fi_recv failed: {strerror(rc)}", -rc)
+
+    def deliver(
+        self, native: Any, job_id: int, length: int, dispatcher: CallbackDispatcher
+    ) -> None:
+        start = (job_id - RECEIVE_ID_BASE) * self.frame_bytes
+        frame = self._recv[start : start + length].tobytes()
+        self.repost_receive(native, job_id)
+        (source_len,) = _LEN.unpack_from(frame)
+        message = Message(
+            frame[_LEN.size : _LEN.size + source_len], frame[_LEN.size + source_len :]
+        )
+        handler = self.handler
+        if handler is not None:
+            dispatcher.submit(handler, message)
+        else:
+            self.inbox.put(message)

@@ -1,0 +1,459 @@
+"""The progress thread: after construction, the only thread that touches the endpoint.
+
+Life cycle of a submission (`Job`, keyed by `job_id`):
+
+    caller validates -> `pending[peer]` (FIFO per peer, bounded in total) -> posted op by op
+    by this thread -> in `jobs` until every posted op completed -> removed
+
+* Posting a peer's queue stops at `-FI_EAGAIN` or when the native context pool is empty; the
+  job stays at the head of that peer's queue and is retried after the next CQ drain. Messages
+  to a peer therefore keep submission order, and a peer that cannot take work (rxm answers
+  EAGAIN while it retries a connection to an unreachable address) never blocks the others.
+* A job finishes exactly once: `on_done` after its last op completed, or `on_error` at its first
+  error completion, its deadline, its peer's failure, or engine close. Ops of a finished job that
+  are still posted stay in `jobs` so their late completions free their contexts quietly.
+* Other threads reach the endpoint only through `call()` (register, add_peer), which runs the
+  function here; the domain is therefore opened with FI_THREAD_DOMAIN.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from workers.fabric._lib import ffi, lib, strerror
+from workers.fabric.callbacks import CallbackDispatcher, Fire
+from workers.fabric.counters import ImmCounters
+from workers.fabric.errors import (
+    EngineClosedError,
+    FabricError,
+    OperationTimeoutError,
+    PeerFailedError,
+    SubmitQueueFullError,
+    TransferError,
+)
+from workers.fabric.handles import PeerHandle
+from workers.fabric.messages import MessagePools
+
+log = logging.getLogger(__name__)
+
+ErrorCallback = Callable[[FabricError], None]
+WRITE, SEND = 0, 1
+_POLL_ROWS = 256
+_DEADLINE_CHECK_S = 0.005
+_BLOCKED_WAIT_US = 500
+# errno values that mean the connection to the peer is gone, not that one operation was bad.
+_CONNECTION_ERRORS = {32, 103, 104, 107, 110, 111, 112, 113}  # EPIPE ECONNABORTED ... EHOSTUNREACH
+
+
+@dataclass(eq=False)
+class Job:
+    job_id: int
+    kind: int
+    peer: PeerHandle
+    total: int
+    deadline: float
+    on_done: Callable[[], None] | None
+    on_error: ErrorCallback | None
+    # Writes: native arrays of local addresses, lengths, remote addresses (one row per op).
+    arrays: Any = None
+    desc: Any = None
+    key: int = 0
+    imm: int | None = None
+    # Sends: the framed message.
+    payload: bytes = b""
+    send_slot: int = -1
+    posted: int = 0
+    completed: int = 0
+    finished: bool = False
+    byte_count: int = 0
+    keep_alive: Any = None
+
+
+@dataclass
+class ProgressStats:
+    ops_posted: int = 0
+    ops_completed: int = 0
+    bytes_written: int = 0
+    messages_sent: int = 0
+    messages_received: int = 0
+    error_completions: int = 0
+    timeouts: int = 0
+    eagain_retries: int = 0
+
+
+class ProgressLoop:
+    def __init__(
+        self,
+        native: Any,
+        *,
+        name: str,
+        counters: ImmCounters,
+        dispatcher: CallbackDispatcher,
+        pools: MessagePools,
+        max_queued_submits: int,
+        spin_us: int,
+        idle_spin_us: int,
+        idle_wait_us: int,
+        provider_name: str,
+    ) -> None:
+        self.native = native
+        self.provider_name = provider_name
+        self._ordered_tx_completions = provider_name == "shm"
+        self.counters = counters
+        self.dispatcher = dispatcher
+        self.pools = pools
+        self.stats = ProgressStats()
+        self.jobs: dict[int, Job] = {}
+        self.pending: dict[int, collections.deque[Job]] = {}
+        self._num_queued = 0
+        self.failed_peers: set[int] = set()
+        self._commands: collections.deque[tuple[Callable[[], Any], Future[Any]]] = (
+            collections.deque()
+        )
+        self._lock = threading.Condition()
+        self._max_queued = max_queued_submits
+        self._spin_us = spin_us
+        self._idle_spin_s = idle_spin_us / 1e6
+        self._idle_wait_us = idle_wait_us
+        self._inflight = 0
+        self._stopping = False
+        self._stopped = False
+        self._sleeping = False
+        self._next_job_id = 1
+        self._rows = [ffi.new("uint64_t[]", _POLL_ROWS) for _ in range(4)]
+        self._error = ffi.new("pd_error_t *")
+        self._rc = ffi.new("int *")
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    # -- called from any thread ---------------------------------------------------------------
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def new_job_id(self) -> int:
+        with self._lock:
+            job_id = self._next_job_id
+            self._next_job_id += 1
+            return job_id
+
+    def enqueue(self, job: Job, timeout: float) -> None:
+        """Queue a job; blocks while the queue is full, at most `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._num_queued >= self._max_queued and not self._stopping:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise SubmitQueueFullError(
+                        f"{self._num_queued} submissions still queued after {timeout:.3g} s"
+                    )
+                self._lock.wait(remaining)
+            if self._stopping:
+                raise EngineClosedError("engine is closed")
+            if job.peer.fi_addr in self.failed_peers:
+                raise PeerFailedError(f"peer {job.peer.name} has failed")
+            self.jobs[job.job_id] = job
+            self.pending.setdefault(job.peer.fi_addr, collections.deque()).append(job)
+            self._num_queued += 1
+        self._wake()
+
+    def call(self, function: Callable[[], Any]) -> Any:
+        """Run `function` on the progress thread (or inline before it starts) and return."""
+        if not self.thread.is_alive():
+            if self._stopped or self._stopping:
+                raise EngineClosedError("engine is closed")
+            return function()
+        future: Future[Any] = Future()
+        with self._lock:
+            if self._stopping:
+                raise EngineClosedError("engine is closed")
+            self._commands.append((function, future))
+        self._wake()
+        return future.result()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._sleeping:
+            lib.pd_wake(self.native)
+
+    # -- the progress thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        last_activity = time.monotonic()
+        next_check = last_activity + _DEADLINE_CHECK_S
+        try:
+            self.pools.post_all_receives(self.native)
+            while not self._stopping:
+                self._run_commands()
+                posted = self._post_pending()
+                spin, wait = self._spin_us, 0
+                if self.pending and not (posted or self._inflight):
+                    # Every queue is refused (EAGAIN): let the provider progress without
+                    # spinning a core until the peers' deadlines.
+                    spin, wait = 0, _BLOCKED_WAIT_US
+                elif not (self._inflight or self.pending or self._commands) and (
+                    time.monotonic() - last_activity >= self._idle_spin_s
+                ):
+                    spin, wait = 0, self._idle_wait_us
+                    # Set before the final check: a submitter that queues after it sees the
+                    # flag and wakes us through the eventfd.
+                    self._sleeping = True
+                    if self.pending or self._commands or self._stopping:
+                        self._sleeping = False
+                        continue
+                if self._poll(spin, wait):
+                    last_activity = time.monotonic()
+                self._sleeping = False
+                now = time.monotonic()
+                if now >= next_check:
+                    self._check_deadlines(now)
+                    next_check = now + _DEADLINE_CHECK_S
+        except Exception:
+            log.exception("fabric progress thread failed; failing all operations")
+        finally:
+            self._shutdown()
+
+    def _run_commands(self) -> None:
+        while self._commands:
+            function, future = self._commands.popleft()
+            try:
+                future.set_result(function())
+            except BaseException as exc:
+                future.set_exception(exc)
+
+    def _post_pending(self) -> bool:
+        """Post from every peer's queue; True if any operation was posted."""
+        before = self.stats.ops_posted
+        for fi_addr, queue in list(self.pending.items()):
+            while queue:
+                job = queue[0]
+                if not job.finished:
+                    blocked = self._post_writes(job) if job.kind == WRITE else self._post_send(job)
+                    if blocked:
+                        break
+                self._pop_pending(fi_addr, queue)
+                self._forget_if_idle(job)
+        return self.stats.ops_posted != before
+
+    def _pop_pending(self, fi_addr: int, queue: collections.deque[Job]) -> None:
+        with self._lock:
+            queue.popleft()
+            self._num_queued -= 1
+            # Under the lock: a submitter appending to this deque must not lose its job.
+            if not queue:
+                del self.pending[fi_addr]
+            self._lock.notify()
+
+    def _post_writes(self, job: Job) -> bool:
+        """Post what the provider accepts; True when the job must wait for progress."""
+        laddr, lens, raddr = job.arrays
+        start = job.posted
+        imm = job.imm if job.imm is not None else 0
+        posted = lib.pd_post_writes(
+            self.native, job.total - start, laddr + start, lens + start, job.desc,
+            job.peer.fi_addr, raddr + start, job.key, int(job.imm is not None), imm,
+            job.job_id, self._rc,
+        )  # fmt: skip
+        job.posted += posted
+        self._inflight += posted
+        self.stats.ops_posted += posted
+        if job.posted == job.total:
+            return False
+        rc = self._rc[0]
+        if rc == -lib.FI_EAGAIN:
+            self.stats.eagain_retries += 1
+            return True
+        self._finish(job, TransferError(f"posting a write to {job.peer.name}: {strerror(rc)}", -rc))
+        return False
+
+    def _post_send(self, job: Job) -> bool:
+        if job.send_slot < 0:
+            job.send_slot = self.pools.take_send_slot(job.payload)
+            if job.send_slot < 0:
+                return True
+        buffer, length = self.pools.send_buffer(job.send_slot)
+        rc = lib.pd_post_send(
+            self.native, buffer, length, self.pools.send_desc, job.peer.fi_addr, job.job_id
+        )
+        if rc == -lib.FI_EAGAIN:
+            self.stats.eagain_retries += 1
+            return True
+        if rc != 0:
+            self._finish(
+                job, TransferError(f"posting a send to {job.peer.name}: {strerror(rc)}", -rc)
+            )
+            return False
+        job.posted = 1
+        self._inflight += 1
+        self.stats.ops_posted += 1
+        return False
+
+    def _poll(self, spin_us: int, wait_us: int) -> bool:
+        kinds, ids, data, lens = self._rows
+        n = lib.pd_poll(
+            self.native, _POLL_ROWS, kinds, ids, data, lens, spin_us, wait_us, self._error
+        )
+        error = n <= lib.PD_POLL_ERROR
+        rows = lib.PD_POLL_ERROR - n if error else n
+        if rows < 0:
+            raise FabricError(f"fi_cq_read failed: {strerror(rows)} ({rows})")
+        imm_counts: dict[int, int] = {}
+        for row in range(rows):
+            kind = kinds[row]
+            if kind == lib.PD_EV_LOCAL:
+                self._complete(ids[row], lens[row])
+            elif kind == lib.PD_EV_RECV:
+                self._received(ids[row], lens[row])
+            else:
+                imm_counts[data[row]] = imm_counts.get(data[row], 0) + lens[row]
+                if kind == lib.PD_EV_IMM_RECV:
+                    self.pools.repost_receive(self.native, ids[row])
+        if imm_counts:
+            self.dispatcher.submit_all(self.counters.record(imm_counts))
+        if error:
+            self._error_completion()
+        return rows > 0 or error
+
+    def _complete(self, job_id: int, count: int) -> None:
+        self._inflight -= count
+        self.stats.ops_completed += count
+        job = self.jobs.get(job_id)
+        if job is None:
+            return
+        job.completed += count
+        if job.completed < job.total:
+            self._forget_if_idle(job)
+            return
+        if job.kind == SEND:
+            self.stats.messages_sent += 1
+        else:
+            self.stats.bytes_written += job.byte_count
+        self._finish(job, None)
+
+    def _received(self, slot_id: int, length: int) -> None:
+        self.stats.messages_received += 1
+        self.pools.deliver(self.native, slot_id, length, self.dispatcher)
+
+    def _error_completion(self) -> None:
+        error = self._error
+        self.stats.error_completions += 1
+        text = ffi.string(error.msg).decode(errors="replace")
+        job = self.jobs.get(error.id)
+        if job is None:
+            if self.pools.is_receive(error.id):
+                self.pools.repost_receive(self.native, error.id)
+            log.warning("error completion without a live operation: %s (err %d)", text, error.err)
+            return
+        self._inflight -= 1
+        job.completed += 1
+        what = "write" if job.kind == WRITE else "message"
+        exc: FabricError = TransferError(
+            f"{what} to {job.peer.name} failed: {text} "
+            f"(err {error.err}: {strerror(error.err)}, provider errno {error.prov_errno})",
+            error.err,
+            error.prov_errno,
+        )
+        # rxm/tcp reports a dropped connection as FI_ECANCELED with the socket errno as the
+        # provider errno; either side naming a connection error means the peer is gone.
+        if error.err in _CONNECTION_ERRORS or abs(error.prov_errno) in _CONNECTION_ERRORS:
+            self._fail_peer(job.peer, PeerFailedError(str(exc)))
+        self._finish(job, exc)
+
+    def _finish(self, job: Job, error: FabricError | None) -> None:
+        """Deliver the job's one outcome; forget it once no op of it is posted."""
+        if not job.finished:
+            job.finished = True
+            if job.send_slot >= 0 and job.completed == job.posted:
+                self.pools.release_send_slot(job.send_slot)
+                job.send_slot = -1
+            if error is None:
+                if job.on_done is not None:
+                    self.dispatcher.submit(job.on_done)
+            elif job.on_error is not None:
+                self.dispatcher.submit(job.on_error, error)
+            else:
+                log.warning("unhandled fabric error: %s", error)
+        self._forget_if_idle(job)
+
+    def _forget_if_idle(self, job: Job) -> None:
+        if job.finished and job.completed >= job.posted and job.job_id in self.jobs:
+            del self.jobs[job.job_id]
+            if job.send_slot >= 0:
+                self.pools.release_send_slot(job.send_slot)
+                job.send_slot = -1
+
+    def _check_deadlines(self, now: float) -> None:
+        self.dispatcher.submit_all(self.counters.expire(now))
+        # Every job gets the same timeout, so `jobs` (insertion-ordered) is deadline-ordered.
+        expired = []
+        for job in self.jobs.values():
+            if job.deadline > now:
+                break
+            if not job.finished:
+                expired.append(job)
+        for job in expired:
+            if job.finished:
+                continue
+            self.stats.timeouts += 1
+            what = "write" if job.kind == WRITE else "message"
+            blocker = self._wedging_peer() if self._ordered_tx_completions else None
+            if blocker is not None and blocker.fi_addr != job.peer.fi_addr and job.posted:
+                # shm completes transmits strictly in order per endpoint: an op to a dead peer
+                # never completes and holds back every later completion. This peer may be fine
+                # (its target saw the data), so fail the job without condemning the peer.
+                self._finish(job, TransferError(
+                    f"{what} to {job.peer.name}: local completion blocked behind operations to "
+                    f"failed peer {blocker.name} ({self.provider_name} completes in order)"
+                ))  # fmt: skip
+                continue
+            error = OperationTimeoutError(
+                f"{what} to {job.peer.name} missed its deadline ({job.completed}/{job.total} "
+                f"ops completed, {job.posted} posted): peer unreachable or dead"
+            )
+            self._fail_peer(job.peer, error)
+
+    def _wedging_peer(self) -> PeerHandle | None:
+        """A failed peer with operations still posted (they will never complete on shm)."""
+        for job in self.jobs.values():
+            if (
+                job.finished
+                and job.posted > job.completed
+                and job.peer.fi_addr in self.failed_peers
+            ):
+                return job.peer
+        return None
+
+    def _fail_peer(self, peer: PeerHandle, error: FabricError) -> None:
+        """Mark the peer failed and fail every unfinished job addressed to it."""
+        if peer.fi_addr not in self.failed_peers:
+            log.warning("peer %s failed: %s", peer.name, error)
+        with self._lock:
+            self.failed_peers.add(peer.fi_addr)
+        for job in [j for j in self.jobs.values() if j.peer.fi_addr == peer.fi_addr]:
+            self._finish(job, error)
+
+    def _shutdown(self) -> None:
+        with self._lock:
+            self._stopping = True
+            commands = list(self._commands)
+            self._commands.clear()
+            self._lock.notify_all()
+        closed = EngineClosedError("engine closed before the operation completed")
+        for _function, future in commands:
+            future.set_exception(EngineClosedError("engine is closed"))
+        for job in list(self.jobs.values()):
+            self._finish(job, closed)
+        fires: list[Fire] = self.counters.fail_all(EngineClosedError("engine closed"))
+        self.dispatcher.submit_all(fires)
+        self._stopped = True
