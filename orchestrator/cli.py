@@ -44,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_make_model)
 
-    p = sub.add_parser("fetch-demo-model", help="build the offline SmolLM2-135M-Instruct checkpoint")
+    p = sub.add_parser(
+        "fetch-demo-model", help="build the offline SmolLM2-135M-Instruct checkpoint"
+    )
     p.add_argument("--out", default=None, help="output directory (default: the pdserve cache)")
     p.set_defaults(func=_fetch_demo_model)
 

@@ -1,0 +1,121 @@
+"""Helpers for model tests: a minimal paged-sequence bookkeeper and HF reference logits."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from workers.engine.attention import AttentionBackend, AttentionBatch, create_attention_backend
+from workers.engine.layer_progress import LayerProgress
+from workers.engine.model import CausalLM
+from workers.engine.model_config import ModelConfig
+
+
+class PagedRunner:
+    """Owns a KV cache and hands out pages in a scrambled order (so page-table bugs show).
+
+    ``step`` runs one forward pass over chunks ``(seq_id, new_token_ids)`` of any lengths and
+    returns the float32 logits of every new token, one tensor per chunk.
+    """
+
+    def __init__(
+        self,
+        model: CausalLM,
+        config: ModelConfig,
+        page_size: int = 16,
+        num_pages: int = 64,
+        backend: str = "torch",
+    ) -> None:
+        self.model = model
+        self.page_size = page_size
+        self.kv_cache = torch.zeros(
+            config.num_layers,
+            num_pages,
+            2,
+            config.num_kv_heads,
+            page_size,
+            config.head_dim,
+            dtype=model.dtype,
+        )
+        self.backend: AttentionBackend = create_attention_backend(
+            backend, self.kv_cache, page_size, config.head_dim**-0.5
+        )
+        generator = torch.Generator().manual_seed(123)
+        self.free_pages = torch.randperm(num_pages, generator=generator).tolist()
+        self.pages: dict[int, list[int]] = {}
+        self.lengths: dict[int, int] = {}
+
+    def build_batch(
+        self, chunks: Sequence[tuple[int, Sequence[int]]]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        for seq_id, tokens in chunks:
+            pages = self.pages.setdefault(seq_id, [])
+            start = self.lengths.get(seq_id, 0)
+            end = start + len(tokens)
+            while len(pages) * self.page_size < end:
+                pages.append(self.free_pages.pop())
+            input_ids += list(tokens)
+            positions += list(range(start, end))
+            slots += [
+                pages[p // self.page_size] * self.page_size + p % self.page_size
+                for p in range(start, end)
+            ]
+            query_lens.append(len(tokens))
+            seq_lens.append(end)
+            self.lengths[seq_id] = end
+        max_pages = max(len(self.pages[seq_id]) for seq_id, _ in chunks)
+        table = [
+            self.pages[seq_id] + [-1] * (max_pages - len(self.pages[seq_id]))
+            for seq_id, _ in chunks
+        ]
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        batch = AttentionBatch(
+            query_start_loc=torch.tensor(starts),
+            seq_lens=torch.tensor(seq_lens),
+            context_lens=torch.tensor([s - q for s, q in zip(seq_lens, query_lens, strict=True)]),
+            page_table=torch.tensor(table),
+            slot_mapping=torch.tensor(slots),
+            query_lens_list=tuple(query_lens),
+            seq_lens_list=tuple(seq_lens),
+        )
+        return torch.tensor(input_ids), torch.tensor(positions), batch
+
+    def step(
+        self,
+        chunks: Sequence[tuple[int, Sequence[int]]],
+        progress: LayerProgress | None = None,
+    ) -> list[torch.Tensor]:
+        input_ids, positions, batch = self.build_batch(chunks)
+        hidden = self.model(input_ids, positions, batch, self.backend, progress)
+        logits = self.model.compute_logits(hidden)
+        return list(logits.split(list(batch.query_lens_list)))
+
+
+def hf_logits(
+    model_dir: Path | str, token_ids: Sequence[int], **config_overrides: object
+) -> torch.Tensor:
+    """Float32 logits [len, vocab] of HF transformers (eager attention) for one sequence."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir, **config_overrides)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, config=config, attn_implementation="eager", dtype=torch.float32
+    )
+    with torch.no_grad():
+        return model(torch.tensor([list(token_ids)])).logits[0].float()
+
+
+def random_tokens(n: int, seed: int, high: int = 256) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, high, (n,), generator=generator).tolist()

@@ -1,0 +1,120 @@
+"""Building blocks of the Llama-family decoder: RMSNorm, attention, SwiGLU MLP, decoder layer.
+
+Parameters are allocated uninitialised (`torch.empty`); the loader fills them. Projections that
+read the same input are fused into one GEMM (``qkv_proj`` = q|k|v rows, ``gate_up_proj`` =
+gate|up rows); the loader concatenates HF's separate tensors in that order. Arithmetic follows
+HF's Llama/Qwen modelling code step by step (RMSNorm in float32, RoPE cos/sin cast to the
+activation dtype) so float32 logits match HF within float rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.engine.attention.base import AttentionBackend, AttentionBatch
+from workers.engine.layer_progress import LayerProgress
+from workers.engine.model_config import ModelConfig
+from workers.engine.rope import RotaryTables
+
+
+def _empty(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _empty(size, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # Like HF LlamaRMSNorm: normalise in float32, cast back, then apply the weight.
+        normed = F.rms_norm(x.to(torch.float32), self.weight.shape, None, self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        qkv_rows = self.q_size + 2 * self.kv_size
+        self.qkv_proj_weight = _empty(qkv_rows, config.hidden_size, dtype=dtype)
+        self.qkv_proj_bias = _empty(qkv_rows, dtype=dtype) if config.attention_bias else None
+        self.o_proj_weight = _empty(config.hidden_size, self.q_size, dtype=dtype)
+        self.q_norm = (
+            RMSNorm(config.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
+        )
+        self.k_norm = (
+            RMSNorm(config.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
+        )
+
+    def forward(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        rotary: RotaryTables,
+        batch: AttentionBatch,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = F.linear(hidden, self.qkv_proj_weight, self.qkv_proj_bias)
+        heads = qkv.view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        q_and_k = heads[:, : self.num_heads + self.num_kv_heads]
+        v = heads[:, self.num_heads + self.num_kv_heads :]
+        if self.q_norm is not None and self.k_norm is not None:
+            # Qwen3: per-head norm before RoPE.
+            q = rotary.rotate(self.q_norm(q_and_k[:, : self.num_heads]))
+            k = rotary.rotate(self.k_norm(q_and_k[:, self.num_heads :]))
+        else:
+            # q and k are adjacent in the fused projection: rotate them in one go.
+            rotated = rotary.rotate(q_and_k)
+            q, k = rotated[:, : self.num_heads], rotated[:, self.num_heads :]
+        out = backend.forward(layer, q, k, v, batch)
+        return F.linear(out.reshape(num_tokens, self.q_size), self.o_proj_weight)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj_weight = _empty(
+            2 * config.intermediate_size, config.hidden_size, dtype=dtype
+        )
+        self.down_proj_weight = _empty(config.hidden_size, config.intermediate_size, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_proj_weight).split(self.intermediate_size, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj_weight)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = Attention(config, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = MLP(config, dtype)
+
+    def forward(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        rotary: RotaryTables,
+        batch: AttentionBatch,
+        backend: AttentionBackend,
+        progress: LayerProgress | None,
+    ) -> torch.Tensor:
+        attn_out = self.self_attn(layer, self.input_layernorm(hidden), rotary, batch, backend)
+        # The layer's KV is in the cache once o_proj ran: the messenger may ship it now.
+        if progress is not None:
+            progress.mark_layer_done(layer)
+        hidden = hidden + attn_out
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))

@@ -1,0 +1,204 @@
+"""Load HF checkpoint directories (config.json + safetensors) into a `CausalLM`.
+
+Accepts a single ``model.safetensors`` or a sharded ``model.safetensors.index.json``. Every
+tensor of the checkpoint must map to a parameter and every parameter must be filled, with the
+exact shape; anything else is an `UnsupportedCheckpointError` naming the offending tensors.
+HF's separate q/k/v and gate/up tensors are copied into our fused parameters (see `layers`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from workers.engine.errors import UnsupportedCheckpointError
+from workers.engine.layers import DecoderLayer
+from workers.engine.model import CausalLM
+from workers.engine.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+# Buffers some exporters save that we recompute.
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+_LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.(.+)$")
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, config: ModelConfig) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = config.torch_dtype if dtype in (None, "auto") else dtype
+    assert name is not None
+    resolved = _DTYPES.get(name.removeprefix("torch."))
+    if resolved is None:
+        raise UnsupportedCheckpointError(
+            f"unsupported dtype {name!r}; use one of float32, bfloat16, float16, auto"
+        )
+    return resolved
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint, sharded or not."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map") or {}
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise UnsupportedCheckpointError(f"shards listed in {index} are missing: {missing}")
+        return files
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise UnsupportedCheckpointError(
+        f"no model.safetensors or model.safetensors.index.json in {model_dir} "
+        "(only safetensors checkpoints are supported)"
+    )
+
+
+def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in files:
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, handle.get_tensor(name)
+
+
+def _target(model: CausalLM, name: str) -> torch.Tensor | None:
+    """The tensor (a slice of our possibly fused parameter) that HF tensor ``name`` fills."""
+    if name == "model.embed_tokens.weight":
+        return model.embed_tokens
+    if name == "model.norm.weight":
+        return model.norm.weight
+    if name == "lm_head.weight":
+        return model.lm_head
+    match = _LAYER_TENSOR.fullmatch(name)
+    if match is None or int(match.group(1)) >= len(model.layers):
+        return None
+    layer = model.layers[int(match.group(1))]
+    assert isinstance(layer, DecoderLayer)
+    attn, mlp = layer.self_attn, layer.mlp
+    q, kv = attn.q_size, attn.kv_size
+    qkv_rows = {"q_proj": (0, q), "k_proj": (q, kv), "v_proj": (q + kv, kv)}
+    suffix = match.group(2)
+    proj, _, kind = suffix.removeprefix("self_attn.").partition(".")
+    if suffix.startswith("self_attn.") and proj in qkv_rows:
+        start, rows = qkv_rows[proj]
+        fused = attn.qkv_proj_weight if kind == "weight" else attn.qkv_proj_bias
+        return fused.narrow(0, start, rows) if fused is not None else None
+    inter = mlp.intermediate_size
+    simple: dict[str, torch.Tensor | None] = {
+        "input_layernorm.weight": layer.input_layernorm.weight,
+        "post_attention_layernorm.weight": layer.post_attention_layernorm.weight,
+        "self_attn.o_proj.weight": attn.o_proj_weight,
+        "self_attn.q_norm.weight": attn.q_norm.weight if attn.q_norm else None,
+        "self_attn.k_norm.weight": attn.k_norm.weight if attn.k_norm else None,
+        "mlp.gate_proj.weight": mlp.gate_up_proj_weight.narrow(0, 0, inter),
+        "mlp.up_proj.weight": mlp.gate_up_proj_weight.narrow(0, inter, inter),
+        "mlp.down_proj.weight": mlp.down_proj_weight,
+    }
+    return simple.get(suffix)
+
+
+def expected_tensor_names(config: ModelConfig) -> set[str]:
+    """HF names a checkpoint of ``config`` must contain (lm_head only when untied)."""
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not config.tie_word_embeddings:
+        names.add("lm_head.weight")
+    per_layer = [
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+    ]
+    if config.attention_bias:
+        per_layer += [f"self_attn.{p}.bias" for p in ("q_proj", "k_proj", "v_proj")]
+    if config.qk_norm:
+        per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    for i in range(config.num_layers):
+        names.update(f"model.layers.{i}.{suffix}" for suffix in per_layer)
+    return names
+
+
+def check_features(model_dir: Path) -> None:
+    """Reject config switches that change the maths in ways this model does not implement."""
+    raw = json.loads((model_dir / "config.json").read_text())
+    activation = raw.get("hidden_act", "silu")
+    if activation != "silu":
+        raise UnsupportedCheckpointError(f"hidden_act {activation!r} is not supported (only silu)")
+    if raw.get("use_sliding_window") or (
+        raw.get("sliding_window") and "use_sliding_window" not in raw
+    ):
+        # Exact for sequences shorter than the window; longer ones would differ from HF.
+        logger.warning(
+            "%s asks for sliding-window attention (window %s), which is not implemented: "
+            "results are exact only for sequences within the window",
+            model_dir,
+            raw.get("sliding_window"),
+        )
+
+
+def load_checkpoint(
+    model_dir: str | Path, dtype: str | torch.dtype | None = None
+) -> tuple[CausalLM, ModelConfig]:
+    """Read config and weights of ``model_dir``; returns the model in inference mode (eval)."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise UnsupportedCheckpointError(f"checkpoint directory {model_dir} does not exist")
+    config = ModelConfig.from_dir(model_dir)
+    check_features(model_dir)
+    torch_dtype = resolve_dtype(dtype, config)
+    files = checkpoint_files(model_dir)
+    model = CausalLM(config, torch_dtype)
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    with torch.no_grad():
+        for name, tensor in iter_tensors(files):
+            if _IGNORED.fullmatch(name):
+                continue
+            if name == "lm_head.weight" and config.tie_word_embeddings:
+                continue  # tied: the head is the embedding (some exporters still save a copy)
+            destination = _target(model, name)
+            if destination is None:
+                unexpected.append(name)
+                continue
+            if tuple(tensor.shape) != tuple(destination.shape):
+                raise UnsupportedCheckpointError(
+                    f"tensor {name} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(destination.shape)} for this config.json"
+                )
+            destination.copy_(tensor.to(torch_dtype))
+            loaded.add(name)
+    missing = sorted(expected_tensor_names(config) - loaded)
+    if unexpected or missing:
+        raise UnsupportedCheckpointError(
+            f"checkpoint {model_dir} does not match config.json: "
+            f"missing tensors {missing[:8]}{'...' if len(missing) > 8 else ''}, "
+            f"unexpected tensors {sorted(unexpected)[:8]}"
+            f"{'...' if len(unexpected) > 8 else ''}"
+        )
+    logger.info(
+        "loaded %s (%s, %d layers) from %s as %s",
+        config.architecture,
+        f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params",
+        config.num_layers,
+        model_dir,
+        torch_dtype,
+    )
+    return model.eval(), config

@@ -1,0 +1,92 @@
+"""Llama-architecture causal LM (Llama / Mistral / Qwen2 / Qwen3) over a paged KV cache.
+
+One forward pass takes the flattened batch of the step (prefill chunks and decode tokens
+together, see `attention.base`) and returns the final-norm hidden states of every token;
+`CausalLM.compute_logits` projects only the rows the caller needs (usually the last token of
+each sequence). Weights come from `load_model` (see `loader`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.engine.attention.base import AttentionBackend, AttentionBatch
+from workers.engine.layer_progress import LayerProgress
+from workers.engine.layers import DecoderLayer, RMSNorm
+from workers.engine.model_config import ModelConfig
+from workers.engine.rope import RotaryEmbedding
+
+
+class CausalLM(nn.Module):
+    """Decoder-only transformer with uninitialised weights (fill them with the loader).
+
+    With ``tie_word_embeddings`` the LM head is the embedding matrix itself (one Parameter).
+    """
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.embed_tokens = nn.Parameter(
+            torch.empty(config.vocab_size, config.hidden_size, dtype=dtype), requires_grad=False
+        )
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.lm_head = (
+            self.embed_tokens
+            if config.tie_word_embeddings
+            else nn.Parameter(
+                torch.empty(config.vocab_size, config.hidden_size, dtype=dtype),
+                requires_grad=False,
+            )
+        )
+        self.rotary = RotaryEmbedding(config)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        backend: AttentionBackend,
+        progress: LayerProgress | None = None,
+    ) -> torch.Tensor:
+        """Run every layer over the step's ``T`` new tokens; returns hidden [T, hidden_size].
+
+        Calls ``backend.begin_step(batch)`` before layer 0, and, when given, ``progress``'s
+        ``begin_pass`` before layer 0 and ``mark_layer_done(l)`` after layer l's o_proj.
+        """
+        token_seq_lens = None
+        if self.rotary.is_dynamic:
+            query_lens = torch.tensor(batch.query_lens_list, device=batch.seq_lens.device)
+            token_seq_lens = torch.repeat_interleave(batch.seq_lens, query_lens)
+        rotary = self.rotary.tables(positions, self.dtype, token_seq_lens)
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        backend.begin_step(batch)
+        if progress is not None:
+            progress.begin_pass()
+        for index, layer in enumerate(self.layers):
+            hidden = layer(index, hidden, rotary, batch, backend, progress)
+        return self.norm(hidden)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] -> logits [N, vocab_size] in float32."""
+        return F.linear(hidden, self.lm_head).to(torch.float32)
+
+
+def load_model(
+    model_dir: str | Path, dtype: str | torch.dtype | None = None
+) -> tuple[CausalLM, ModelConfig]:
+    """Build a `CausalLM` from an HF checkpoint directory.
+
+    ``dtype``: None or "auto" keeps the checkpoint's ``torch_dtype``; otherwise "float32",
+    "bfloat16", "float16" or a torch dtype.
+    """
+    from workers.engine.loader import load_checkpoint
+
+    return load_checkpoint(model_dir, dtype)

@@ -1,0 +1,215 @@
+"""Random-initialised HF-format checkpoints for tests and benchmarks (``pdserve make-model``).
+
+Each preset writes ``config.json``, ``model.safetensors`` (float32, deterministic from the seed),
+a byte-level ``tokenizer.json`` (byte b = token id b, then ``<s>``, ``</s>``, ``<pad>``),
+``tokenizer_config.json`` with a small chat template, and ``generation_config.json``. HF
+transformers loads the result offline with ``AutoModelForCausalLM`` / ``AutoTokenizer``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from workers.engine.loader import expected_tensor_names
+from workers.engine.model_config import ModelConfig
+from workers.engine.tokenizer import DEFAULT_CHAT_TEMPLATE
+
+logger = logging.getLogger(__name__)
+
+NUM_BYTE_TOKENS = 256
+BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<s>", "</s>", "<pad>"
+BOS_ID, EOS_ID, PAD_ID = 256, 257, 258
+# Larger than the 259 tokenizer entries on purpose: real checkpoints pad their vocabulary too.
+PRESET_VOCAB_SIZE = 320
+
+
+_LLAMA: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "tie_word_embeddings": False,
+}
+_QWEN3: dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "attention_bias": False,
+    "tie_word_embeddings": True,
+    "use_sliding_window": False,
+}
+_QWEN2: dict[str, Any] = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": False,
+    "use_sliding_window": False,
+}
+
+
+def _shape(hidden: int, layers: int, heads: int, kv_heads: int, inter: int) -> dict[str, Any]:
+    return {
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": hidden // heads,
+        "intermediate_size": inter,
+    }
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {**_LLAMA, **_shape(256, 4, 8, 2, 688), "max_position_embeddings": 2048},
+    "small": {**_LLAMA, **_shape(512, 6, 8, 4, 1376), "max_position_embeddings": 4096},
+    # head_dim 64 != hidden / heads (32), like real Qwen3 checkpoints.
+    "qwen3-tiny": {
+        **_QWEN3,
+        **_shape(256, 4, 8, 2, 512),
+        "head_dim": 64,
+        "max_position_embeddings": 2048,
+    },
+    # Not offered by the CLI; exercises the q/k/v bias path of Qwen2 in tests.
+    "qwen2-tiny": {**_QWEN2, **_shape(256, 3, 8, 2, 512), "max_position_embeddings": 2048},
+}
+
+
+def preset_config(preset: str) -> dict[str, Any]:
+    """The full ``config.json`` dict of ``preset``."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    return {
+        **PRESETS[preset],
+        "vocab_size": PRESET_VOCAB_SIZE,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "pad_token_id": PAD_ID,
+        "torch_dtype": "float32",
+        "initializer_range": 0.02,
+    }
+
+
+def random_weights(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    """HF-named float32 tensors. Scales keep residual updates and logits lively, so greedy
+    decoding of a random model still depends on its context instead of repeating one token."""
+    generator = torch.Generator().manual_seed(seed)
+    hidden = config.hidden_size
+    tensors: dict[str, torch.Tensor] = {}
+    for name in sorted(expected_tensor_names(config)):
+        shape = _tensor_shape(config, name)
+        if name.endswith("norm.weight"):
+            tensor = 1.0 + 0.1 * torch.randn(shape, generator=generator)
+        elif name == "lm_head.weight" or (
+            name == "model.embed_tokens.weight" and config.tie_word_embeddings
+        ):
+            tensor = torch.randn(shape, generator=generator) * (2.0 / hidden**0.5)
+        elif name == "model.embed_tokens.weight":
+            tensor = torch.randn(shape, generator=generator)
+        elif name.endswith(".bias"):
+            tensor = 0.1 * torch.randn(shape, generator=generator)
+        else:
+            # ~1/sqrt(fan_in): every layer changes the residual stream noticeably.
+            tensor = torch.randn(shape, generator=generator) * (1.0 / shape[1] ** 0.5)
+        tensors[name] = tensor.contiguous()
+    return tensors
+
+
+def _tensor_shape(config: ModelConfig, name: str) -> tuple[int, ...]:
+    hidden, head_dim = config.hidden_size, config.head_dim
+    q_size, kv_size = config.num_heads * head_dim, config.num_kv_heads * head_dim
+    inter = config.intermediate_size
+    suffix = name.split(".", 3)[-1] if name.startswith("model.layers.") else name
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (config.vocab_size, hidden),
+        "lm_head.weight": (config.vocab_size, hidden),
+        "model.norm.weight": (hidden,),
+        "input_layernorm.weight": (hidden,),
+        "post_attention_layernorm.weight": (hidden,),
+        "self_attn.q_proj.weight": (q_size, hidden),
+        "self_attn.k_proj.weight": (kv_size, hidden),
+        "self_attn.v_proj.weight": (kv_size, hidden),
+        "self_attn.q_proj.bias": (q_size,),
+        "self_attn.k_proj.bias": (kv_size,),
+        "self_attn.v_proj.bias": (kv_size,),
+        "self_attn.o_proj.weight": (hidden, q_size),
+        "self_attn.q_norm.weight": (head_dim,),
+        "self_attn.k_norm.weight": (head_dim,),
+        "mlp.gate_proj.weight": (inter, hidden),
+        "mlp.up_proj.weight": (inter, hidden),
+        "mlp.down_proj.weight": (hidden, inter),
+    }
+    return shapes[suffix]
+
+
+def byte_level_tokenizer() -> Tokenizer:
+    """Token id b encodes byte b (0..255); specials <s>=256, </s>=257, <pad>=258."""
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    # The ByteLevel alphabet maps each byte to one printable character; order ids by byte value.
+    byte_to_char = _bytes_to_unicode()
+    assert set(byte_to_char.values()) == set(byte_chars)
+    vocab = {byte_to_char[b]: b for b in range(NUM_BYTE_TOKENS)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([BOS_TOKEN, EOS_TOKEN, PAD_TOKEN])
+    return tokenizer
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table (what ByteLevel uses)."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def _tokenizer_config(max_length: int) -> dict[str, Any]:
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "pad_token": PAD_TOKEN,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": max_length,
+        "chat_template": DEFAULT_CHAT_TEMPLATE,
+    }
+
+
+def write_random_checkpoint(preset: str, out_dir: str | Path, seed: int = 0) -> Path:
+    """Write preset ``preset`` with weights drawn from ``seed`` into ``out_dir``; returns it."""
+    raw = preset_config(preset)
+    config = ModelConfig.from_dict(raw)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    save_file(random_weights(config, seed), str(out / "model.safetensors"), {"format": "pt"})
+    byte_level_tokenizer().save(str(out / "tokenizer.json"))
+    tokenizer_config = _tokenizer_config(config.max_position_embeddings)
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    generation = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    logger.info("wrote preset %s (seed %d) to %s", preset, seed, out)
+    return out
