@@ -20,3 +20,17 @@ class UnsupportedCheckpointError(EngineError):
 
 class CapacityError(EngineError):
     """No room right now (queue full, KV pool too small for the request even when empty)."""
+
+
+class TensorParallelConfigError(EngineError, ValueError):
+    """A tensor-parallel size the model cannot be split by (heads, KV heads, MLP width).
+
+    Raised before any process is started.
+    """
+
+
+class TensorParallelError(EngineError):
+    """A tensor-parallel rank failed (died, did not start, or a collective broke).
+
+    The group cannot continue: close the engine and start a new one.
+    """

@@ -1,0 +1,69 @@
+"""Helpers for engine tests: HF transformers greedy reference and an engine driver."""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from workers.engine.config import EngineConfig
+from workers.engine.engine_core import EngineCore
+from workers.engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+
+
+@functools.cache
+def _hf_model(model_dir: str) -> Any:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return model.eval()
+
+
+def hf_greedy(model_dir: Path | str, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
+    """HF ``generate`` (float32, ``do_sample=False``), stopping at the checkpoint's EOS."""
+    model = _hf_model(str(model_dir))
+    input_ids = torch.tensor([list(prompt)])
+    with torch.no_grad():
+        out = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=model.generation_config.pad_token_id or 0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def prompts_of_lengths(lengths: Sequence[int], seed: int = 0, high: int = 256) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, high, (n,), generator=generator).tolist() for n in lengths]
+
+
+def run_engine(
+    engine: EngineCore,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams = GREEDY,
+) -> list[list[int]]:
+    """Add every prompt at once, step until done; tokens per prompt, in order."""
+    tokens: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+        tokens[f"r{i}"] = []
+    while engine.has_unfinished():
+        for output in engine.step():
+            tokens[output.request_id].extend(output.new_token_ids)
+    engine.check_invariants()
+    assert engine.block_manager.num_free_pages == engine.num_pages
+    return list(tokens.values())
+
+
+def make_engine(model_dir: Path | str, **options: Any) -> EngineCore:
+    options.setdefault("num_pages", 256)
+    return EngineCore(model_dir, EngineConfig(**options), detokenize=False)

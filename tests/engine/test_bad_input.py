@@ -1,0 +1,114 @@
+"""Bad requests, configs and checkpoints raise typed errors and leave the pool untouched."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.engine.engine_helpers import GREEDY, make_engine
+from workers.engine.config import EngineConfig
+from workers.engine.engine_core import EngineCore
+from workers.engine.errors import CapacityError, InvalidRequestError, UnsupportedCheckpointError
+from workers.engine.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path) -> EngineCore:
+    return make_engine(tiny_model_dir, num_pages=8, max_model_len=256)
+
+
+def _bad_calls() -> dict[str, Callable[[EngineCore], object]]:
+    vocab = 320  # the presets' padded vocabulary
+    return {
+        "empty prompt": lambda e: e.add_request("a", [], GREEDY),
+        "prompt at max_model_len": lambda e: e.add_request("a", [1] * 256, GREEDY),
+        "token id negative": lambda e: e.add_request("a", [1, -1], GREEDY),
+        "token id past vocab": lambda e: e.add_request("a", [1, vocab + 5], GREEDY),
+        "token id not an int": lambda e: e.add_request("a", [1, 2.0], GREEDY),  # type: ignore[list-item]
+        "text instead of ids": lambda e: e.add_request("a", "hello", GREEDY),  # type: ignore[arg-type]
+        "params not SamplingParams": lambda e: e.add_request("a", [1], {"max_tokens": 3}),  # type: ignore[arg-type]
+        "empty request id": lambda e: e.add_request("", [1], GREEDY),
+        "stop token past vocab": lambda e: e.add_request(
+            "a", [1], SamplingParams(stop_token_ids=[vocab])
+        ),
+        "unpinned pages": lambda e: e.add_prefilled_request("a", [1, 2, 3], GREEDY, [0]),
+        "too few pages": lambda e: e.add_prefilled_request("a", [1] * 40, GREEDY, []),
+        "kv_ready unknown": lambda e: e.kv_ready("nope"),
+        "release unknown": lambda e: e.release("nope"),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_bad_calls()))
+def test_bad_request_raises_before_allocating(engine: EngineCore, case: str) -> None:
+    free_before = engine.block_manager.num_free_pages
+    with pytest.raises(InvalidRequestError):
+        _bad_calls()[case](engine)
+    assert engine.block_manager.num_free_pages == free_before
+    assert not engine.has_unfinished()
+    engine.check_invariants()
+
+
+def test_duplicate_active_request_id(engine: EngineCore) -> None:
+    engine.add_request("dup", [1, 2, 3], GREEDY)
+    free_before = engine.block_manager.num_free_pages
+    with pytest.raises(InvalidRequestError, match="already active"):
+        engine.add_request("dup", [4, 5], GREEDY)
+    assert engine.block_manager.num_free_pages == free_before
+    while engine.has_unfinished():
+        engine.step()
+    engine.add_request("dup", [4, 5], GREEDY)  # reusable once finished
+    engine.abort("dup")
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.block_manager.num_free_pages == engine.num_pages
+
+
+def test_prompt_larger_than_the_pool_is_a_capacity_error(tiny_model_dir: Path) -> None:
+    small = make_engine(tiny_model_dir, num_pages=2, max_model_len=256)
+    with pytest.raises(CapacityError):
+        small.add_request("a", [1] * 40, GREEDY)
+    assert small.block_manager.num_free_pages == 2 and not small.has_unfinished()
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"max_tokens": 0}, {"max_tokens": -3}, {"temperature": -1.0}, {"top_p": 2.0}, {"top_k": -5}],
+)
+def test_bad_sampling_values(kwargs: dict[str, object]) -> None:
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"role": "both"},
+        {"page_size": 12},
+        {"num_pages": 10, "kv_memory_bytes": 1 << 20},
+        {"num_pages": 0},
+        {"max_num_seqs": 0},
+        {"max_num_batched_tokens": 8, "page_size": 16},
+        {"enable_chunked_prefill": False, "max_num_batched_tokens": 64, "max_model_len": 128},
+        {"dtype": "int8"},
+        {"attention_backend": "magic"},
+    ],
+)
+def test_bad_config_values(kwargs: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        EngineConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_unsupported_checkpoint(tiny_model_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(UnsupportedCheckpointError):
+        EngineCore(tmp_path / "missing", EngineConfig(num_pages=4))
+    gpt2 = tmp_path / "gpt2"
+    shutil.copytree(tiny_model_dir, gpt2)
+    config = json.loads((gpt2 / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (gpt2 / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedCheckpointError, match="unsupported architecture"):
+        EngineCore(gpt2, EngineConfig(num_pages=4))

@@ -1,0 +1,88 @@
+"""Engine configuration: one frozen dataclass, validated once at construction.
+
+Values measured or derived at run time (the page count computed from a memory budget, the
+model's own ``max_model_len`` when none is given) live in ``EngineCore`` / ``KVCachePool``, never
+written back here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Role = Literal["mixed", "prefill", "decode"]
+
+ROLES: tuple[str, ...] = ("mixed", "prefill", "decode")
+DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "flashinfer")
+
+# Used when neither ``num_pages`` nor ``kv_memory_bytes`` is given.
+DEFAULT_KV_MEMORY_BYTES = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How one engine runs.
+
+    role: ``mixed`` runs prefill chunks and decodes in one batch; ``prefill`` computes KV for all
+        prompt tokens but the last and never samples; ``decode`` admits requests whose prompt KV
+        was written into its pages by someone else and runs the last prompt token as the first
+        decode step.
+    num_pages / kv_memory_bytes: size of the KV pool, allocated up front. Give at most one; with
+        neither, ``DEFAULT_KV_MEMORY_BYTES`` is used.
+    max_num_batched_tokens: token budget of one step (prefill chunk tokens + one per decode).
+    max_model_len: prompt + output limit per request; ``None`` means the model's own limit.
+    """
+
+    role: Role = "mixed"
+    page_size: int = 16
+    num_pages: int | None = None
+    kv_memory_bytes: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    max_model_len: int | None = None
+    dtype: str = "float32"
+    attention_backend: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.page_size <= 0 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a positive power of two, got {self.page_size}")
+        if self.num_pages is not None and self.kv_memory_bytes is not None:
+            raise ValueError("give num_pages or kv_memory_bytes, not both")
+        if self.num_pages is not None and self.num_pages <= 0:
+            raise ValueError(f"num_pages must be positive, got {self.num_pages}")
+        if self.kv_memory_bytes is not None and self.kv_memory_bytes <= 0:
+            raise ValueError(f"kv_memory_bytes must be positive, got {self.kv_memory_bytes}")
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(
+                f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}"
+            )
+        if self.enable_chunked_prefill and self.max_num_batched_tokens < self.page_size:
+            # Chunks other than a prompt's last end on a page boundary, so a step must be able to
+            # hold at least one whole page of a long prompt.
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                f"page_size ({self.page_size}) with chunked prefill"
+            )
+        if self.max_model_len is not None:
+            if self.max_model_len < 2:
+                raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+            if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+                raise ValueError(
+                    "without chunked prefill max_num_batched_tokens "
+                    f"({self.max_num_batched_tokens}) must be >= max_model_len "
+                    f"({self.max_model_len}), or long prompts could never run"
+                )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                f"got {self.attention_backend!r}"
+            )

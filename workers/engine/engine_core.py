@@ -1,0 +1,353 @@
+"""The engine: requests in, one step at a time, tokens out.
+
+``step()`` is schedule → (tell the KV messenger what runs) → run the model → sample → check stop
+conditions. Everything is synchronous; a caller drives it in a loop.
+
+Roles (``EngineConfig.role``):
+
+- ``mixed``: ``add_request``; prefill chunks and decodes share each step.
+- ``prefill``: ``add_request``; computes the KV of every prompt token but the last and never
+  samples. ``on_step_scheduled(chunks)`` is called before each forward pass with the
+  ``ScheduledChunk``s (request id, token range, page ids) about to be written, and
+  ``layer_progress`` advances layer by layer during the pass. A request finishes with reason
+  ``prefilled``; its pages stay allocated (``pages_of``) until ``release(request_id)``.
+- ``decode``: the KV messenger reserves pinned pages (``allocate_pinned``), has them filled,
+  then hands the request over with ``add_prefilled_request(..., page_ids)``; its first step runs
+  the last prompt token. (``add_request_awaiting_kv`` / ``kv_ready`` do the same with the engine
+  tracking the request while it waits.)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from workers.engine.attention import create_attention_backend
+from workers.engine.block_manager import BlockManager
+from workers.engine.config import DEFAULT_KV_MEMORY_BYTES, EngineConfig
+from workers.engine.errors import InvalidRequestError
+from workers.engine.kv_cache import allocate_kv_cache, num_pages_for_budget
+from workers.engine.layer_progress import LayerProgress
+from workers.engine.model import load_model
+from workers.engine.model_config import ModelConfig
+from workers.engine.model_runner import ModelRunner
+from workers.engine.outputs import EngineStats, RequestOutput
+from workers.engine.sampler import Sampler, SamplingRow
+from workers.engine.sampling_params import SamplingParams
+from workers.engine.scheduler import ScheduledChunk, Scheduler
+from workers.engine.sequence import FinishReason, SequenceStatus
+from workers.engine.sequence import Sequence as Seq
+from workers.engine.stop_checker import StopChecker
+from workers.engine.validation import validate_request
+
+if TYPE_CHECKING:
+    from workers.engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+StepHook = Callable[[list[ScheduledChunk]], None]
+
+
+class EngineCore:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        config: EngineConfig | None = None,
+        *,
+        on_step_scheduled: StepHook | None = None,
+        detokenize: bool = True,
+    ) -> None:
+        self.config = config = config or EngineConfig()
+        self.model_config = ModelConfig.from_dir(model_dir)
+        torch.manual_seed(config.seed)
+        self.model, _ = load_model(model_dir, dtype=config.dtype)
+        param = next(self.model.parameters())
+        self.dtype, self.device = param.dtype, param.device
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.num_pages = config.num_pages or num_pages_for_budget(
+            self.model_config,
+            config.page_size,
+            self.dtype,
+            config.kv_memory_bytes or DEFAULT_KV_MEMORY_BYTES,
+        )
+        self.kv_cache = allocate_kv_cache(
+            self.model_config, self.num_pages, config.page_size, self.dtype, self.device
+        )
+        backend = create_attention_backend(
+            config.attention_backend,
+            self.kv_cache,
+            config.page_size,
+            scale=self.model_config.head_dim**-0.5,
+        )
+        self.layer_progress = LayerProgress(self.model_config.num_layers)
+        self.block_manager = BlockManager(self.num_pages, config.page_size)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.runner = ModelRunner(
+            self.model, backend, config.page_size, self.layer_progress, self.device
+        )
+        self.sampler = Sampler(config.seed)
+        self.stop_checker = StopChecker(
+            model_dir, self.model_config, self.max_model_len, detokenize
+        )
+        self.on_step_scheduled = on_step_scheduled
+        self.stats = EngineStats()
+        # Every request the engine knows and has not yet reported finished.
+        self._requests: dict[str, Seq] = {}
+        # Prefill role: finished requests whose pages the KV messenger still reads.
+        self._held: dict[str, Seq] = {}
+        # Outputs produced outside a step (aborts, 1-token prompts on the prefill role).
+        self._pending: list[RequestOutput] = []
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.stop_checker.tokenizer
+
+    # --- requests --------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+    ) -> None:
+        prompt = self._validate(request_id, prompt_token_ids, params or SamplingParams())
+        prefill_only = self.config.role == "prefill"
+        seq = Seq(request_id, prompt, params or SamplingParams(), prefill_only=prefill_only)
+        self._requests[request_id] = seq
+        if prefill_only and seq.num_remaining_tokens == 0:
+            # A one-token prompt has no KV to prefill: the decoder runs that token itself.
+            self._finish(seq, FinishReason.PREFILLED)
+            return
+        self.stop_checker.start(seq)
+        self.scheduler.add(seq)
+
+    def allocate_pinned(self, num_pages: int) -> list[int]:
+        """Reserve non-evictable pages for KV that will be written from elsewhere."""
+        return self.block_manager.allocate_pinned(num_pages)
+
+    def free_pinned(self, page_ids: Sequence[int]) -> None:
+        """Give back pinned pages that were never handed to a request (failed transfer)."""
+        self.block_manager.free_pinned(page_ids)
+
+    def num_prefill_pages(self, num_prompt_tokens: int) -> int:
+        """Pages a decoder reserves for a prompt: the KV of all its tokens but the last."""
+        return self.block_manager.pages_for_tokens(num_prompt_tokens - 1)
+
+    def add_prefilled_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None,
+        page_ids: Sequence[int],
+    ) -> None:
+        """Admit a request whose KV for all prompt tokens but the last is in pinned ``page_ids``.
+
+        The pages pass to the request (unpinned); its first step runs the last prompt token.
+        """
+        params = params or SamplingParams()
+        prompt = self._validate(request_id, prompt_token_ids, params)
+        self._check_pinned_pages(page_ids, len(prompt))
+        seq = Seq(request_id, prompt, params)
+        self.block_manager.unpin(page_ids)
+        seq.page_ids = list(page_ids)
+        seq.num_computed_tokens = len(prompt) - 1
+        self._requests[request_id] = seq
+        self.stop_checker.start(seq)
+        self.scheduler.add(seq)
+
+    def add_request_awaiting_kv(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams | None
+    ) -> list[int]:
+        """Track a request whose prompt KV is yet to arrive; returns the pinned pages to fill.
+
+        The request is invisible to the scheduler until ``kv_ready(request_id)``.
+        """
+        params = params or SamplingParams()
+        prompt = self._validate(request_id, prompt_token_ids, params)
+        page_ids = self.allocate_pinned(self.num_prefill_pages(len(prompt)))
+        seq = Seq(request_id, prompt, params, status=SequenceStatus.WAITING_FOR_KV)
+        seq.page_ids = page_ids
+        seq.num_computed_tokens = len(prompt) - 1
+        self._requests[request_id] = seq
+        return list(page_ids)
+
+    def kv_ready(self, request_id: str) -> None:
+        seq = self._requests.get(request_id)
+        if seq is None or seq.status is not SequenceStatus.WAITING_FOR_KV:
+            raise InvalidRequestError(f"request {request_id} is not waiting for KV")
+        self.block_manager.unpin(seq.page_ids)
+        seq.kv_ready()
+        self.stop_checker.start(seq)
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """End a request in any state and free its pages; False when it is not known.
+
+        Its final output (reason ``abort``) comes from the next ``step()``.
+        """
+        seq = self._requests.get(request_id) or self._held.get(request_id)
+        if seq is None:
+            return False
+        if request_id in self._held:
+            self.release(request_id)
+            return True
+        if seq.status is SequenceStatus.WAITING_FOR_KV:
+            self.block_manager.free_pinned(seq.page_ids)
+            seq.page_ids = []
+        self._finish(seq, FinishReason.ABORT)
+        return True
+
+    def release(self, request_id: str) -> None:
+        """Prefill role: the KV of a ``prefilled`` request has been sent; free its pages."""
+        seq = self._held.pop(request_id, None)
+        if seq is None:
+            raise InvalidRequestError(f"request {request_id} holds no prefilled pages")
+        self.scheduler.release_pages(seq)
+
+    def pages_of(self, request_id: str) -> list[int]:
+        seq = self._requests.get(request_id) or self._held.get(request_id)
+        if seq is None:
+            raise InvalidRequestError(f"unknown request {request_id}")
+        return list(seq.page_ids)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests or self._pending)
+
+    # --- the step --------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        scheduled = self.scheduler.schedule()
+        self.stats.num_preemptions += len(scheduled.preempted)
+        for seq in scheduled.hopeless:
+            outputs.append(self._final_output(seq))
+        if scheduled.is_empty:
+            return outputs
+        if self.on_step_scheduled is not None:
+            self.on_step_scheduled(scheduled.chunks)
+        logits = self.runner.run(scheduled)
+        self.scheduler.postprocess(scheduled)
+        self._account(scheduled.num_tokens)
+
+        sampling = [
+            seq for seq, c in zip(scheduled.seqs, scheduled.chunks, strict=True) if c.samples
+        ]
+        if logits is not None:
+            outputs.extend(self._append_sampled(sampling, logits))
+        for seq in scheduled.seqs:
+            if seq.prefill_only and seq.num_remaining_tokens == 0:
+                outputs.append(self._finish(seq, FinishReason.PREFILLED, emit=False))
+        return outputs
+
+    def _append_sampled(self, seqs: list[Seq], logits: torch.Tensor) -> list[RequestOutput]:
+        rows = [
+            SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator) for s in seqs
+        ]
+        sampled = self.sampler(logits, rows)
+        now = time.perf_counter()
+        outputs = []
+        for i, seq in enumerate(seqs):
+            wants_logprob = sampled.logprobs is not None and seq.params.logprobs
+            logprob = sampled.logprobs[i] if wants_logprob and sampled.logprobs else None
+            seq.append_token(sampled.token_ids[i], logprob, now)
+            self.stats.num_sampled_tokens += 1
+            new_text, reason = self.stop_checker.check(seq)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                self._forget(seq)
+            outputs.append(
+                RequestOutput(
+                    request_id=seq.request_id,
+                    new_token_ids=[seq.token_ids[-1]],
+                    token_times=[now],
+                    logprobs=[logprob] if logprob is not None else None,
+                    new_text=new_text,
+                    finished=reason is not None,
+                    finish_reason=reason.value if reason is not None else None,
+                    num_prompt_tokens=seq.num_prompt_tokens,
+                )
+            )
+        return outputs
+
+    # --- helpers ---------------------------------------------------------------------------
+
+    def _validate(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> list[int]:
+        if request_id in self._requests or request_id in self._held:
+            raise InvalidRequestError(f"request id {request_id!r} is already active")
+        return validate_request(
+            request_id,
+            prompt_token_ids,
+            params,
+            vocab_size=self.model_config.vocab_size,
+            max_model_len=self.max_model_len,
+            pool_tokens=self.num_pages * self.config.page_size,
+            has_tokenizer=self.stop_checker.tokenizer is not None,
+        )
+
+    def _check_pinned_pages(self, page_ids: Sequence[int], num_prompt_tokens: int) -> None:
+        needed = self.num_prefill_pages(num_prompt_tokens)
+        if len(page_ids) < needed:
+            raise InvalidRequestError(
+                f"{len(page_ids)} pages given for {num_prompt_tokens - 1} prefilled tokens "
+                f"({needed} needed)"
+            )
+        if len(set(page_ids)) != len(page_ids):
+            raise InvalidRequestError("page ids repeat")
+        for page_id in page_ids:
+            if not 0 <= page_id < self.num_pages or not self.block_manager.is_pinned(page_id):
+                raise InvalidRequestError(f"page {page_id} was not allocated with allocate_pinned")
+
+    def _finish(self, seq: Seq, reason: FinishReason, *, emit: bool = True) -> RequestOutput:
+        keep = reason is FinishReason.PREFILLED
+        self.scheduler.finish(seq, reason, keep_pages=keep)
+        if keep:
+            self._held[seq.request_id] = seq
+        output = self._final_output(seq)
+        if emit:
+            self._pending.append(output)
+        return output
+
+    def _forget(self, seq: Seq) -> None:
+        self._requests.pop(seq.request_id, None)
+        self.stop_checker.forget(seq)
+
+    def _final_output(self, seq: Seq) -> RequestOutput:
+        self._forget(seq)
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=[],
+            token_times=[],
+            finished=True,
+            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            page_ids=tuple(seq.page_ids),
+        )
+
+    def _account(self, num_tokens: int) -> None:
+        self.stats.num_steps += 1
+        self.stats.num_model_tokens += num_tokens
+        self.stats.max_step_tokens = max(self.stats.max_step_tokens, num_tokens)
+
+    def check_invariants(self) -> None:
+        """Every page is free, pinned, or owned by exactly the requests that list it."""
+        self.block_manager.check_invariants()
+        owners: dict[int, int] = {}
+        for seq in [*self._requests.values(), *self._held.values()]:
+            for page_id in seq.page_ids:
+                owners[page_id] = owners.get(page_id, 0) + 1
+        free = self.block_manager.num_free_pages
+        assert free + len(owners) + self._num_unowned_pinned(owners) == self.num_pages, "leak"
+        for page_id, count in owners.items():
+            assert self.block_manager.ref_count(page_id) == count, f"page {page_id} ref count"
+
+    def _num_unowned_pinned(self, owners: dict[int, int]) -> int:
+        return sum(
+            1 for p in range(self.num_pages) if self.block_manager.is_pinned(p) and p not in owners
+        )

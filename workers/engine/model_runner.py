@@ -1,0 +1,89 @@
+"""Turns a scheduled step into tensors and runs the model; owns every tensor of the step."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from workers.engine.attention.base import AttentionBackend, AttentionBatch
+from workers.engine.layer_progress import LayerProgress
+from workers.engine.model import CausalLM
+from workers.engine.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: CausalLM,
+        backend: AttentionBackend,
+        page_size: int,
+        layer_progress: LayerProgress,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.backend = backend
+        self.page_size = page_size
+        self.layer_progress = layer_progress
+        self.device = device
+
+    @torch.inference_mode()
+    def run(self, step: SchedulerOutput) -> torch.Tensor | None:
+        """One forward pass; returns float32 logits of the sequences that sample, in order.
+
+        Returns None when no sequence samples (the prefill role): the LM head is skipped.
+        """
+        input_ids, positions, batch = self.prepare(step)
+        hidden = self.model.forward(input_ids, positions, batch, self.backend, self.layer_progress)
+        sample_rows = [
+            end - 1
+            for chunk, end in zip(step.chunks, batch.query_start_loc[1:].tolist(), strict=True)
+            if chunk.samples
+        ]
+        if not sample_rows:
+            return None
+        index = torch.tensor(sample_rows, dtype=torch.long, device=hidden.device)
+        return self.model.compute_logits(hidden.index_select(0, index))
+
+    def prepare(self, step: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
+        page_size = self.page_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        context_lens: list[int] = []
+        for seq, num_new in zip(step.seqs, step.num_new_tokens, strict=True):
+            start = seq.num_computed_tokens
+            end = start + num_new
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            pages = seq.page_ids
+            slots.extend(
+                pages[p // page_size] * page_size + p % page_size for p in range(start, end)
+            )
+            query_lens.append(num_new)
+            seq_lens.append(end)
+            context_lens.append(start)
+
+        max_pages = max(len(seq.page_ids) for seq in step.seqs)
+        page_table = [seq.page_ids + [-1] * (max_pages - len(seq.page_ids)) for seq in step.seqs]
+        query_start_loc = [0]
+        for n in query_lens:
+            query_start_loc.append(query_start_loc[-1] + n)
+
+        def tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=self.device)
+
+        batch = AttentionBatch(
+            query_start_loc=tensor(query_start_loc),
+            seq_lens=tensor(seq_lens),
+            context_lens=tensor(context_lens),
+            page_table=tensor(page_table),
+            slot_mapping=tensor(slots),
+            query_lens_list=tuple(query_lens),
+            seq_lens_list=tuple(seq_lens),
+        )
+        return tensor(input_ids), tensor(positions), batch

@@ -1,0 +1,36 @@
+"""What ``EngineCore.step`` reports, and the engine's run-time counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """New tokens of one request in one step (deltas, not cumulative).
+
+    finish_reason: ``stop`` | ``length`` | ``abort`` | ``prefilled`` (prefill role: the KV of all
+    prompt tokens but the last is in ``page_ids``, held until ``EngineCore.release``).
+    token_times: ``time.perf_counter()`` when each new token was sampled.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    token_times: list[float]
+    logprobs: list[float] | None = None
+    new_text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    page_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class EngineStats:
+    """Counters measured while running (never written back into the config)."""
+
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_model_tokens: int = 0  # tokens run through the model (prefill chunks + decodes)
+    num_sampled_tokens: int = 0
+    max_step_tokens: int = 0

@@ -1,0 +1,92 @@
+"""Per-request sampling parameters (vLLM semantics), validated at construction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from workers.engine.errors import InvalidRequestError
+
+# Temperatures below this are greedy (argmax), as in vLLM.
+GREEDY_TEMPERATURE_EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the next token and when to stop.
+
+    temperature: 0 means greedy. top_k: 0 or -1 disables it. top_p: 1 disables it.
+    min_p: drop tokens whose probability is below ``min_p * max probability``; 0 disables it.
+    repetition_penalty: > 1 discourages tokens seen in the prompt or the output (positive
+        logits divided, negative multiplied); 1 disables it.
+    presence_penalty / frequency_penalty: subtracted once per token present in the output /
+        once per occurrence in the output; 0 disables them.
+    stop: strings that end the output (the stop string itself is not part of the text).
+    logprobs: report the log-probability of each chosen token (from the model's raw logits).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    max_tokens: int = 16
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        def bad(message: str) -> InvalidRequestError:
+            return InvalidRequestError(f"invalid sampling params: {message}")
+
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not math.isfinite(value):
+                raise bad(f"{name} must be a finite number, got {value!r}")
+        if self.temperature < 0:
+            raise bad(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise bad(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise bad(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k!r}")
+        if not 0 <= self.min_p <= 1:
+            raise bad(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not -2 <= self.presence_penalty <= 2:
+            raise bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2 <= self.frequency_penalty <= 2:
+            raise bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop must be a list of non-empty strings")
+        if not isinstance(self.stop_token_ids, list) or not all(
+            isinstance(t, int) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise bad("stop_token_ids must be a list of non-negative integers")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad(f"seed must be an integer, got {self.seed!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )

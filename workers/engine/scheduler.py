@@ -1,0 +1,236 @@
+"""Continuous batching with chunked prefill under a per-step token budget.
+
+Queues:
+
+- ``waiting``: sequences with KV still to compute and no place in the batch yet (new requests,
+  preempted ones at the front). FIFO.
+- ``running``: sequences admitted to the batch; they hold pages. Each step every running
+  sequence gets either its next prefill chunk or its one decode token, budget permitting.
+
+A step's work for a sequence is ``num_computed_tokens .. num_computed_tokens + n``. Every chunk
+but the last of a sequence's pending tokens ends on a page boundary, so each page is written
+exactly once per layer (the KV messenger counts writes per page in advance).
+
+When a running sequence needs a page and none is free, the most recently admitted running
+sequence is preempted by recompute: its pages go back to the pool and it rejoins the front of
+``waiting`` with nothing computed. Pinned pages belong to no running sequence and so are never
+taken. On the prefill role a sequence gets all its pages when admitted, so it is never
+preempted (its KV is already on its way to a decoder).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from workers.engine.block_manager import BlockManager
+from workers.engine.config import EngineConfig
+from workers.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """One sequence's work in one step, as the KV messenger sees it.
+
+    ``start .. end`` are token positions whose KV this step writes; ``page_ids`` are the pages
+    holding those positions (``page_ids[0]`` holds position ``start``; ``start`` is always on a
+    page boundary except for a decode token).
+    """
+
+    request_id: str
+    start: int
+    end: int
+    page_ids: tuple[int, ...]
+    samples: bool  # the step samples a token for this sequence
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    # Sequences finished because they outgrew the whole KV pool (reason ``length``).
+    hopeless: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.page_size = config.page_size
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        assert seq.status is SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- the step --------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+
+        # Running sequences first: they already hold pages, and finishing them frees pages.
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_new = self._chunk_size(seq, budget)
+            if num_new == 0:
+                index += 1
+                continue
+            if not self._fits_alone(seq, num_new):
+                self.finish(seq, FinishReason.LENGTH)
+                out.hopeless.append(seq)
+                continue
+            while not self._can_append(seq, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break  # it preempted itself: it was the last running sequence
+            self._schedule(seq, num_new, out)
+            budget -= num_new
+            index += 1
+
+        # Admit waiting sequences only when nobody was preempted: they would just be evicted.
+        while (
+            not out.preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            seq = self.waiting[0]
+            num_new = self._chunk_size(seq, budget)
+            if num_new == 0:
+                break
+            if not self._fits_alone(seq, num_new):
+                self.finish(seq, FinishReason.LENGTH)
+                out.hopeless.append(seq)
+                continue
+            # The prefill role reserves a prompt's pages at admission, so it never preempts:
+            # a recomputed chunk would send its pages to the decoder a second time.
+            reserve = seq.num_remaining_tokens if seq.prefill_only else num_new
+            if not self._can_append(seq, reserve) and not self._drop_waiting_kv(seq, reserve, out):
+                break
+            self.waiting.popleft()
+            seq.start_running()
+            self.running.append(seq)
+            seq.page_ids.extend(self.block_manager.allocate(self._pages_needed(seq, reserve)))
+            self._schedule(seq, num_new, out)
+            budget -= num_new
+
+        return out
+
+    def postprocess(self, out: SchedulerOutput) -> None:
+        """Account this step's computed tokens (before the engine appends sampled tokens)."""
+        for seq, num_new in zip(out.seqs, out.num_new_tokens, strict=True):
+            seq.num_computed_tokens += num_new
+
+    def finish(self, seq: Sequence, reason: FinishReason, *, keep_pages: bool = False) -> None:
+        """End a sequence in any state; frees its pages unless the caller still needs them."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.finish(reason)
+        if not keep_pages:
+            self.release_pages(seq)
+
+    def release_pages(self, seq: Sequence) -> None:
+        self.block_manager.free(seq.page_ids)
+        seq.page_ids = []
+
+    # --- helpers ---------------------------------------------------------------------------
+
+    def _chunk_size(self, seq: Sequence, budget: int) -> int:
+        """Tokens of ``seq`` to run this step within ``budget``; 0 when none fit."""
+        remaining = seq.num_remaining_tokens
+        if remaining <= budget:
+            return remaining
+        if not self.config.enable_chunked_prefill:
+            return 0
+        # Not the last chunk: end on a page boundary.
+        end = (seq.num_computed_tokens + budget) // self.page_size * self.page_size
+        return max(end - seq.num_computed_tokens, 0)
+
+    def _pages_needed(self, seq: Sequence, num_new: int) -> int:
+        total = self.block_manager.pages_for_tokens(seq.num_computed_tokens + num_new)
+        return max(total - len(seq.page_ids), 0)
+
+    def _can_append(self, seq: Sequence, num_new: int) -> bool:
+        return self.block_manager.can_allocate(self._pages_needed(seq, num_new))
+
+    def _schedule(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
+        seq.page_ids.extend(self.block_manager.allocate(self._pages_needed(seq, num_new)))
+        start = seq.num_computed_tokens
+        end = start + num_new
+        first_page = start // self.page_size
+        last_page = (end - 1) // self.page_size
+        out.seqs.append(seq)
+        out.num_new_tokens.append(num_new)
+        out.chunks.append(
+            ScheduledChunk(
+                request_id=seq.request_id,
+                start=start,
+                end=end,
+                page_ids=tuple(seq.page_ids[first_page : last_page + 1]),
+                samples=not seq.prefill_only and end == seq.num_tokens,
+            )
+        )
+
+    def _preempt(self, seq: Sequence) -> None:
+        logger.debug("preempting %s (recompute)", seq.request_id)
+        self.running.remove(seq)
+        self.release_pages(seq)
+        seq.preempt()
+        self.waiting.appendleft(seq)
+
+    def _drop_waiting_kv(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
+        """With nothing running, free KV held by waiting sequences queued behind ``seq``.
+
+        Only the decode role has waiting sequences that hold pages (KV written by a prefill
+        worker). If they hold every free page, nothing running will ever free one: drop the KV
+        of the newest of them (they recompute it later) until ``seq`` fits.
+        """
+        if self.running:
+            return False  # running sequences will finish or be preempted and free pages
+        for victim in reversed(self.waiting):
+            if self._can_append(seq, num_new):
+                break
+            if victim is not seq and victim.page_ids:
+                logger.debug("dropping the KV of waiting %s (recompute)", victim.request_id)
+                self.release_pages(victim)
+                victim.drop_kv()
+                out.preempted.append(victim)
+        return self._can_append(seq, num_new)
+
+    def _fits_alone(self, seq: Sequence, num_new: int) -> bool:
+        """Whether the pages ``seq`` needs fit in the pool with every unpinned page free.
+
+        A sequence that does not can never run (preempting others would not help): the
+        scheduler finishes it with ``length`` rather than preempting forever.
+        """
+        needed = self.block_manager.pages_for_tokens(seq.num_computed_tokens + num_new)
+        return needed <= self.block_manager.num_pages - self.block_manager.num_pinned_pages
