@@ -11,6 +11,8 @@ apt_packages=()
 [ -f /usr/include/rdma/fabric.h ] || apt_packages+=(libfabric-dev libfabric1)
 command -v fi_info >/dev/null 2>&1 || apt_packages+=(libfabric-bin)
 command -v iperf3 >/dev/null 2>&1 || apt_packages+=(iperf3)
+# promtool (Debian package prometheus) checks the /metrics exposition in the tests.
+command -v promtool >/dev/null 2>&1 || apt_packages+=(prometheus)
 if [ ${#apt_packages[@]} -gt 0 ]; then
   if ! command -v apt-get >/dev/null 2>&1; then
     echo "error: missing ${apt_packages[*]} and no apt-get; install libfabric (>= 1.17, with headers) by hand" >&2

@@ -179,17 +179,29 @@ class TorchAttentionBackend(AttentionBackend):
         v: torch.Tensor,
         chunk: _ChunkPlan,
     ) -> torch.Tensor:
+        # SDPA takes its fused CPU kernels only for 4-D inputs; 3-D ones fall back to the slow
+        # math path, so a batch dimension of 1 is added.
         query = q[chunk.start : chunk.end].transpose(0, 1)  # [Hq, n, D]
         if chunk.page_ids is None:
             keys = k[chunk.start : chunk.end].transpose(0, 1)
             values = v[chunk.start : chunk.end].transpose(0, 1)
             out = F.scaled_dot_product_attention(
-                query, keys, values, is_causal=True, scale=self.scale, enable_gqa=True
-            )
+                query[None],
+                keys[None],
+                values[None],
+                is_causal=True,
+                scale=self.scale,
+                enable_gqa=True,
+            )[0]
         else:
             kv = self._gather(cache, chunk.page_ids).to(q.dtype)  # [2, Hk, pages, P, D]
             kv = kv.flatten(2, 3)
             out = F.scaled_dot_product_attention(
-                query, kv[0], kv[1], attn_mask=chunk.attn_mask, scale=self.scale, enable_gqa=True
-            )
+                query[None],
+                kv[0][None],
+                kv[1][None],
+                attn_mask=chunk.attn_mask,
+                scale=self.scale,
+                enable_gqa=True,
+            )[0]
         return out.transpose(0, 1)

@@ -1,0 +1,101 @@
+{{/* Chart name, truncated to the 63 characters of a DNS label. */}}
+{{- define "pdserve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Resource name prefix; also the RayCluster's name. KubeRay appends suffixes such as
+"-head-svc" and "-<group>-worker-xxxxx", so keep it well under 63 characters.
+*/}}
+{{- define "pdserve.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" }}
+{{- else if contains (include "pdserve.name" .) .Release.Name }}
+{{- .Release.Name | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name (include "pdserve.name" .) | trunc 40 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "pdserve.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "pdserve.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{ include "pdserve.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{- define "pdserve.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end }}
+
+{{/* Secret holding the Ray token (key auth_token). */}}
+{{- define "pdserve.rayAuthSecret" -}}
+{{- .Values.ray.auth.existingSecret | default (printf "%s-ray-auth" (include "pdserve.fullname" .)) }}
+{{- end }}
+
+{{/* Address of the Ray dashboard, where jobs are submitted. */}}
+{{- define "pdserve.rayAddress" -}}
+http://{{ include "pdserve.fullname" . }}-head-svc.{{ .Release.Namespace }}.svc:8265
+{{- end }}
+
+{{/*
+Token auth env for a container. Ray containers get it from the chart unless KubeRay's
+authOptions wires it ("ray" = true); the launcher always needs it to submit its job.
+*/}}
+{{- define "pdserve.rayAuthEnv" -}}
+{{- $root := index . 0 }}
+{{- $rayContainer := index . 1 }}
+{{- if and $root.Values.ray.auth.enabled (not (and $rayContainer $root.Values.ray.auth.useAuthOptions)) }}
+- name: RAY_AUTH_MODE
+  value: token
+- name: RAY_AUTH_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "pdserve.rayAuthSecret" $root }}
+      key: auth_token
+{{- end }}
+{{- end }}
+
+{{/*
+The cluster config (orchestrator/config.py's schema) built from values. Each worker group
+advertises a Ray custom resource pdserve_<role> and each rank asks for one unit of it, so that
+Ray places prefill ranks only on prefill pods and decode ranks only on decode pods.
+*/}}
+{{- define "pdserve.clusterConfig" -}}
+{{- $groups := dict }}
+{{- range $role, $group := .Values.workerGroups }}
+{{- $resources := dict "cpu" $group.cpuPerRank "gpu" $group.gpuPerRank "custom" (dict (printf "pdserve_%s" $role) 1) }}
+{{- $entry := dict "replicas" $group.replicas "tp" $group.tpPerPod "resources_per_rank" $resources "fabric" (dict "provider" $.Values.fabric.provider) }}
+{{- if $group.limits }}
+{{- $_ := set $entry "limits" $group.limits }}
+{{- end }}
+{{- $_ := set $groups $role $entry }}
+{{- end }}
+{{- $router := merge (dict "address" (printf "0.0.0.0:%v" .Values.router.grpcPort)) (deepCopy .Values.clusterConfig.router) }}
+{{- $config := merge (dict "model" .Values.model.path "groups" $groups "router" $router) (omit (deepCopy .Values.clusterConfig) "router") }}
+{{- toYaml $config }}
+{{- end }}
+
+{{/*
+Rules across values that the JSON schema cannot express; the orchestrator checks the same ones
+at launch, but a failed `helm install` beats a launcher Job that crash-loops.
+*/}}
+{{- define "pdserve.validate" -}}
+{{- $prefill := .Values.workerGroups.prefill.replicas | int }}
+{{- $decode := .Values.workerGroups.decode.replicas | int }}
+{{- if or (gt $prefill (mul 16 $decode)) (gt $decode (mul 16 $prefill)) }}
+{{- fail (printf "workerGroups: prefill:decode replicas %d:%d is beyond 1:16 either way; one side would sit idle" $prefill $decode) }}
+{{- end }}
+{{- if ne .Values.fabric.provider "tcp;ofi_rxm" }}
+{{- range $role, $group := .Values.workerGroups }}
+{{- if lt ($group.rdmaDevicesPerPod | int) 1 }}
+{{- fail (printf "workerGroups.%s.rdmaDevicesPerPod: fabric.provider %q moves KV over RDMA devices; request at least one (%s)" $role $.Values.fabric.provider $.Values.fabric.rdmaResource) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
