@@ -32,6 +32,9 @@ class EngineConfig:
         neither, ``DEFAULT_KV_MEMORY_BYTES`` is used.
     max_num_batched_tokens: token budget of one step (prefill chunk tokens + one per decode).
     max_model_len: prompt + output limit per request; ``None`` means the model's own limit.
+    tensor_parallel_size: ranks (processes) the model is split over; rank 0 runs the engine.
+        Whether the model's heads divide is checked when it is loaded. With TP, ``num_pages``
+        / ``kv_memory_bytes`` size each rank's pool (its share of the KV heads).
     """
 
     role: Role = "mixed"
@@ -45,6 +48,7 @@ class EngineConfig:
     dtype: str = "float32"
     attention_backend: str = "auto"
     seed: int = 0
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -81,6 +85,10 @@ class EngineConfig:
                 )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
+            )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, "

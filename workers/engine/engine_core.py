@@ -15,6 +15,9 @@ Roles (``EngineConfig.role``):
   then hands the request over with ``add_prefilled_request(..., page_ids)``; its first step runs
   the last prompt token. (``add_request_awaiting_kv`` / ``kv_ready`` do the same with the engine
   tracking the request while it waits.)
+
+Tensor parallelism (``tensor_parallel_size > 1``): this process is rank 0 and spawns the other
+ranks (`parallel_runner`); ``rank_kv_caches`` lists every rank's KV pool; ``close()`` stops them.
 """
 
 from __future__ import annotations
@@ -37,6 +40,11 @@ from workers.engine.model import load_model
 from workers.engine.model_config import ModelConfig
 from workers.engine.model_runner import ModelRunner
 from workers.engine.outputs import EngineStats, RequestOutput
+from workers.engine.parallel_runner import (
+    ParallelModelRunner,
+    TensorParallelRuntime,
+    start_tensor_parallel,
+)
 from workers.engine.sampler import Sampler, SamplingRow
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import ScheduledChunk, Scheduler
@@ -65,19 +73,30 @@ class EngineCore:
         self.config = config = config or EngineConfig()
         self.model_config = ModelConfig.from_dir(model_dir)
         torch.manual_seed(config.seed)
-        self.model, _ = load_model(model_dir, dtype=config.dtype)
+        # Tensor parallelism: this process is rank 0 and holds its shard; followers the rest.
+        self.tp: TensorParallelRuntime | None = None
+        if config.tensor_parallel_size > 1:
+            self.tp = start_tensor_parallel(model_dir, config, self.model_config)
+            self.model = self.tp.model
+        else:
+            self.model, _ = load_model(model_dir, dtype=config.dtype)
         param = next(self.model.parameters())
         self.dtype, self.device = param.dtype, param.device
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
-        self.num_pages = config.num_pages or num_pages_for_budget(
-            self.model_config,
-            config.page_size,
-            self.dtype,
-            config.kv_memory_bytes or DEFAULT_KV_MEMORY_BYTES,
-        )
-        self.kv_cache = allocate_kv_cache(
-            self.model_config, self.num_pages, config.page_size, self.dtype, self.device
-        )
+        if self.tp is not None:
+            self.num_pages, self.kv_cache = self.tp.num_pages, self.tp.kv_cache
+        else:
+            self.num_pages = config.num_pages or num_pages_for_budget(
+                self.model_config,
+                config.page_size,
+                self.dtype,
+                config.kv_memory_bytes or DEFAULT_KV_MEMORY_BYTES,
+            )
+            self.kv_cache = allocate_kv_cache(
+                self.model_config, self.num_pages, config.page_size, self.dtype, self.device
+            )
+        # Every rank's KV pool, index = rank (the messenger registers them all).
+        self.rank_kv_caches = self.tp.rank_kv_caches if self.tp else [self.kv_cache]
         backend = create_attention_backend(
             config.attention_backend,
             self.kv_cache,
@@ -87,8 +106,14 @@ class EngineCore:
         self.layer_progress = LayerProgress(self.model_config.num_layers)
         self.block_manager = BlockManager(self.num_pages, config.page_size)
         self.scheduler = Scheduler(config, self.block_manager)
-        self.runner = ModelRunner(
-            self.model, backend, config.page_size, self.layer_progress, self.device
+        self.runner = (
+            ParallelModelRunner(
+                self.tp, backend, config.page_size, self.layer_progress, self.device
+            )
+            if self.tp is not None
+            else ModelRunner(
+                self.model, backend, config.page_size, self.layer_progress, self.device
+            )
         )
         self.sampler = Sampler(config.seed)
         self.stop_checker = StopChecker(
@@ -106,6 +131,17 @@ class EngineCore:
     @property
     def tokenizer(self) -> Tokenizer | None:
         return self.stop_checker.tokenizer
+
+    def close(self) -> None:
+        """Stop the tensor-parallel followers (nothing to do on one rank). Idempotent."""
+        if self.tp is not None:
+            self.tp.close()
+
+    def __enter__(self) -> EngineCore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     # --- requests --------------------------------------------------------------------------
 

@@ -5,9 +5,15 @@ read the same input are fused into one GEMM (``qkv_proj`` = q|k|v rows, ``gate_u
 gate|up rows); the loader concatenates HF's separate tensors in that order. Arithmetic follows
 HF's Llama/Qwen modelling code step by step (RMSNorm in float32, RoPE cos/sin cast to the
 activation dtype) so float32 logits match HF within float rounding.
+
+Under tensor parallelism a layer is built from the rank's local config (its own heads and MLP
+columns) and given ``reduce``, the all-reduce (sum) that completes the row-parallel o_proj and
+down_proj (see `workers.engine.parallel`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +23,9 @@ from workers.engine.attention.base import AttentionBackend, AttentionBatch
 from workers.engine.layer_progress import LayerProgress
 from workers.engine.model_config import ModelConfig
 from workers.engine.rope import RotaryTables
+
+# In-place sum of a tensor over the tensor-parallel ranks (None on a single device).
+Reduce = Callable[[torch.Tensor], None]
 
 
 def _empty(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -38,8 +47,11 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, reduce: Reduce | None = None
+    ) -> None:
         super().__init__()
+        self.reduce = reduce
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -78,12 +90,19 @@ class Attention(nn.Module):
             rotated = rotary.rotate(q_and_k)
             q, k = rotated[:, : self.num_heads], rotated[:, self.num_heads :]
         out = backend.forward(layer, q, k, v, batch)
-        return F.linear(out.reshape(num_tokens, self.q_size), self.o_proj_weight)
+        projected = F.linear(out.reshape(num_tokens, self.q_size), self.o_proj_weight)
+        if self.reduce is not None:
+            # Every rank's heads have written their KV once this returns on any rank.
+            self.reduce(projected)
+        return projected
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, reduce: Reduce | None = None
+    ) -> None:
         super().__init__()
+        self.reduce = reduce
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj_weight = _empty(
             2 * config.intermediate_size, config.hidden_size, dtype=dtype
@@ -92,16 +111,21 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.gate_up_proj_weight).split(self.intermediate_size, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj_weight)
+        out = F.linear(F.silu(gate) * up, self.down_proj_weight)
+        if self.reduce is not None:
+            self.reduce(out)
+        return out
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, reduce: Reduce | None = None
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = Attention(config, dtype)
+        self.self_attn = Attention(config, dtype, reduce)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = MLP(config, dtype)
+        self.mlp = MLP(config, dtype, reduce)
 
     def forward(
         self,
@@ -113,7 +137,8 @@ class DecoderLayer(nn.Module):
         progress: LayerProgress | None,
     ) -> torch.Tensor:
         attn_out = self.self_attn(layer, self.input_layernorm(hidden), rotary, batch, backend)
-        # The layer's KV is in the cache once o_proj ran: the messenger may ship it now.
+        # The layer's KV is in the cache once o_proj ran (under TP: once its all-reduce returned,
+        # which no rank passes before every rank wrote its heads): the messenger may ship it.
         if progress is not None:
             progress.mark_layer_done(layer)
         hidden = hidden + attn_out

@@ -4,6 +4,8 @@ Accepts a single ``model.safetensors`` or a sharded ``model.safetensors.index.js
 tensor of the checkpoint must map to a parameter and every parameter must be filled, with the
 exact shape; anything else is an `UnsupportedCheckpointError` naming the offending tensors.
 HF's separate q/k/v and gate/up tensors are copied into our fused parameters (see `layers`).
+Under tensor parallelism each rank reads only its own rows / columns of the sharded tensors
+(safetensors ``get_slice``), per its `ShardSpec`.
 """
 
 from __future__ import annotations
@@ -12,15 +14,18 @@ import json
 import logging
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from workers.engine.errors import UnsupportedCheckpointError
-from workers.engine.layers import DecoderLayer
+from workers.engine.layers import DecoderLayer, Reduce
 from workers.engine.model import CausalLM
 from workers.engine.model_config import ModelConfig
+from workers.engine.parallel import ShardSpec, shard_spec
 
 logger = logging.getLogger(__name__)
 
@@ -68,47 +73,99 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     )
 
 
-def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+@dataclass(frozen=True)
+class _Placement:
+    """Where (part of) one checkpoint tensor goes.
+
+    ``destination`` receives the checkpoint tensor's indices ``[start, start + n)`` along ``dim``
+    (``n`` = the destination's length there), out of ``full`` in the checkpoint; with ``dim``
+    None the whole tensor is copied.
+    """
+
+    destination: torch.Tensor
+    dim: int | None = None
+    start: int = 0
+    full: int = 0
+
+    def checkpoint_shape(self) -> tuple[int, ...]:
+        shape = list(self.destination.shape)
+        if self.dim is not None:
+            shape[self.dim] = self.full
+        return tuple(shape)
+
+    def read(self, handle: Any, name: str) -> torch.Tensor:
+        """Read only this rank's slice (safetensors ``get_slice`` maps, then copies the rows)."""
+        if self.dim is None or self.destination.shape[self.dim] == self.full:
+            tensor: torch.Tensor = handle.get_tensor(name)
+            return tensor
+        stop = self.start + self.destination.shape[self.dim]
+        view = handle.get_slice(name)
+        sliced: torch.Tensor = (
+            view[self.start : stop] if self.dim == 0 else view[:, self.start : stop]
+        )
+        return sliced
+
+
+def iter_handles(files: list[Path]) -> Iterator[tuple[str, Any]]:
+    """(tensor name, open safetensors handle) for every tensor of the checkpoint."""
     for path in files:
         with safe_open(str(path), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, handle.get_tensor(name)
+                yield name, handle
 
 
-def _target(model: CausalLM, name: str) -> torch.Tensor | None:
-    """The tensor (a slice of our possibly fused parameter) that HF tensor ``name`` fills."""
+def _target(model: CausalLM, name: str, shard: ShardSpec) -> _Placement | None:
+    """Where HF tensor ``name`` goes: a (slice of a possibly fused) parameter, and which part
+    of the checkpoint tensor this rank reads (column-parallel rows, row-parallel columns)."""
     if name == "model.embed_tokens.weight":
-        return model.embed_tokens
+        return _Placement(model.embed_tokens)
     if name == "model.norm.weight":
-        return model.norm.weight
+        return _Placement(model.norm.weight)
     if name == "lm_head.weight":
-        return model.lm_head
+        return _Placement(model.lm_head)
     match = _LAYER_TENSOR.fullmatch(name)
     if match is None or int(match.group(1)) >= len(model.layers):
         return None
     layer = model.layers[int(match.group(1))]
     assert isinstance(layer, DecoderLayer)
     attn, mlp = layer.self_attn, layer.mlp
+    head_dim = attn.head_dim
     q, kv = attn.q_size, attn.kv_size
-    qkv_rows = {"q_proj": (0, q), "k_proj": (q, kv), "v_proj": (q + kv, kv)}
+    q_full = shard.tp_size * q
+    kv_full = shard.total_kv_heads * head_dim
+    # (local offset in the fused parameter, rows, first checkpoint row, checkpoint rows)
+    qkv_rows = {
+        "q_proj": (0, q, shard.q_head_start * head_dim, q_full),
+        "k_proj": (q, kv, shard.kv_head_start * head_dim, kv_full),
+        "v_proj": (q + kv, kv, shard.kv_head_start * head_dim, kv_full),
+    }
     suffix = match.group(2)
     proj, _, kind = suffix.removeprefix("self_attn.").partition(".")
     if suffix.startswith("self_attn.") and proj in qkv_rows:
-        start, rows = qkv_rows[proj]
+        offset, rows, start, full = qkv_rows[proj]
         fused = attn.qkv_proj_weight if kind == "weight" else attn.qkv_proj_bias
-        return fused.narrow(0, start, rows) if fused is not None else None
-    inter = mlp.intermediate_size
-    simple: dict[str, torch.Tensor | None] = {
-        "input_layernorm.weight": layer.input_layernorm.weight,
-        "post_attention_layernorm.weight": layer.post_attention_layernorm.weight,
-        "self_attn.o_proj.weight": attn.o_proj_weight,
-        "self_attn.q_norm.weight": attn.q_norm.weight if attn.q_norm else None,
-        "self_attn.k_norm.weight": attn.k_norm.weight if attn.k_norm else None,
-        "mlp.gate_proj.weight": mlp.gate_up_proj_weight.narrow(0, 0, inter),
-        "mlp.up_proj.weight": mlp.gate_up_proj_weight.narrow(0, inter, inter),
-        "mlp.down_proj.weight": mlp.down_proj_weight,
+        if fused is None:
+            return None
+        return _Placement(fused.narrow(0, offset, rows), 0, start, full)
+    inter, mlp_full = mlp.intermediate_size, shard.tp_size * mlp.intermediate_size
+    gate_up = mlp.gate_up_proj_weight
+    placements: dict[str, _Placement | None] = {
+        "input_layernorm.weight": _Placement(layer.input_layernorm.weight),
+        "post_attention_layernorm.weight": _Placement(layer.post_attention_layernorm.weight),
+        "self_attn.o_proj.weight": _Placement(
+            attn.o_proj_weight, 1, shard.q_head_start * head_dim, q_full
+        ),
+        "self_attn.q_norm.weight": _Placement(attn.q_norm.weight) if attn.q_norm else None,
+        "self_attn.k_norm.weight": _Placement(attn.k_norm.weight) if attn.k_norm else None,
+        "mlp.gate_proj.weight": _Placement(
+            gate_up.narrow(0, 0, inter), 0, shard.mlp_start, mlp_full
+        ),
+        "mlp.up_proj.weight": _Placement(
+            gate_up.narrow(0, inter, inter), 0, shard.mlp_start, mlp_full
+        ),
+        "mlp.down_proj.weight": _Placement(mlp.down_proj_weight, 1, shard.mlp_start, mlp_full),
     }
-    return simple.get(suffix)
+    return placements.get(suffix)
 
 
 def expected_tensor_names(config: ModelConfig) -> set[str]:
@@ -155,9 +212,17 @@ def check_features(model_dir: Path) -> None:
 
 
 def load_checkpoint(
-    model_dir: str | Path, dtype: str | torch.dtype | None = None
+    model_dir: str | Path,
+    dtype: str | torch.dtype | None = None,
+    *,
+    shard: ShardSpec | None = None,
+    reduce: Reduce | None = None,
 ) -> tuple[CausalLM, ModelConfig]:
-    """Read config and weights of ``model_dir``; returns the model in inference mode (eval)."""
+    """Read config and weights of ``model_dir``; returns the model in inference mode (eval).
+
+    With ``shard`` the model has that rank's shapes and only its slices are read; the returned
+    config is the full model's either way.
+    """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise UnsupportedCheckpointError(f"checkpoint directory {model_dir} does not exist")
@@ -165,25 +230,27 @@ def load_checkpoint(
     check_features(model_dir)
     torch_dtype = resolve_dtype(dtype, config)
     files = checkpoint_files(model_dir)
-    model = CausalLM(config, torch_dtype)
+    shard = shard or shard_spec(config, 1, 0)
+    model = CausalLM(shard.local_config(config), torch_dtype, reduce)
     loaded: set[str] = set()
     unexpected: list[str] = []
     with torch.no_grad():
-        for name, tensor in iter_tensors(files):
+        for name, handle in iter_handles(files):
             if _IGNORED.fullmatch(name):
                 continue
             if name == "lm_head.weight" and config.tie_word_embeddings:
                 continue  # tied: the head is the embedding (some exporters still save a copy)
-            destination = _target(model, name)
-            if destination is None:
+            placement = _target(model, name, shard)
+            if placement is None:
                 unexpected.append(name)
                 continue
-            if tuple(tensor.shape) != tuple(destination.shape):
+            shape = tuple(handle.get_slice(name).get_shape())
+            if shape != placement.checkpoint_shape():
                 raise UnsupportedCheckpointError(
-                    f"tensor {name} has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(destination.shape)} for this config.json"
+                    f"tensor {name} has shape {shape}, "
+                    f"expected {placement.checkpoint_shape()} for this config.json"
                 )
-            destination.copy_(tensor.to(torch_dtype))
+            placement.destination.copy_(placement.read(handle, name).to(torch_dtype))
             loaded.add(name)
     missing = sorted(expected_tensor_names(config) - loaded)
     if unexpected or missing:

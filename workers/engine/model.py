@@ -9,6 +9,7 @@ each sequence). Weights come from `load_model` (see `loader`).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -16,25 +17,37 @@ from torch import nn
 
 from workers.engine.attention.base import AttentionBackend, AttentionBatch
 from workers.engine.layer_progress import LayerProgress
-from workers.engine.layers import DecoderLayer, RMSNorm
+from workers.engine.layers import DecoderLayer, Reduce, RMSNorm
 from workers.engine.model_config import ModelConfig
 from workers.engine.rope import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from workers.engine.parallel import ShardSpec
 
 
 class CausalLM(nn.Module):
     """Decoder-only transformer with uninitialised weights (fill them with the loader).
 
     With ``tie_word_embeddings`` the LM head is the embedding matrix itself (one Parameter).
+    Under tensor parallelism ``config`` is the rank's local config and ``reduce`` the all-reduce
+    of the row-parallel projections (`workers.engine.parallel`).
     """
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        reduce: Reduce | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
         self.embed_tokens = nn.Parameter(
             torch.empty(config.vocab_size, config.hidden_size, dtype=dtype), requires_grad=False
         )
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, dtype, reduce) for _ in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = (
             self.embed_tokens
@@ -80,13 +93,18 @@ class CausalLM(nn.Module):
 
 
 def load_model(
-    model_dir: str | Path, dtype: str | torch.dtype | None = None
+    model_dir: str | Path,
+    dtype: str | torch.dtype | None = None,
+    *,
+    shard: ShardSpec | None = None,
+    reduce: Reduce | None = None,
 ) -> tuple[CausalLM, ModelConfig]:
     """Build a `CausalLM` from an HF checkpoint directory.
 
     ``dtype``: None or "auto" keeps the checkpoint's ``torch_dtype``; otherwise "float32",
-    "bfloat16", "float16" or a torch dtype.
+    "bfloat16", "float16" or a torch dtype. With ``shard`` only that rank's slices are read and
+    the returned config is the full model's.
     """
     from workers.engine.loader import load_checkpoint
 
-    return load_checkpoint(model_dir, dtype)
+    return load_checkpoint(model_dir, dtype, shard=shard, reduce=reduce)

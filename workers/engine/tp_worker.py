@@ -1,0 +1,122 @@
+"""Follower rank of a tensor-parallel group: a process that runs its model shard, nothing else.
+
+Started by the leader (`workers.engine.parallel_runner`) with the ``spawn`` context and one
+argument, a JSON `FollowerSpec` (no pickled objects of ours cross the process boundary). It
+
+1. connects to the leader's TCP store, loads its slices of the checkpoint and maps its KV pool
+   file, then publishes ``ready/<rank>`` (or ``error/<rank>`` with the reason) in the store;
+2. joins the gloo group and loops: receive a step's inputs (`TPGroup.recv_step`), run the
+   forward pass over its shard (the all-reduces pair with the other ranks'), repeat;
+3. exits 0 on the leader's ``SHUTDOWN``, non-zero when a collective fails (leader gone).
+
+It never samples, schedules or computes logits; the scheduler state lives only on the leader.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from workers.engine.attention import create_attention_backend
+from workers.engine.attention.base import AttentionBackend
+from workers.engine.model import CausalLM, load_model
+from workers.engine.model_config import ModelConfig
+from workers.engine.parallel import TPGroup, shard_spec
+from workers.engine.shared_kv import dtype_from_name, map_pool
+
+logger = logging.getLogger(__name__)
+
+STORE_HOST = "127.0.0.1"
+STARTUP_TIMEOUT = timedelta(seconds=300)
+
+
+def ready_key(rank: int) -> str:
+    return f"ready/{rank}"
+
+
+def error_key(rank: int) -> str:
+    return f"error/{rank}"
+
+
+@dataclass(frozen=True)
+class FollowerSpec:
+    """Everything a follower needs, as plain values (crosses the spawn boundary as JSON)."""
+
+    model_dir: str
+    dtype: str  # EngineConfig.dtype
+    attention_backend: str
+    page_size: int
+    tp_size: int
+    rank: int
+    store_port: int
+    pool_path: str
+    pool_shape: tuple[int, ...]
+    pool_dtype: str
+    num_threads: int
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> FollowerSpec:
+        raw = json.loads(text)
+        raw["pool_shape"] = tuple(raw["pool_shape"])
+        return cls(**raw)
+
+
+def load_shard(
+    model_dir: str, dtype: str, tp_size: int, rank: int, group: TPGroup
+) -> tuple[CausalLM, ModelConfig]:
+    """Rank ``rank``'s model: local shapes, its checkpoint slices, ``group``'s all-reduce."""
+    config = ModelConfig.from_dir(model_dir)
+    spec = shard_spec(config, tp_size, rank)
+    return load_model(model_dir, dtype, shard=spec, reduce=group.all_reduce)
+
+
+def follower_main(spec_json: str) -> None:
+    """Entry point of a spawned follower process."""
+    # Ctrl-C reaches the whole process group; only the leader decides when followers stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s tp-%(process)d %(message)s")
+    spec = FollowerSpec.from_json(spec_json)
+    torch.set_num_threads(spec.num_threads)
+    store = dist.TCPStore(STORE_HOST, spec.store_port, is_master=False, timeout=STARTUP_TIMEOUT)
+    group = TPGroup(store, spec.rank, spec.tp_size)
+    try:
+        model, backend = _build(spec, group)
+    except BaseException as exc:
+        store.set(error_key(spec.rank), f"{type(exc).__name__}: {exc}")
+        raise
+    store.set(ready_key(spec.rank), "1")
+    group.connect()
+    try:
+        _serve(group, model, backend)
+    except RuntimeError as exc:
+        # Gloo reports a vanished leader (or peer) as a closed connection: nothing to save.
+        logger.error("TP rank %d: lost the group, exiting: %s", spec.rank, exc)
+        sys.exit(1)
+    logger.info("TP rank %d: shut down by the leader", spec.rank)
+
+
+def _build(spec: FollowerSpec, group: TPGroup) -> tuple[CausalLM, AttentionBackend]:
+    model, config = load_shard(spec.model_dir, spec.dtype, spec.tp_size, spec.rank, group)
+    kv_cache = map_pool(Path(spec.pool_path), spec.pool_shape, dtype_from_name(spec.pool_dtype))
+    backend = create_attention_backend(
+        spec.attention_backend, kv_cache, spec.page_size, scale=config.head_dim**-0.5
+    )
+    return model, backend
+
+
+@torch.inference_mode()
+def _serve(group: TPGroup, model: CausalLM, backend: AttentionBackend) -> None:
+    while (step := group.recv_step()) is not None:
+        input_ids, positions, batch = step
+        model(input_ids, positions, batch, backend)
