@@ -5,9 +5,17 @@ The cffi objects are typed `Any`: the typed surface is `engine.py`, not the C bo
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from workers.fabric.errors import FabricUnavailableError
+
+# Debian's libfabric links the psm provider's libinfinipath, whose load-time constructor installs
+# a SIGSEGV handler that writes `<prog>.80s-<pid>,<host>.btr` backtrace files into the working
+# directory of any process that later crashes (a killed Ray worker, say). It reads these
+# variables when the library loads, so they must be set before the binding is imported.
+os.environ.setdefault("IPATH_NO_BACKTRACE", "1")
+os.environ.setdefault("IPATH_NO_CPUAFFINITY", "1")
 
 try:
     from workers.fabric import _fabric_cffi  # type: ignore[attr-defined]
