@@ -7,18 +7,21 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
-from tests.fabric.harness import RemoteTarget
+from tests.fabric.harness import RemoteTarget, close_engine
 from workers.fabric import (
     AddressError,
+    EngineClosedError,
     FabricError,
     MessageTooLargeError,
     PeerFailedError,
     TransferEngine,
     TransferError,
+    progress,
 )
 
 MIB = 1 << 20
@@ -52,6 +55,7 @@ def test_killed_peer_fails_its_writes_and_others_keep_working(
         done.release()
 
     submitted = 0
+    refused = False
     for index in range(200):
         if index == 40:
             for _ in range(10):  # the stream is flowing before the kill
@@ -62,11 +66,15 @@ def test_killed_peer_fails_its_writes_and_others_keep_working(
                                 on_done=on_done, on_error=on_error)  # fmt: skip
             submitted += 1
         except PeerFailedError:
-            break  # the engine already knows: later submissions are refused at once
+            refused = True  # the engine already knows (shm watches the peer's process)
+            break
     for _ in range(submitted - 10):
         assert done.acquire(timeout=60), "an operation to the dead peer never ended"
     assert len(outcomes) == submitted
-    assert errors and all(isinstance(error, PeerFailedError) for error in errors)
+    # Writes still outstanding at the kill (or accepted after it) end in PeerFailedError; if
+    # the victim had finished them all, the engine may refuse the next submission instead.
+    assert errors or refused
+    assert all(isinstance(error, PeerFailedError) for error in errors)
     assert all(str(victim_peer.name) in str(error) for error in errors)
     with pytest.raises(PeerFailedError):
         engine.submit_write(handle, 0, victim_peer, victim.descriptor, 0, 16, imm=1)
@@ -148,3 +156,150 @@ def test_oversize_message_refused(make_engine: Callable[..., TransferEngine]) ->
         engine.submit_send(peer, b"x" * 1025)
     engine.submit_send(peer, b"y" * 1024)
     assert engine.recv(timeout=30).payload == b"y" * 1024
+
+
+def test_exited_shm_peer_is_failed_without_posting_to_it(
+    make_engine: Callable[..., TransferEngine], make_target: Callable[[int], RemoteTarget]
+) -> None:
+    """shm: a peer killed while holding its region lock would make any post to it spin forever
+    (libfabric 1.17 takes that lock in every post), so once its process has exited the engine
+    fails it and never calls into the provider for it again."""
+    engine = make_engine(op_timeout=600.0)  # a deadline cannot be what fails it
+    if engine.provider != "shm":
+        pytest.skip("process watching is shm-only (tcp reports a dead peer itself)")
+    victim = make_target(MIB)
+    handle, _ = engine.register(np.ones(MIB, dtype=np.uint8))
+    peer = engine.add_peer(victim.address)
+    first = threading.Event()
+    engine.submit_write(handle, 0, peer, victim.descriptor, 0, 4096, imm=1, on_done=first.set)
+    assert first.wait(30)
+    victim.kill()
+    posted = engine.stats().progress.ops_posted
+    errors: list[FabricError] = []
+    ended = threading.Semaphore(0)
+
+    def on_error(error: FabricError) -> None:
+        errors.append(error)
+        ended.release()
+
+    # Each write is either refused (the engine already noticed) or ends in on_error.
+    accepted = 0
+    for _ in range(3):
+        try:
+            engine.submit_write(handle, 0, peer, victim.descriptor, 0, 4096, imm=1,
+                                on_done=ended.release, on_error=on_error)  # fmt: skip
+            accepted += 1
+        except PeerFailedError as error:
+            errors.append(error)
+    for _ in range(accepted):
+        assert ended.acquire(timeout=30)
+    assert len(errors) == 3
+    assert all(type(error) is PeerFailedError for error in errors)
+    assert any("exited" in str(error) for error in errors) or accepted == 0
+    assert engine.stats().progress.ops_posted == posted  # never handed to the provider
+    with pytest.raises(PeerFailedError):
+        engine.submit_write(handle, 0, peer, victim.descriptor, 0, 16, imm=1)
+
+
+def test_stuck_provider_call_still_ends_every_operation_once(
+    make_engine: Callable[..., TransferEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A post that never returns (shm: a peer that died while we waited on its lock) cannot
+    hold operations hostage: the watchdog ends each one exactly once and refuses new work."""
+    real = progress.lib
+    release = threading.Event()
+    entered = threading.Event()
+
+    class StuckPosts:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        @staticmethod
+        def pd_post_writes(*args: Any) -> int:
+            entered.set()
+            release.wait(60)
+            args[-1][0] = -real.FI_EAGAIN  # rc_out: nothing posted
+            return 0
+
+    monkeypatch.setattr(progress, "lib", StuckPosts())
+    monkeypatch.setattr(progress, "_STALL_S", 0.2)
+    monkeypatch.setattr(progress, "_WATCHDOG_PERIOD_S", 0.05)
+    engine = make_engine(op_timeout=600.0)
+    other = make_engine()
+    handle, descriptor = engine.register(np.zeros(4096, dtype=np.uint8))
+    stuck_peer = engine.add_peer(engine.address)
+    other_peer = engine.add_peer(other.address)
+    _, other_descriptor = other.register(np.zeros(4096, dtype=np.uint8))
+    outcomes: dict[int, list[object]] = {}
+    ended = threading.Semaphore(0)
+
+    def callbacks(index: int) -> tuple[Callable[[], None], Callable[[FabricError], None]]:
+        def record(outcome: object) -> None:
+            outcomes.setdefault(index, []).append(outcome)
+            ended.release()
+
+        return lambda: record("done"), record
+
+    counter_errors: list[FabricError] = []
+    engine.expect_imm(7, 1, lambda: None, counter_errors.append)
+    for index in range(3):
+        on_done, on_error = callbacks(index)
+        engine.submit_write(handle, 0, stuck_peer, descriptor, 0, 64, imm=7,
+                            on_done=on_done, on_error=on_error)  # fmt: skip
+    assert entered.wait(30)
+    on_done, on_error = callbacks(3)
+    engine.submit_write(handle, 0, other_peer, other_descriptor, 0, 64, imm=7,
+                        on_done=on_done, on_error=on_error)  # fmt: skip
+    for _ in range(4):
+        assert ended.acquire(timeout=30), outcomes
+    assert all(type(outcomes[index][0]) is PeerFailedError for index in range(3)), outcomes
+    assert type(outcomes[3][0]) is EngineClosedError, outcomes
+    with pytest.raises(EngineClosedError, match="stuck"):
+        engine.submit_write(handle, 0, other_peer, other_descriptor, 0, 64)
+    with pytest.raises(EngineClosedError):  # calls shipped to the stuck thread fail too
+        engine.register(np.zeros(64, dtype=np.uint8))
+    release.set()  # the stuck call returns: nothing may end twice, and close() joins cleanly
+    close_engine(engine)
+    assert sorted(outcomes) == [0, 1, 2, 3] and all(len(v) == 1 for v in outcomes.values())
+    assert len(counter_errors) == 1 and isinstance(counter_errors[0], EngineClosedError)
+
+
+def test_operations_racing_with_close_end_exactly_once(
+    make_engine: Callable[..., TransferEngine],
+) -> None:
+    engine = make_engine()
+    handle, descriptor = engine.register(np.zeros(1 << 16, dtype=np.uint8))
+    peer = engine.add_peer(engine.address)
+    outcomes: dict[int, list[object]] = {}
+    lock = threading.Lock()
+    accepted: list[int] = []
+    some_accepted = threading.Event()
+
+    def callbacks(index: int) -> tuple[Callable[[], None], Callable[[FabricError], None]]:
+        def record(outcome: object) -> None:
+            with lock:
+                outcomes.setdefault(index, []).append(outcome)
+
+        return lambda: record("done"), record
+
+    def submitter() -> None:
+        for index in range(100_000):
+            on_done, on_error = callbacks(index)
+            try:
+                engine.submit_write(handle, 0, peer, descriptor, 0, 4096, imm=index % 5,
+                                    on_done=on_done, on_error=on_error)  # fmt: skip
+            except EngineClosedError:
+                return
+            accepted.append(index)
+            if index == 200:
+                some_accepted.set()
+
+    thread = threading.Thread(target=submitter)
+    thread.start()
+    assert some_accepted.wait(60)
+    close_engine(engine)  # runs every queued callback before it returns
+    thread.join(60)
+    assert not thread.is_alive()
+    assert sorted(outcomes) == accepted
+    assert all(len(v) == 1 for v in outcomes.values())
+    assert all(v[0] == "done" or isinstance(v[0], EngineClosedError) for v in outcomes.values())

@@ -14,6 +14,8 @@ import queue
 import threading
 from collections.abc import Callable, Iterable
 
+from workers.fabric.errors import EngineClosedError
+
 log = logging.getLogger(__name__)
 
 Fire = tuple[Callable[..., None], tuple[object, ...]]
@@ -22,20 +24,31 @@ Fire = tuple[Callable[..., None], tuple[object, ...]]
 class CallbackDispatcher:
     def __init__(self, name: str) -> None:
         self._queue: queue.SimpleQueue[Fire | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._closed = False
         self.errors = 0
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
     def submit(self, callback: Callable[..., None], *args: object) -> None:
-        self._queue.put((callback, args))
+        """Queue a callback; raises `EngineClosedError` once closed (it would never run)."""
+        with self._lock:
+            if self._closed:
+                raise EngineClosedError("engine is closed")
+            self._queue.put((callback, args))
 
     def submit_all(self, fires: Iterable[Fire]) -> None:
-        for fire in fires:
-            self._queue.put(fire)
+        with self._lock:
+            if self._closed:
+                raise EngineClosedError("engine is closed")
+            for fire in fires:
+                self._queue.put(fire)
 
     def close(self, timeout: float | None = None) -> None:
         """Run what is queued, then stop. From a callback itself, stop without waiting."""
-        self._queue.put(None)
+        with self._lock:
+            self._closed = True
+            self._queue.put(None)
         if threading.current_thread() is not self.thread:
             self.thread.join(timeout)
 

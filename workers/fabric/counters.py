@@ -19,6 +19,9 @@ Every write posted with `imm` produces, on the target, one completion carrying `
   transfer. That is why the KV messenger puts generation bits into `imm`: a reused request slot
   gets a new value, so a straggler always hits a tombstone (or, once the tombstone is evicted
   after `max_cancelled` newer cancellations, the unexpected buffer), never a live counter.
+* **Arrivals.** `arrived(imm)` is the number of arrivals seen for the value since it was last
+  armed (or first seen): counted while armed, buffered, or dropped late after a cancel. The KV
+  messenger uses it to learn when every write of an aborted transfer has landed.
 * **Deadlines.** An armed counter may carry a deadline; when it passes the counter is cancelled
   (tombstoned as above) and `on_error(ImmTimeoutError)` is called.
 * **Close.** Armed counters get `on_error(EngineClosedError)`.
@@ -68,7 +71,8 @@ class ImmCounters:
         self._lock = threading.Lock()
         self._armed: dict[int, _Armed] = {}
         self._unexpected: OrderedDict[int, int] = OrderedDict()
-        self._cancelled: OrderedDict[int, None] = OrderedDict()
+        # Tombstones: cancelled value -> arrivals seen for it (before and after the cancel).
+        self._cancelled: OrderedDict[int, int] = OrderedDict()
         self._max_unexpected = max_unexpected
         self._max_cancelled = max_cancelled
         self._received = 0
@@ -99,10 +103,21 @@ class ImmCounters:
     def cancel(self, imm: int) -> bool:
         """Disarm and tombstone `imm`; True if it was armed or had buffered arrivals."""
         with self._lock:
-            had = self._armed.pop(imm, None) is not None
-            had = self._unexpected.pop(imm, None) is not None or had
-            self._tombstone(imm)
-            return had
+            armed = self._armed.pop(imm, None)
+            buffered = self._unexpected.pop(imm, None)
+            arrived = (armed.arrived if armed is not None else 0) + (buffered or 0)
+            self._tombstone(imm, arrived)
+            return armed is not None or buffered is not None
+
+    def arrived(self, imm: int) -> int:
+        """Arrivals of `imm` since it was last armed (armed, buffered or tombstoned)."""
+        with self._lock:
+            armed = self._armed.get(imm)
+            if armed is not None:
+                return armed.arrived
+            if imm in self._cancelled:
+                return self._cancelled[imm]
+            return self._unexpected.get(imm, 0)
 
     def record(self, counts: Mapping[int, int]) -> list[Fire]:
         """Account a batch of arrivals ({imm: number of completions})."""
@@ -114,6 +129,7 @@ class ImmCounters:
                 if armed is not None:
                     fires.extend(self._add(imm, armed, n))
                 elif imm in self._cancelled:
+                    self._cancelled[imm] += n
                     self._late_dropped += n
                     log.debug("ignored %d late write(s) with cancelled imm %#x", n, imm)
                 else:
@@ -128,7 +144,7 @@ class ImmCounters:
             ]
             for imm in late:
                 armed = self._armed.pop(imm)
-                self._tombstone(imm)
+                self._tombstone(imm, armed.arrived)
                 self._timed_out += 1
                 if armed.on_error is not None:
                     error = ImmTimeoutError(
@@ -180,8 +196,8 @@ class ImmCounters:
             self._overflow_dropped += old_n
             log.warning("dropped %d unexpected write(s) with imm %#x (buffer full)", old_n, old_imm)
 
-    def _tombstone(self, imm: int) -> None:
-        self._cancelled[imm] = None
+    def _tombstone(self, imm: int, arrived: int) -> None:
+        self._cancelled[imm] = arrived
         self._cancelled.move_to_end(imm)
         while len(self._cancelled) > self._max_cancelled:
             self._cancelled.popitem(last=False)

@@ -343,6 +343,36 @@ class TransferEngine:
         self._submit_ops(src, peer, dst, ops, imm, on_done, on_error)
         return int(runs.shape[0])
 
+    def submit_writes(
+        self,
+        src: MemoryRegionHandle,
+        peer: PeerHandle,
+        dst: MemoryRegionDescriptor,
+        ops: np.ndarray,
+        imm: int | None = None,
+        on_done: Callable[[], None] | None = None,
+        on_error: ErrorCallback | None = None,
+    ) -> int:
+        """Post exactly the given writes, one per row ``(src_offset, dst_offset, length)``.
+
+        For callers that plan their writes themselves (the KV messenger posts the writes of
+        `workers.kv.writes.plan_layer_writes`, so what it counts is what it posts). All rows are
+        range-checked before anything is posted; `on_done` fires once after every write of the
+        call completed locally. Returns the number of writes.
+        """
+        rows = np.asarray(ops, dtype=np.int64)
+        if rows.ndim != 2 or rows.shape[1] != 3:
+            raise OutOfRangeError(f"ops must be rows of (src, dst, length), got {rows.shape}")
+        if rows.shape[0] == 0:
+            self._check_open()
+            if on_done is not None:
+                self._dispatcher.submit(on_done)
+            return 0
+        if int(rows[:, 2].min()) <= 0:
+            raise OutOfRangeError("every write needs a positive length")
+        self._submit_ops(src, peer, dst, rows, imm, on_done, on_error)
+        return int(rows.shape[0])
+
     def _submit_ops(
         self,
         src: MemoryRegionHandle,
@@ -437,6 +467,11 @@ class TransferEngine:
         self._dispatcher.submit_all(
             self.counters.expect(imm, count, on_reached, on_error, deadline)
         )
+
+    def imm_arrivals(self, imm: int) -> int:
+        """Writes carrying `imm` that landed here since it was last armed (see counters)."""
+        self._check_imm(imm)
+        return self.counters.arrived(imm)
 
     def cancel_imm(self, imm: int) -> bool:
         """Disarm `imm`; its late writes are ignored (stats().imm.late_dropped) until re-armed."""

@@ -14,12 +14,33 @@ Life cycle of a submission (`Job`, keyed by `job_id`):
   are still posted stay in `jobs` so their late completions free their contexts quietly.
 * Other threads reach the endpoint only through `call()` (register, add_peer), which runs the
   function here; the domain is therefore opened with FI_THREAD_DOMAIN.
+
+Every accepted job ends in exactly one callback within its deadline plus a bounded slack:
+
+* `_finish` claims the job under `_finish_lock`, so the progress thread, the watchdog and
+  shutdown can race on a job and still deliver one outcome.
+* `jobs` is iterated only under `_lock` (submitters insert into it under that lock), and
+  `enqueue` keeps deadlines non-decreasing in insertion order so the sweep may stop at the
+  first live deadline.
+* shm: a peer SIGKILLed while it held its region's spinlock (shm's receiver holds it while it
+  copies a command's data) leaves the lock held forever, and libfabric 1.17 takes that lock
+  on every post to the peer: the post would spin forever. The peer's process is therefore
+  watched through a pidfd (opened at its first post, pid taken from its `fi_shm://<pid>:...`
+  name) and, once it has exited, the peer is failed and never posted to again.
+* A watchdog thread covers what that cannot (a peer dying while we wait on its lock, any other
+  provider call that never returns): when one native call has not returned for `_STALL_S`, it
+  fails every outstanding job (`PeerFailedError` for the peer being posted to,
+  `EngineClosedError` for the rest), fails pending `call()`s and armed counters, and refuses
+  new work. The stuck thread, should it ever return, finds every job already finished.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import os
+import re
+import select
 import threading
 import time
 from collections.abc import Callable
@@ -48,6 +69,10 @@ WRITE, SEND = 0, 1
 _POLL_ROWS = 256
 _DEADLINE_CHECK_S = 0.005
 _BLOCKED_WAIT_US = 500
+# A post or poll call that has not returned after this long is stuck inside the provider.
+_STALL_S = 3.0
+_WATCHDOG_PERIOD_S = 0.25
+_SHM_PID = re.compile(rb"^fi_shm://(\d+):")
 # errno values that mean the connection to the peer is gone, not that one operation was bad.
 _CONNECTION_ERRORS = {32, 103, 104, 107, 110, 111, 112, 113}  # EPIPE ECONNABORTED ... EHOSTUNREACH
 
@@ -106,6 +131,11 @@ class ProgressLoop:
         self.native = native
         self.provider_name = provider_name
         self._ordered_tx_completions = provider_name == "shm"
+        # shm: peers' processes are watched so a dead one is never posted to (module docstring).
+        self._track_exits = provider_name == "shm"
+        self._exit_fds: dict[bytes, int | None] = {}  # peer address -> pidfd (None: untracked)
+        self._fd_peers: dict[int, PeerHandle] = {}
+        self._exit_poll = select.poll()
         self.counters = counters
         self.dispatcher = dispatcher
         self.pools = pools
@@ -127,6 +157,14 @@ class ProgressLoop:
         self._stopped = False
         self._sleeping = False
         self._next_job_id = 1
+        self._last_deadline = 0.0
+        self._finish_lock = threading.Lock()
+        # Start of the post/poll call in progress (0.0: none) and the peer it posts to.
+        self._native_since = 0.0
+        self._native_peer: PeerHandle | None = None
+        self._wedged = ""
+        self._watchdog_stop = threading.Event()
+        self._watchdog = threading.Thread(target=self._watch, name=f"{name}-watchdog", daemon=True)
         self._rows = [ffi.new("uint64_t[]", _POLL_ROWS) for _ in range(4)]
         self._error = ffi.new("pd_error_t *")
         self._rc = ffi.new("int *")
@@ -136,6 +174,7 @@ class ProgressLoop:
 
     def start(self) -> None:
         self.thread.start()
+        self._watchdog.start()
 
     def new_job_id(self) -> int:
         with self._lock:
@@ -155,9 +194,13 @@ class ProgressLoop:
                     )
                 self._lock.wait(remaining)
             if self._stopping:
-                raise EngineClosedError("engine is closed")
+                raise EngineClosedError(self._wedged or "engine is closed")
             if job.peer.fi_addr in self.failed_peers:
                 raise PeerFailedError(f"peer {job.peer.name} has failed")
+            # Deadlines stay non-decreasing in `jobs` order (the sweep stops at the first live
+            # one) even when submitters race or wait for room; a later acceptance bounds it.
+            job.deadline = max(job.deadline, self._last_deadline)
+            self._last_deadline = job.deadline
             self.jobs[job.job_id] = job
             self.pending.setdefault(job.peer.fi_addr, collections.deque()).append(job)
             self._num_queued += 1
@@ -172,7 +215,7 @@ class ProgressLoop:
         future: Future[Any] = Future()
         with self._lock:
             if self._stopping:
-                raise EngineClosedError("engine is closed")
+                raise EngineClosedError(self._wedged or "engine is closed")
             self._commands.append((function, future))
         self._wake()
         return future.result()
@@ -235,9 +278,13 @@ class ProgressLoop:
     def _post_pending(self) -> bool:
         """Post from every peer's queue; True if any operation was posted."""
         before = self.stats.ops_posted
+        if self._track_exits and self._fd_peers and self.pending:
+            self._fail_exited_peers()  # right before posting: never post to a dead process
         for fi_addr, queue in list(self.pending.items()):
             while queue:
                 job = queue[0]
+                if self._track_exits and job.peer.address not in self._exit_fds:
+                    self._watch_peer(job.peer)  # may fail the peer (and so this job) at once
                 if not job.finished:
                     blocked = self._post_writes(job) if job.kind == WRITE else self._post_send(job)
                     if blocked:
@@ -260,11 +307,14 @@ class ProgressLoop:
         laddr, lens, raddr = job.arrays
         start = job.posted
         imm = job.imm if job.imm is not None else 0
+        self._native_peer = job.peer
+        self._native_since = time.monotonic()
         posted = lib.pd_post_writes(
             self.native, job.total - start, laddr + start, lens + start, job.desc,
             job.peer.fi_addr, raddr + start, job.key, int(job.imm is not None), imm,
             job.job_id, self._rc,
         )  # fmt: skip
+        self._native_since = 0.0
         job.posted += posted
         self._inflight += posted
         self.stats.ops_posted += posted
@@ -283,9 +333,12 @@ class ProgressLoop:
             if job.send_slot < 0:
                 return True
         buffer, length = self.pools.send_buffer(job.send_slot)
+        self._native_peer = job.peer
+        self._native_since = time.monotonic()
         rc = lib.pd_post_send(
             self.native, buffer, length, self.pools.send_desc, job.peer.fi_addr, job.job_id
         )
+        self._native_since = 0.0
         if rc == -lib.FI_EAGAIN:
             self.stats.eagain_retries += 1
             return True
@@ -301,9 +354,12 @@ class ProgressLoop:
 
     def _poll(self, spin_us: int, wait_us: int) -> bool:
         kinds, ids, data, lens = self._rows
+        self._native_peer = None
+        self._native_since = time.monotonic()
         n = lib.pd_poll(
             self.native, _POLL_ROWS, kinds, ids, data, lens, spin_us, wait_us, self._error
         )
+        self._native_since = 0.0
         error = n <= lib.PD_POLL_ERROR
         rows = lib.PD_POLL_ERROR - n if error else n
         if rows < 0:
@@ -370,20 +426,30 @@ class ProgressLoop:
             self._fail_peer(job.peer, PeerFailedError(str(exc)))
         self._finish(job, exc)
 
+    def _claim(self, job: Job) -> bool:
+        """True for exactly one caller per job: the one that delivers its outcome."""
+        with self._finish_lock:
+            if job.finished:
+                return False
+            job.finished = True
+            return True
+
+    def _deliver(self, job: Job, error: FabricError | None) -> None:
+        if error is None:
+            if job.on_done is not None:
+                self.dispatcher.submit(job.on_done)
+        elif job.on_error is not None:
+            self.dispatcher.submit(job.on_error, error)
+        else:
+            log.warning("unhandled fabric error: %s", error)
+
     def _finish(self, job: Job, error: FabricError | None) -> None:
         """Deliver the job's one outcome; forget it once no op of it is posted."""
-        if not job.finished:
-            job.finished = True
+        if self._claim(job):
             if job.send_slot >= 0 and job.completed == job.posted:
                 self.pools.release_send_slot(job.send_slot)
                 job.send_slot = -1
-            if error is None:
-                if job.on_done is not None:
-                    self.dispatcher.submit(job.on_done)
-            elif job.on_error is not None:
-                self.dispatcher.submit(job.on_error, error)
-            else:
-                log.warning("unhandled fabric error: %s", error)
+            self._deliver(job, error)
         self._forget_if_idle(job)
 
     def _forget_if_idle(self, job: Job) -> None:
@@ -395,13 +461,16 @@ class ProgressLoop:
 
     def _check_deadlines(self, now: float) -> None:
         self.dispatcher.submit_all(self.counters.expire(now))
-        # Every job gets the same timeout, so `jobs` (insertion-ordered) is deadline-ordered.
+        if self._track_exits and self._fd_peers:
+            self._fail_exited_peers()  # its posted ops would otherwise wait for their deadline
+        # `enqueue` keeps `jobs` (insertion-ordered) deadline-ordered.
         expired = []
-        for job in self.jobs.values():
-            if job.deadline > now:
-                break
-            if not job.finished:
-                expired.append(job)
+        with self._lock:  # submitters insert into `jobs` under it
+            for job in self.jobs.values():
+                if job.deadline > now:
+                    break
+                if not job.finished:
+                    expired.append(job)
         for job in expired:
             if job.finished:
                 continue
@@ -425,13 +494,14 @@ class ProgressLoop:
 
     def _wedging_peer(self) -> PeerHandle | None:
         """A failed peer with operations still posted (they will never complete on shm)."""
-        for job in self.jobs.values():
-            if (
-                job.finished
-                and job.posted > job.completed
-                and job.peer.fi_addr in self.failed_peers
-            ):
-                return job.peer
+        with self._lock:
+            for job in self.jobs.values():
+                if (
+                    job.finished
+                    and job.posted > job.completed
+                    and job.peer.fi_addr in self.failed_peers
+                ):
+                    return job.peer
         return None
 
     def _fail_peer(self, peer: PeerHandle, error: FabricError) -> None:
@@ -440,8 +510,85 @@ class ProgressLoop:
             log.warning("peer %s failed: %s", peer.name, error)
         with self._lock:
             self.failed_peers.add(peer.fi_addr)
-        for job in [j for j in self.jobs.values() if j.peer.fi_addr == peer.fi_addr]:
+            jobs = [j for j in self.jobs.values() if j.peer.fi_addr == peer.fi_addr]
+        for job in jobs:
             self._finish(job, error)
+
+    # -- shm peer processes ---------------------------------------------------------------------
+
+    def _watch_peer(self, peer: PeerHandle) -> None:
+        """Open a pidfd on the peer's process (first post to it); fail it if it is gone."""
+        fd: int | None = None
+        match = _SHM_PID.match(peer.address)
+        pid = int(match.group(1)) if match else 0
+        if pid and pid != os.getpid():
+            try:
+                fd = os.pidfd_open(pid)
+            except (OSError, AttributeError):
+                # Not visible here (another pid namespace, or already gone) or no pidfd
+                # support: only the deadline and the watchdog cover this peer.
+                log.debug("cannot watch process %d of shm peer %s", pid, peer.name)
+        self._exit_fds[peer.address] = fd
+        if fd is not None:
+            self._fd_peers[fd] = peer
+            self._exit_poll.register(fd, select.POLLIN)
+            self._fail_exited_peers()
+
+    def _fail_exited_peers(self) -> None:
+        """Fail every watched peer whose process has exited (one poll(2) for all of them)."""
+        for fd, _events in self._exit_poll.poll(0):
+            peer = self._fd_peers.pop(fd)
+            self._exit_poll.unregister(fd)
+            os.close(fd)
+            self._exit_fds[peer.address] = None
+            self._fail_peer(peer, PeerFailedError(f"peer {peer.name}: its process has exited"))
+
+    # -- watchdog -------------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        """Watchdog thread: abandon the engine if one provider call never returns."""
+        suspect = 0.0
+        while not self._watchdog_stop.wait(_WATCHDOG_PERIOD_S):
+            since = self._native_since
+            peer = self._native_peer
+            if not (since and self._native_since == since and time.monotonic() - since > _STALL_S):
+                suspect = 0.0
+            elif suspect != since:
+                # Seen once: wait a period (without the GIL) so a thread that merely waited
+                # for the GIL to note its return gets to do so before we judge it stuck.
+                suspect = since
+            else:
+                self._abandon(peer, time.monotonic() - since)
+                return
+
+    def _abandon(self, peer: PeerHandle | None, stalled_s: float) -> None:
+        """The progress thread is stuck in the provider: end everything it owes, refuse more."""
+        call = f"posting to peer {peer.name}" if peer is not None else "polling the CQ"
+        reason = (
+            f"fabric progress thread stuck in {self.provider_name} ({call} has not returned "
+            f"for {stalled_s:.1f} s); engine abandoned"
+        )
+        with self._lock:
+            if self._wedged or self._stopped:
+                return
+            self._wedged = reason
+            self._stopping = True
+            if peer is not None:
+                self.failed_peers.add(peer.fi_addr)
+            commands = list(self._commands)
+            self._commands.clear()
+            jobs = list(self.jobs.values())
+            self._lock.notify_all()
+        log.error("%s", reason)
+        for _function, future in commands:
+            future.set_exception(EngineClosedError(reason))
+        for job in jobs:
+            if self._claim(job):  # send slots stay with the stuck thread
+                if peer is not None and job.peer.fi_addr == peer.fi_addr:
+                    self._deliver(job, PeerFailedError(f"peer {peer.name} failed: {reason}"))
+                else:
+                    self._deliver(job, EngineClosedError(reason))
+        self.dispatcher.submit_all(self.counters.fail_all(EngineClosedError(reason)))
 
     def _shutdown(self) -> None:
         with self._lock:
@@ -452,8 +599,17 @@ class ProgressLoop:
         closed = EngineClosedError("engine closed before the operation completed")
         for _function, future in commands:
             future.set_exception(EngineClosedError("engine is closed"))
-        for job in list(self.jobs.values()):
+        with self._lock:
+            jobs = list(self.jobs.values())
+        for job in jobs:
             self._finish(job, closed)
         fires: list[Fire] = self.counters.fail_all(EngineClosedError("engine closed"))
         self.dispatcher.submit_all(fires)
+        for fd in self._fd_peers:
+            os.close(fd)
+        self._fd_peers.clear()
+        # Whatever the watchdog delivers is queued before the caller closes the dispatcher.
+        self._watchdog_stop.set()
+        if self._watchdog.is_alive():
+            self._watchdog.join()
         self._stopped = True

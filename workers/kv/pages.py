@@ -13,14 +13,16 @@ its expected write count with the same ``segment_pages``, so the count never dep
 prefill scheduler happened to chunk the prompt.
 
 Finally a run longer than ``max_pages_per_run`` is split into pieces of at most that many pages
-from its start (a single write may not exceed the provider's ``max_msg_size``); this is the same
-rule as `workers.fabric.paging.coalesce_page_runs`, with which the function agrees whenever
-``segment_pages`` is None.
+from its start (a single write may not exceed the provider's ``max_msg_size``). The rule itself
+has one definition, `workers.fabric.paging.coalesce_page_runs`; this module returns its runs as
+tuples and adds the chunked-prefill helpers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+from workers.fabric import paging
 
 
 def coalesce_page_runs(
@@ -38,30 +40,14 @@ def coalesce_page_runs(
     """
     if len(src_pages) != len(dst_pages):
         raise ValueError(f"page lists differ in length: {len(src_pages)} != {len(dst_pages)}")
-    if segment_pages is not None and segment_pages < 1:
-        raise ValueError(f"segment_pages must be >= 1 or None, got {segment_pages}")
-    if first_page_index < 0:
-        raise ValueError(f"first_page_index must be >= 0, got {first_page_index}")
-    if max_pages_per_run is not None and max_pages_per_run < 1:
-        raise ValueError(f"max_pages_per_run must be >= 1 or None, got {max_pages_per_run}")
-    runs: list[tuple[int, int, int]] = []
-    for index, (src, dst) in enumerate(zip(src_pages, dst_pages, strict=True)):
-        if src < 0 or dst < 0:
-            raise ValueError(f"negative page id at index {index}: src={src}, dst={dst}")
-        at_boundary = segment_pages is not None and (first_page_index + index) % segment_pages == 0
-        if runs and not at_boundary:
-            src_start, dst_start, length = runs[-1]
-            if src == src_start + length and dst == dst_start + length:
-                runs[-1] = (src_start, dst_start, length + 1)
-                continue
-        runs.append((src, dst, 1))
-    if max_pages_per_run is None:
-        return runs
-    return [
-        (src + offset, dst + offset, min(max_pages_per_run, length - offset))
-        for src, dst, length in runs
-        for offset in range(0, length, max_pages_per_run)
-    ]
+    runs = paging.coalesce_page_runs(
+        src_pages,
+        dst_pages,
+        segment_pages=segment_pages,
+        first_page_index=first_page_index,
+        max_pages_per_run=max_pages_per_run,
+    )
+    return [(int(s), int(d), int(n)) for s, d, n in runs.tolist()]
 
 
 def num_pages_for_tokens(num_tokens: int, page_size: int) -> int:

@@ -96,12 +96,12 @@ class TransferStats:
     forward_end_s: float | None = None  # prefill: end of the request's last forward pass
     kv_ready_s: float | None = None  # decoder: expected count reached
 
-    def record_submit(self, now_s: float, num_bytes: int) -> None:
+    def record_submit(self, now_s: float, num_bytes: int, count: int = 1) -> None:
         if self.first_submit_s is None:
             self.first_submit_s = now_s
         self.last_submit_s = now_s
         self.num_bytes += num_bytes
-        self.num_writes += 1
+        self.num_writes += count
 
     def record_completion(self, now_s: float) -> None:
         if self.first_completion_s is None:
@@ -167,35 +167,51 @@ class DecodeTransfer(_StateMachine[DecodeState]):
         request_id: str,
         imm: int,
         page_ids: tuple[int, ...],
-        num_writes_expected: int,
+        num_writes_expected: int | None,
         deadline_s: float,
         now_s: float,
     ) -> None:
+        """``num_writes_expected`` None: not known yet (coalesced runs depend on the prefill's
+        page ids); `set_expected` supplies it from `PrefillAccepted`."""
         super().__init__(request_id, DecodeState.ALLOCATED, now_s)
-        if num_writes_expected < 1:
-            raise ValueError(f"num_writes_expected must be >= 1, got {num_writes_expected}")
         self.imm = imm
         self.page_ids = page_ids
-        self.num_writes_expected = num_writes_expected
+        self.num_writes_expected: int | None = None
+        if num_writes_expected is not None:
+            self.set_expected(num_writes_expected)
         self.num_writes_seen = 0
         self.deadline_s = deadline_s
+
+    def set_expected(self, num_writes_expected: int) -> None:
+        """Fix the expected count (once); a different second value means the sides disagree."""
+        if num_writes_expected < 1:
+            raise ValueError(f"num_writes_expected must be >= 1, got {num_writes_expected}")
+        if self.num_writes_expected not in (None, num_writes_expected):
+            raise IllegalTransitionError(
+                f"{self.request_id}: expected {self.num_writes_expected} writes, "
+                f"told {num_writes_expected}"
+            )
+        self.num_writes_expected = num_writes_expected
+
+    def _expected(self) -> int:
+        if self.num_writes_expected is None:
+            raise IllegalTransitionError(f"{self.request_id}: expected write count not known")
+        return self.num_writes_expected
 
     def record_writes(self, count: int, now_s: float) -> bool:
         """Count arrived writes; advances to RECEIVING / READY; True once READY."""
         if self.state not in (DecodeState.REQUESTED, DecodeState.RECEIVING):
             raise IllegalTransitionError(f"{self.request_id}: writes counted in {self.state.name}")
+        expected = self._expected()
         self.num_writes_seen += count
         self.stats.num_writes += count
         self.stats.record_completion(now_s)
-        if self.num_writes_seen > self.num_writes_expected:
+        if self.num_writes_seen > expected:
             # More writes than planned means the two sides disagree on the plan: the KV is
             # suspect and must not be decoded from.
-            self.fail(
-                f"received {self.num_writes_seen} writes, expected {self.num_writes_expected}",
-                now_s,
-            )
+            self.fail(f"received {self.num_writes_seen} writes, expected {expected}", now_s)
             return False
-        if self.num_writes_seen == self.num_writes_expected:
+        if self.num_writes_seen == expected:
             self.stats.kv_ready_s = now_s
             self.advance(DecodeState.READY, now_s)
             return True
@@ -208,8 +224,9 @@ class DecodeTransfer(_StateMachine[DecodeState]):
         truth when the messenger does not see individual arrivals)."""
         if self.state not in (DecodeState.REQUESTED, DecodeState.RECEIVING):
             raise IllegalTransitionError(f"{self.request_id}: count reached in {self.state.name}")
-        self.stats.num_writes += self.num_writes_expected - self.num_writes_seen
-        self.num_writes_seen = self.num_writes_expected
+        expected = self._expected()
+        self.stats.num_writes += expected - self.num_writes_seen
+        self.num_writes_seen = expected
         self.stats.record_completion(now_s)
         self.stats.kv_ready_s = now_s
         self.advance(DecodeState.READY, now_s)
@@ -232,15 +249,29 @@ class DecodeTransfer(_StateMachine[DecodeState]):
 class PrefillTransfer(_StateMachine[PrefillState]):
     TRANSITIONS = PREFILL_TRANSITIONS
 
-    def __init__(self, request_id: str, imm: int, num_writes_planned: int, now_s: float) -> None:
+    def __init__(
+        self, request_id: str, imm: int, num_writes_planned: int | None, now_s: float
+    ) -> None:
+        """``num_writes_planned`` None: known once every source page is allocated
+        (`set_planned`); until then submits are not bounded by it."""
         super().__init__(request_id, PrefillState.QUEUED, now_s)
-        if num_writes_planned < 1:
-            raise ValueError(f"num_writes_planned must be >= 1, got {num_writes_planned}")
         self.imm = imm
-        self.num_writes_planned = num_writes_planned
+        self.num_writes_planned: int | None = None
+        if num_writes_planned is not None:
+            self.set_planned(num_writes_planned)
         self.num_writes_completed = 0
         self.num_writes_failed = 0
         self._stopped_as: PrefillState | None = None  # CANCELLED or FAILED once stopped
+
+    def set_planned(self, num_writes_planned: int) -> None:
+        if num_writes_planned < 1:
+            raise ValueError(f"num_writes_planned must be >= 1, got {num_writes_planned}")
+        if num_writes_planned < self.num_writes_submitted:
+            raise IllegalTransitionError(
+                f"{self.request_id}: planned {num_writes_planned} < already submitted "
+                f"{self.num_writes_submitted}"
+            )
+        self.num_writes_planned = num_writes_planned
 
     @property
     def num_writes_submitted(self) -> int:
@@ -254,21 +285,22 @@ class PrefillTransfer(_StateMachine[PrefillState]):
     def accepts_writes(self) -> bool:
         return self.state in (PrefillState.PREFILLING, PrefillState.WRITING)
 
-    def record_submit(self, num_bytes: int, now_s: float) -> None:
+    def record_submit(self, num_bytes: int, now_s: float, count: int = 1) -> None:
         if not self.accepts_writes:
             raise IllegalTransitionError(f"{self.request_id}: write submitted in {self.state.name}")
-        if self.num_writes_submitted >= self.num_writes_planned:
+        planned = self.num_writes_planned
+        if planned is not None and self.num_writes_submitted + count > planned:
             raise IllegalTransitionError(f"{self.request_id}: more writes than planned")
-        self.stats.record_submit(now_s, num_bytes)
+        self.stats.record_submit(now_s, num_bytes, count)
 
-    def record_completion(self, now_s: float, *, ok: bool = True) -> None:
-        if self.num_writes_in_flight < 1:
+    def record_completion(self, now_s: float, *, ok: bool = True, count: int = 1) -> None:
+        if self.num_writes_in_flight < count:
             raise IllegalTransitionError(f"{self.request_id}: completion without a write")
         if ok:
-            self.num_writes_completed += 1
+            self.num_writes_completed += count
             self.stats.record_completion(now_s)
             return
-        self.num_writes_failed += 1
+        self.num_writes_failed += count
         # A lost write means the decoder can never reach its count: fail the transfer now.
         if self.accepts_writes:
             self.stop("write failed", now_s, failed=True)

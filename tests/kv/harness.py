@@ -1,0 +1,94 @@
+"""Multi-process plumbing for the messenger tests: a prefill worker in a spawned child."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from workers.kv.endpoint import PrefillEndpoint
+from workers.kv.worker_process import prefill_process_main
+
+SPAWN = multiprocessing.get_context("spawn")
+START_TIMEOUT_S = 120.0
+CALL_TIMEOUT_S = 30.0
+
+
+class RemotePrefill:
+    """A `PrefillWorker` in a spawned process; the pipe carries JSON bytes only."""
+
+    def __init__(
+        self,
+        model_dir: Path | str,
+        provider: str,
+        *,
+        engine: dict[str, Any] | None = None,
+        messenger: dict[str, Any] | None = None,
+    ) -> None:
+        options = {
+            "model_dir": str(model_dir),
+            "provider": provider,
+            "engine": engine or {},
+            "messenger": messenger or {},
+        }
+        self.conn, child = SPAWN.Pipe()
+        self.process = SPAWN.Process(
+            target=prefill_process_main, args=(child, json.dumps(options).encode()), daemon=True
+        )
+        self.process.start()
+        child.close()
+        if not self.conn.poll(START_TIMEOUT_S):
+            self.process.kill()
+            raise TimeoutError("prefill worker did not start")
+        self.endpoint = PrefillEndpoint.from_bytes(self.conn.recv_bytes())
+        self.killed = False
+
+    def call(self, **command: Any) -> Any:
+        self.conn.send_bytes(json.dumps(command).encode())
+        if not self.conn.poll(CALL_TIMEOUT_S):
+            raise TimeoutError(f"prefill worker did not answer {command}")
+        return json.loads(self.conn.recv_bytes())
+
+    def state(self) -> dict[str, Any]:
+        state: dict[str, Any] = self.call(op="state")
+        return state
+
+    def stats(self, request_id: str) -> dict[str, Any]:
+        stats: dict[str, Any] = self.call(op="stats", request_id=request_id)
+        return stats
+
+    def kill(self) -> None:
+        self.killed = True
+        pid = self.process.pid
+        self.process.kill()
+        self.process.join(CALL_TIMEOUT_S)
+        # A killed shm endpoint cannot unlink its regions (fabric README).
+        for leftover in Path("/dev/shm").glob(f"{pid}:*"):
+            leftover.unlink(missing_ok=True)
+
+    def close(self) -> int | None:
+        if self.process.is_alive():
+            try:
+                self.conn.send_bytes(b'{"op": "close"}')
+                self.conn.poll(CALL_TIMEOUT_S)
+            except (OSError, EOFError):
+                pass
+            self.process.join(CALL_TIMEOUT_S)
+        if self.process.is_alive():
+            os.kill(self.process.pid or 0, signal.SIGKILL)
+            self.process.join()
+        self.conn.close()
+        return self.process.exitcode
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 20.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or condition}")
+        time.sleep(0.01)

@@ -1,0 +1,159 @@
+"""Deadlines, a killed prefill process, and aborts at every stage: no leak, no corruption."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.engine.engine_helpers import make_engine, prompts_of_lengths, run_engine
+from tests.kv.harness import RemotePrefill, wait_until
+from workers.engine.config import EngineConfig
+from workers.engine.sampling_params import SamplingParams
+from workers.kv.decode_messenger import DecodeMessengerConfig
+from workers.kv.worker import DecodeWorker
+
+PROVIDERS = ["tcp;ofi_rxm", "shm"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
+DECODE_PAGES = 200
+PREFILL_PAGES = 200
+# One page per prefill pass: a long prompt takes ~100 passes, so there is time to act mid-way.
+SLOW_PREFILL = {"num_pages": PREFILL_PAGES, "max_num_batched_tokens": 16}
+
+pytestmark = pytest.mark.slow
+
+
+def decode_worker(model_dir: Path, provider: str, timeout_s: float, drain_s: float) -> DecodeWorker:
+    return DecodeWorker(
+        model_dir,
+        EngineConfig(num_pages=DECODE_PAGES),
+        provider=provider,
+        messenger_config=DecodeMessengerConfig(
+            transfer_timeout_s=timeout_s, drain_interval_s=drain_s
+        ),
+    )
+
+
+def wait_for_landed_writes(decode: DecodeWorker, request_id: str) -> None:
+    def landed() -> bool:
+        progress = decode.transfer_progress(request_id)
+        assert progress is not None, "the transfer ended before it could be interrupted"
+        return progress[0] > 0
+
+    wait_until(landed, what=f"first write of {request_id}")
+
+
+def decode_pool_full(decode: DecodeWorker) -> bool:
+    state = decode.state()
+    return state["num_free_pages"] == DECODE_PAGES and state["num_pinned_pages"] == 0
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_prefill_killed_mid_transfer_fails_after_deadline(
+    tiny_model_dir: Path, provider: str
+) -> None:
+    prefill = RemotePrefill(tiny_model_dir, provider, engine=SLOW_PREFILL)
+    decode = decode_worker(tiny_model_dir, provider, timeout_s=2.0, drain_s=0.5)
+    try:
+        (prompt,) = prompts_of_lengths([1600], seed=7)
+        stream = decode.submit("k", prompt, GREEDY, prefill.endpoint)
+        wait_for_landed_writes(decode, "k")
+        prefill.kill()
+        killed_at = time.monotonic()
+        tokens, final = stream.result(30)
+        assert tokens == [] and final.finish_reason == "error"
+        assert final.error is not None and "deadline" in final.error, final.error
+        assert time.monotonic() >= killed_at  # ordering only: the failure came after the kill
+        wait_until(lambda: decode_pool_full(decode), what="decode pool full again")
+        assert decode.state()["num_transfers"] == 0
+        assert (decode.transfer_stats("k") or {}).get("state") == "failed"
+    finally:
+        decode.close()
+        prefill.close()
+
+
+class Setup:
+    def __init__(self, model_dir: Path, provider: str) -> None:
+        self.prefill = RemotePrefill(model_dir, provider, engine=SLOW_PREFILL)
+        self.decode = decode_worker(model_dir, provider, timeout_s=30.0, drain_s=30.0)
+
+    def pools_full(self) -> None:
+        # drain_s is long: pages only come back early through acknowledged or landed writes.
+        wait_until(lambda: decode_pool_full(self.decode), what="decode pool full again")
+        wait_until(
+            lambda: self.prefill.state()["num_free_pages"] == PREFILL_PAGES,
+            what="prefill pool full again",
+        )
+        assert self.prefill.state()["num_transfers"] == 0
+        assert self.decode.state()["num_transfers"] == 0
+
+
+@pytest.fixture(scope="module", params=PROVIDERS)
+def setup(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Iterator[Setup]:
+    setup = Setup(tiny_model_dir, str(request.param))
+    yield setup
+    setup.decode.close()
+    assert setup.prefill.close() == 0
+
+
+def test_abort_during_prefill_and_transfer(setup: Setup, tiny_model_dir: Path) -> None:
+    decode, endpoint = setup.decode, setup.prefill.endpoint
+    long_prompt, later = prompts_of_lengths([1600, 700], seed=8)
+
+    # During prefill: the abort overtakes the request (queued or in its first passes).
+    stream = decode.submit("a-prefill", long_prompt, GREEDY, endpoint)
+    assert decode.abort("a-prefill")
+    assert stream.result(10)[1].finish_reason == "abort"
+
+    # During the transfer: some layers' writes have landed.
+    stream = decode.submit("a-transfer", long_prompt, GREEDY, endpoint)
+    wait_for_landed_writes(decode, "a-transfer")
+    assert decode.abort("a-transfer")
+    assert stream.result(10)[1].finish_reason == "abort"
+    setup.pools_full()
+    assert setup.prefill.stats("a-transfer")["state"] == "cancelled"
+
+    # A later request reuses the freed pages (and slots) and must decode correctly.
+    (expected,) = run_engine(make_engine(tiny_model_dir), [later], GREEDY)
+    tokens, final = decode.submit("after", later, GREEDY, endpoint).result(60)
+    assert tokens == expected, final.error
+    setup.pools_full()
+
+
+def test_aborts_around_completion(setup: Setup, tiny_model_dir: Path) -> None:
+    decode, endpoint = setup.decode, setup.prefill.endpoint
+    prompts = prompts_of_lengths([17, 40, 33, 64, 20, 50], seed=9)
+    expected = run_engine(make_engine(tiny_model_dir), prompts, GREEDY)
+    # Sweep the abort over the moment the counter fires: before, at, just after.
+    reasons = set()
+    for i, prompt in enumerate(prompts):
+        stream = decode.submit(f"z{i}", prompt, GREEDY, endpoint)
+        time.sleep(0.004 * i)
+        decode.abort(f"z{i}")
+        reasons.add(stream.result(30)[1].finish_reason)
+    assert reasons <= {"abort", "length"}
+    setup.pools_full()
+    # Every page is reused by a new round: no late write of the aborted round corrupts it.
+    streams = [decode.submit(f"y{i}", p, GREEDY, endpoint) for i, p in enumerate(prompts)]
+    assert [s.result(60)[0] for s in streams] == expected
+    setup.pools_full()
+
+
+def test_rejected_request_fails_fast_and_frees_its_pages(tiny_model_dir: Path) -> None:
+    provider = "tcp;ofi_rxm"
+    prefill = RemotePrefill(tiny_model_dir, provider, engine={"num_pages": 8})  # 128 tokens
+    decode = decode_worker(tiny_model_dir, provider, timeout_s=30.0, drain_s=30.0)
+    try:
+        too_long, fits = prompts_of_lengths([500, 40], seed=10)
+        tokens, final = decode.submit("big", too_long, GREEDY, prefill.endpoint).result(10)
+        assert tokens == [] and final.finish_reason == "error"
+        assert final.error is not None and "TOO_LONG" in final.error, final.error
+        # Nothing was written: the pages come back at once, not after the 30 s drain time.
+        wait_until(lambda: decode_pool_full(decode), timeout=5.0, what="decode pool full")
+        (expected,) = run_engine(make_engine(tiny_model_dir), [fits], GREEDY)
+        assert decode.submit("small", fits, GREEDY, prefill.endpoint).result(30)[0] == expected
+    finally:
+        decode.close()
+        assert prefill.close() == 0

@@ -1,0 +1,424 @@
+"""Decode side of the KV messenger: reserve pages, ask a prefill worker to fill them, admit.
+
+Queues and life cycle (keyed by request id)::
+
+    start() ──▶ pending (no pages / slot yet) ──▶ ALLOCATED (pinned pages, imm slot, context row)
+      ──PrefillRequest──▶ REQUESTED ──PrefillAccepted(count): arm counter──▶ counter fires
+      ──▶ READY: slot released, engine.add_prefilled_request (the last prompt token runs first)
+    deadline / PrefillRejected / abort ──▶ FAILED: counter cancelled, AbortPrefill sent,
+      pages + slot ──▶ quarantine ──(all writes landed | acknowledged count landed | time)──▶ free
+
+- A one-token prompt has no KV to prefill: it goes to the engine at once.
+- The request stays out of decode scheduling (its pages are pinned, the engine does not know
+  it) until the counter reached the expected count.
+- The expected count is the plan's (`workers.kv.writes`): with coalescing it depends on the
+  prefill's page ids and arrives in `PrefillAccepted` (writes landing earlier are buffered by the
+  counter); without, the decoder computes it and the prefill side cross-checks it.
+- Late writes of a failed transfer cannot count for a newer one: the imm carries generation
+  bits, the slot is parked and the pages quarantined until the old writes drained.
+
+Threads: `start`, `abort`, `poll` run on the worker's step thread; fabric callbacks only enqueue.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+
+from workers.engine.engine_core import EngineCore
+from workers.engine.sampling_params import SamplingParams
+from workers.fabric import FabricError, Message, PeerHandle, TransferEngine
+from workers.kv.endpoint import PrefillEndpoint
+from workers.kv.errors import KvTransferError, ProtocolError
+from workers.kv.imm import ImmLayout, SlotTable
+from workers.kv.pools import RegisteredPools
+from workers.kv.protocol import (
+    AbortAcknowledged,
+    AbortPrefill,
+    PrefillAccepted,
+    PrefillRejected,
+    PrefillRequest,
+    decode_message,
+    encode_message,
+)
+from workers.kv.quarantine import PageQuarantine, QuarantinedPages
+from workers.kv.sharding import GroupSharding, PageGeometry, make_transfer_plan
+from workers.kv.transfer_state import DecodeState, DecodeTransfer
+from workers.kv.writes import PoolLayout, expected_write_count_from_dst
+
+log = logging.getLogger(__name__)
+
+_UNKNOWN_COUNT = 1 << 62  # quarantine bound while the prefill side never told its count
+
+
+@dataclass(frozen=True)
+class DecodeMessengerConfig:
+    transfer_timeout_s: float = 30.0
+    drain_interval_s: float = 5.0
+    max_transfers: int = 256  # imm slots and rows of the context buffer
+    coalesce_pages: bool = True
+    finished_memory: int = 4096
+    seed: int = 0
+
+
+@dataclass
+class _Incoming:
+    prompt: list[int]
+    params: SamplingParams
+    endpoint: PrefillEndpoint
+    transfer: DecodeTransfer | None = None
+    peer: PeerHandle | None = None
+    armed: bool = False
+
+
+def _send_failed(request_id: str, error: FabricError) -> None:
+    log.info("AbortPrefill of %s not delivered (prefill worker gone?): %s", request_id, error)
+
+
+class DecodeMessenger:
+    def __init__(
+        self,
+        engine: EngineCore,
+        fabric: TransferEngine,
+        config: DecodeMessengerConfig | None = None,
+        *,
+        rank_pools: Sequence[object] | None = None,
+        sharding: GroupSharding | None = None,
+        wake: Callable[[], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.fabric = fabric
+        self.config = config = config or DecodeMessengerConfig()
+        model = engine.model_config
+        self.sharding = sharding or GroupSharding(1, model.num_kv_heads)
+        self.geometry = PageGeometry(
+            model.num_layers,
+            engine.config.page_size,
+            model.head_dim,
+            engine.kv_cache.element_size(),
+        )
+        layout = PoolLayout.for_group(self.sharding, self.geometry, engine.num_pages)
+        self.pools = RegisteredPools.register(fabric, rank_pools or [engine.kv_cache], layout)
+        self.context = torch.zeros(config.max_transfers, model.hidden_size, dtype=engine.dtype)
+        self._row_bytes = model.hidden_size * self.context.element_size()
+        _, self._context_descriptor = fabric.register(self.context)
+        self.imm_layout = ImmLayout()
+        self.imm_layout.check_provider(fabric.imm_bits // 8)
+        self.slots = SlotTable(self.imm_layout, config.max_transfers)
+        self.quarantine = PageQuarantine(config.drain_interval_s)
+        self._rng = random.Random(config.seed)
+        self._inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
+        # (imm, when its counter fired): the fire time is the KV-ready time of the measurements.
+        self._fired: queue.SimpleQueue[tuple[int, float]] = queue.SimpleQueue()
+        self._wake = wake or (lambda: None)
+        self._pending: deque[str] = deque()
+        self._by_id: dict[str, _Incoming] = {}
+        self._quarantined: dict[int, int] = {}  # imm -> arrivals already told to the quarantine
+        self._failures: list[tuple[str, str]] = []
+        self.finished: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self.context_states: OrderedDict[str, torch.Tensor] = OrderedDict()
+        fabric.on_message(self._on_message)
+
+    # -- fabric callbacks (enqueue only) ------------------------------------------------------
+
+    def _on_message(self, message: Message) -> None:
+        self._inbox.put(message)
+        self._wake()
+
+    def _on_reached(self, imm: int) -> None:
+        self._fired.put((imm, time.monotonic()))
+        self._wake()
+
+    # -- step thread: requests ----------------------------------------------------------------
+
+    def start(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        endpoint: PrefillEndpoint,
+    ) -> None:
+        """Begin serving a request (validated by the caller); one-token prompts go straight in."""
+        if len(prompt) == 1:
+            self.engine.add_prefilled_request(request_id, prompt, params, [])
+            return
+        if request_id in self._by_id:
+            raise KvTransferError(f"request {request_id} already has a transfer")
+        self._by_id[request_id] = _Incoming(list(prompt), params, endpoint)
+        self._pending.append(request_id)
+        self._start_pending()
+
+    def _start_pending(self) -> None:
+        while self._pending:
+            incoming = self._by_id[self._pending[0]]
+            num_pages = self.engine.num_prefill_pages(len(incoming.prompt))
+            if (
+                self.slots.num_live >= self.slots.capacity
+                or not self.engine.block_manager.can_allocate(num_pages)
+            ):
+                return
+            request_id = self._pending.popleft()
+            try:
+                self._request(request_id, incoming, num_pages)
+            except (KvTransferError, FabricError) as error:
+                self._fail(request_id, f"could not request the KV: {error}")
+
+    def _request(self, request_id: str, incoming: _Incoming, num_pages: int) -> None:
+        endpoint = incoming.endpoint
+        now = time.monotonic()
+        pages = self.engine.allocate_pinned(num_pages)  # can_allocate and num_live were checked
+        try:
+            imm = self.slots.allocate(request_id)
+        except KvTransferError:
+            self.engine.free_pinned(pages)
+            raise
+        slot, _ = self.imm_layout.decode(imm)
+        incoming.transfer = DecodeTransfer(
+            request_id, imm, tuple(pages), None, now + self.config.transfer_timeout_s, now
+        )
+        incoming.peer = self.fabric.add_peer(endpoint.address)
+        coalesce = self.config.coalesce_pages
+        source_sets: tuple[int, ...] = ()
+        expected = 0
+        if not coalesce:
+            src = GroupSharding(endpoint.tp_size, endpoint.num_kv_heads, endpoint.is_mla)
+            plan = make_transfer_plan(
+                src, self.sharding, self.geometry, rng=self._rng, coalesce_pages=False
+            )
+            source_sets = plan.source_sets
+            expected = expected_write_count_from_dst(plan, pages, self.geometry.num_layers, 1)
+            incoming.transfer.set_expected(expected)
+        max_run = self.fabric.max_pages_per_run(self.pools.layout.page_bytes) or 0
+        request = PrefillRequest(
+            request_id,
+            imm,
+            tuple(incoming.prompt[:-1]),
+            self.geometry.page_size,
+            (tuple(pages),),
+            self.sharding.tp_size,
+            self.sharding.num_kv_heads,
+            self.sharding.is_mla,
+            source_sets,
+            coalesce,
+            endpoint.segment_pages,
+            max_run,
+            self.pools.descriptor_bytes(),
+            self._context_descriptor.to_bytes(),
+            slot * self._row_bytes,
+            expected,
+            max(1, int(self.config.transfer_timeout_s * 1000)),
+        )
+        if expected:
+            self._arm(incoming, expected)
+        self.fabric.submit_send(incoming.peer, encode_message(request))
+        incoming.transfer.advance(DecodeState.REQUESTED, now)
+
+    def _arm(self, incoming: _Incoming, count: int) -> None:
+        assert incoming.transfer is not None
+        imm = incoming.transfer.imm
+        self.fabric.expect_imm(imm, count, partial(self._on_reached, imm))
+        incoming.armed = True
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request still waiting for its KV; False when it is not (ask the engine)."""
+        incoming = self._by_id.get(request_id)
+        if incoming is None:
+            return False
+        self._fail(request_id, "aborted", aborted=True)
+        return True
+
+    # -- step thread: progress ----------------------------------------------------------------
+
+    def poll(self) -> list[tuple[str, str]]:
+        """Handle messages, fired counters, deadlines and quarantine; returns the requests that
+        failed since the last call as ``(request_id, error)`` (aborted ones are not listed)."""
+        while True:
+            try:
+                self._handle_message(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        while True:
+            try:
+                self._handle_fired(*self._fired.get_nowait())
+            except queue.Empty:
+                break
+        now = time.monotonic()
+        for request_id, incoming in list(self._by_id.items()):
+            transfer = incoming.transfer
+            if transfer is not None and transfer.is_expired(now):
+                seen = self.fabric.imm_arrivals(transfer.imm)
+                expected = transfer.num_writes_expected
+                self._fail(
+                    request_id,
+                    f"KV transfer deadline of {self.config.transfer_timeout_s:g} s passed with "
+                    f"{seen} of {expected if expected is not None else 'an unknown number of'} "
+                    "writes landed (prefill worker dead or overloaded?)",
+                )
+        self._drain_quarantine(now)
+        self._start_pending()
+        failures, self._failures = self._failures, []
+        return failures
+
+    def _handle_message(self, message: Message) -> None:
+        try:
+            decoded = decode_message(message.payload)
+        except ProtocolError as error:
+            log.warning("malformed message dropped: %s", error)
+            return
+        if isinstance(decoded, AbortAcknowledged):
+            released = self.quarantine.acknowledge_abort(
+                decoded.transfer_id, decoded.num_writes_submitted, time.monotonic()
+            )
+            self._release(released)
+            return
+        if not isinstance(decoded, PrefillAccepted | PrefillRejected):
+            log.warning("unexpected %s", type(decoded).__name__)
+            return
+        incoming = self._by_id.get(decoded.request_id)
+        transfer = incoming.transfer if incoming is not None else None
+        if incoming is None or transfer is None or transfer.imm != decoded.transfer_id:
+            if isinstance(decoded, PrefillRejected):  # nothing was or will be written
+                self._release(self.quarantine.acknowledge_abort(decoded.transfer_id, 0, 0.0))
+            return
+        if isinstance(decoded, PrefillRejected):
+            self._fail(
+                decoded.request_id,
+                f"prefill worker rejected the request: {decoded.reason.name} {decoded.detail}",
+                rejected=True,
+            )
+            return
+        try:
+            transfer.set_expected(decoded.expected_write_count)
+        except KvTransferError as error:
+            self._fail(decoded.request_id, f"write count disagreement: {error}")
+            return
+        if not incoming.armed:
+            self._arm(incoming, decoded.expected_write_count)
+
+    def _handle_fired(self, imm: int, fired_s: float) -> None:
+        request_id = self.slots.resolve(imm)
+        incoming = self._by_id.get(request_id) if request_id is not None else None
+        if request_id is None or incoming is None or incoming.transfer is None:
+            return  # failed meanwhile; the quarantine counts it
+        transfer = incoming.transfer
+        transfer.count_reached(fired_s)
+        self.slots.release(imm)
+        slot, _ = self.imm_layout.decode(imm)
+        self.context_states[request_id] = self.context[slot].clone()
+        while len(self.context_states) > self.config.finished_memory:
+            self.context_states.popitem(last=False)
+        del self._by_id[request_id]
+        self._remember(request_id, transfer)
+        try:
+            self.engine.add_prefilled_request(
+                request_id, incoming.prompt, incoming.params, list(transfer.page_ids)
+            )
+        except Exception as error:  # the KV is complete, so nothing can still land
+            self.engine.free_pinned(transfer.page_ids)
+            self._failures.append((request_id, f"engine refused the prefilled request: {error}"))
+
+    def _fail(
+        self, request_id: str, reason: str, *, aborted: bool = False, rejected: bool = False
+    ) -> None:
+        incoming = self._by_id.pop(request_id)
+        transfer = incoming.transfer
+        if transfer is None:  # still pending (or its allocation failed): nothing to free
+            if request_id in self._pending:
+                self._pending.remove(request_id)
+            if not aborted:
+                self._failures.append((request_id, reason))
+            return
+        now = time.monotonic()
+        imm = transfer.imm
+        never_sent = transfer.state is DecodeState.ALLOCATED  # nothing can land
+        fired = incoming.armed and not self.fabric.cancel_imm(imm)
+        if not incoming.armed:
+            self.fabric.cancel_imm(imm)
+        transfer.fail(reason, now)
+        self.slots.release(imm, drained=False)
+        expected = transfer.num_writes_expected
+        seen = expected if fired and expected else self.fabric.imm_arrivals(imm)
+        self._quarantined[imm] = seen
+        released = self.quarantine.hold(
+            QuarantinedPages(imm, request_id, transfer.page_ids),
+            num_writes_expected=expected or _UNKNOWN_COUNT,
+            num_writes_seen=seen,
+            now_s=now,
+            deadline_s=transfer.deadline_s,
+        )
+        if rejected or never_sent:
+            released += self.quarantine.acknowledge_abort(imm, 0, now)
+        elif not fired and incoming.peer is not None:
+            try:
+                self.fabric.submit_send(
+                    incoming.peer,
+                    encode_message(AbortPrefill(request_id, imm)),
+                    on_error=partial(_send_failed, request_id),
+                )
+            except FabricError as error:
+                log.warning("could not send AbortPrefill for %s: %s", request_id, error)
+        self._release(released)
+        self._remember(request_id, transfer)
+        if not aborted:
+            log.warning("request %s failed: %s", request_id, reason)
+            self._failures.append((request_id, reason))
+
+    def _drain_quarantine(self, now: float) -> None:
+        released: list[QuarantinedPages] = []
+        for imm, told in list(self._quarantined.items()):
+            seen = self.fabric.imm_arrivals(imm)
+            if seen > told:
+                self._quarantined[imm] = seen
+                released += self.quarantine.record_writes(imm, seen - told, now)
+        self._release(released + self.quarantine.expire(now))
+
+    def _release(self, released: list[QuarantinedPages]) -> None:
+        for pages in released:
+            self._quarantined.pop(pages.imm, None)
+            self.engine.free_pinned(pages.page_ids)
+            self.slots.recycle(pages.imm)
+
+    def _remember(self, request_id: str, transfer: DecodeTransfer) -> None:
+        self.finished[request_id] = {
+            "imm": transfer.imm,
+            "state": transfer.state.value,
+            "reason": transfer.failure_reason,
+            "num_writes_expected": transfer.num_writes_expected,
+            "requested_s": transfer.entered_at(DecodeState.REQUESTED),
+            "kv_ready_s": transfer.stats.kv_ready_s,
+            "page_ids": list(transfer.page_ids),
+        }
+        while len(self.finished) > self.config.finished_memory:
+            self.finished.popitem(last=False)
+
+    def progress(self, request_id: str) -> tuple[int, int | None] | None:
+        """``(writes landed, writes expected)`` of a transfer in flight, None when there is none."""
+        incoming = self._by_id.get(request_id)
+        if incoming is None or incoming.transfer is None:
+            return None
+        transfer = incoming.transfer
+        return self.fabric.imm_arrivals(transfer.imm), transfer.num_writes_expected
+
+    def state(self) -> dict[str, Any]:
+        by_state: dict[str, int] = {}
+        for incoming in self._by_id.values():
+            name = incoming.transfer.state.value if incoming.transfer else "pending"
+            by_state[name] = by_state.get(name, 0) + 1
+        return {
+            "num_transfers": len(self._by_id),
+            "transfers_by_state": by_state,
+            "num_quarantined_pages": self.quarantine.num_pages,
+            "num_parked_slots": self.slots.num_parked,
+        }
+
+    def close(self) -> None:
+        self.fabric.on_message(None)

@@ -1,0 +1,106 @@
+"""One prefill-side transfer: its accepted request, its state machine and its pages so far.
+
+`Outgoing.plan_chunk` turns one scheduled chunk into the `PushItem` of the pages it makes
+sendable (`workers.kv.pages.sendable_pages`: whole segments, or the rest after the last chunk)
+and, at the last chunk, fixes the exact write count: only then are all source page ids, and so
+the coalesced runs, known.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from workers.engine.scheduler import ScheduledChunk
+from workers.fabric import PeerHandle
+from workers.kv.pages import num_pages_for_tokens, sendable_pages
+from workers.kv.prefill_checks import CheckedRequest
+from workers.kv.protocol import PrefillAccepted, PrefillRequest
+from workers.kv.push import PushItem, build_push_item
+from workers.kv.transfer_state import PrefillState, PrefillTransfer
+from workers.kv.writes import PoolLayout, expected_write_count
+
+
+@dataclass
+class Outgoing:
+    checked: CheckedRequest
+    peer: PeerHandle
+    transfer: PrefillTransfer
+    deadline_s: float
+    num_pages_total: int
+    context_row: int
+    src_pages: list[int] = field(default_factory=list)
+    num_pages_sent: int = 0
+    in_engine: bool = False
+    prefilled: bool = False
+
+    @property
+    def request(self) -> PrefillRequest:
+        return self.checked.request
+
+    @property
+    def request_id(self) -> str:
+        return self.checked.request.request_id
+
+    def plan_chunk(
+        self, chunk: ScheduledChunk, src_layout: PoolLayout
+    ) -> tuple[PushItem | None, PrefillAccepted | None]:
+        """The writes this chunk makes sendable, and the acceptance once the count is known."""
+        plan = self.checked.plan
+        accepted = None
+        if chunk.end == len(self.request.token_ids):
+            planned = expected_write_count(
+                plan,
+                self.src_pages,
+                self.checked.dst_pages,
+                plan.geometry.num_layers,
+                self.request.num_context_writes,
+            )
+            self.transfer.set_planned(planned)
+            accepted = PrefillAccepted(self.request_id, self.transfer.imm, planned)
+        done = num_pages_for_tokens(chunk.end, plan.geometry.page_size)
+        pages = sendable_pages(done, self.num_pages_total, self.num_pages_sent, plan.segment_pages)
+        if not pages:
+            return None, accepted
+        self.num_pages_sent = pages.stop
+        item = build_push_item(
+            self.request_id,
+            self.transfer.imm,
+            self.peer,
+            self.checked.dst_descriptors,
+            plan,
+            self.src_pages[pages.start : pages.stop],
+            self.checked.dst_slice(pages),
+            src_layout,
+            self.checked.dst_layout,
+            pages.start,
+        )
+        return item, accepted
+
+    def summary(self) -> dict[str, Any]:
+        """Plain-data record of the ended transfer (kept for late aborts and measurements)."""
+        stats = self.transfer.stats
+        return {
+            "imm": self.transfer.imm,
+            "state": self.transfer.state.value,
+            "reason": self.transfer.failure_reason,
+            "num_writes": self.transfer.num_writes_submitted,
+            "num_writes_planned": self.transfer.num_writes_planned,
+            "num_bytes": stats.num_bytes,
+            "first_submit_s": stats.first_submit_s,
+            "last_submit_s": stats.last_submit_s,
+            "last_completion_s": stats.last_completion_s,
+            "prefill_start_s": self.transfer.entered_at(PrefillState.PREFILLING),
+            "forward_end_s": stats.forward_end_s,
+            "src_pages": list(self.src_pages),
+        }
+
+
+def last_row_of(chunks: list[ScheduledChunk], request_id: str) -> int:
+    """Row of the pass's hidden states holding ``request_id``'s last token of this pass."""
+    row = 0
+    for chunk in chunks:
+        row += chunk.num_tokens
+        if chunk.request_id == request_id:
+            return row - 1
+    raise KeyError(f"{request_id} did not run in this pass")

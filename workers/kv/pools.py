@@ -1,0 +1,80 @@
+"""A TP group's KV pools as its leader's single `TransferEngine` sees them.
+
+Each rank of a group owns one pool ``[num_layers, num_pages, 2, kv_heads_local, page_size,
+head_dim]`` (`workers.kv.writes.PoolLayout`). With tensor parallelism the other ranks' pools
+live in shared memory mapped into the leader (CPU) or are imported device allocations (GPU), so
+the leader registers every rank's pool with its one engine: rank ``r``'s writes use
+``handles[r]`` as source, and peers write into rank ``r`` through ``descriptors[r]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from workers.fabric import MemoryRegionDescriptor, MemoryRegionHandle, TransferEngine
+from workers.kv.errors import ShardingError
+from workers.kv.sharding import GroupSharding, PageGeometry
+from workers.kv.writes import PoolLayout
+
+
+def buffer_num_bytes(buffer: object) -> int:
+    """Byte size of a torch tensor, numpy array or buffer-protocol object."""
+    nbytes = getattr(buffer, "nbytes", None)
+    if isinstance(nbytes, int):
+        return nbytes
+    numel = getattr(buffer, "numel", None)
+    element_size = getattr(buffer, "element_size", None)
+    if callable(numel) and callable(element_size):
+        return int(numel()) * int(element_size())
+    return memoryview(buffer).nbytes  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class RegisteredPools:
+    """Every rank's pool of one group, registered with the leader's engine."""
+
+    layout: PoolLayout
+    handles: tuple[MemoryRegionHandle, ...]
+    descriptors: tuple[MemoryRegionDescriptor, ...]
+
+    @property
+    def tp_size(self) -> int:
+        return len(self.handles)
+
+    @classmethod
+    def register(
+        cls, engine: TransferEngine, buffers: Sequence[object], layout: PoolLayout
+    ) -> RegisteredPools:
+        """Register one pool per rank (rank order); each must have exactly the layout's size."""
+        if not buffers:
+            raise ShardingError("a group needs at least one rank's pool")
+        for rank, buffer in enumerate(buffers):
+            if buffer_num_bytes(buffer) != layout.num_bytes:
+                raise ShardingError(
+                    f"rank {rank}'s pool has {buffer_num_bytes(buffer)} bytes, the layout "
+                    f"{layout} needs {layout.num_bytes}"
+                )
+        registered = [engine.register(buffer) for buffer in buffers]
+        return cls(
+            layout,
+            tuple(handle for handle, _ in registered),
+            tuple(descriptor for _, descriptor in registered),
+        )
+
+    def descriptor_bytes(self) -> tuple[bytes, ...]:
+        return tuple(descriptor.to_bytes() for descriptor in self.descriptors)
+
+
+def layout_from_descriptor(
+    descriptor: MemoryRegionDescriptor, sharding: GroupSharding, geometry: PageGeometry
+) -> PoolLayout:
+    """The pool layout a peer rank's descriptor implies (its page count from its length)."""
+    page_bytes = 2 * sharding.heads_per_rank * geometry.head_bytes
+    pool_page_bytes = geometry.num_layers * page_bytes
+    if descriptor.length % pool_page_bytes:
+        raise ShardingError(
+            f"descriptor of {descriptor.length} bytes is not a whole number of "
+            f"{geometry.num_layers}-layer pages of {page_bytes} bytes"
+        )
+    return PoolLayout.for_group(sharding, geometry, descriptor.length // pool_page_bytes)

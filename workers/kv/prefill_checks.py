@@ -1,0 +1,126 @@
+"""Everything the prefill side checks in a `PrefillRequest` before it accepts it.
+
+A request is refused (`RequestRejected` with a `RejectReason`) when the two groups cannot be
+mapped (page size, heads, MLA, TP sizes), the decoder's descriptors are not for this provider or
+are too small for the page ids it names, the context buffer cannot hold a hidden state, the
+prompt can never fit, or the decoder's own write count disagrees with the plan. Nothing is
+allocated before every check passed.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from workers.fabric import FabricError, MemoryRegionDescriptor
+from workers.kv.errors import KvTransferError
+from workers.kv.pages import num_pages_for_tokens
+from workers.kv.pools import layout_from_descriptor
+from workers.kv.protocol import PrefillRequest, RejectReason
+from workers.kv.sharding import TransferPlan, make_transfer_plan
+from workers.kv.writes import PageIds, PoolLayout, expected_write_count_from_dst
+
+if TYPE_CHECKING:
+    from workers.kv.prefill_messenger import PrefillMessenger
+
+
+class RequestRejected(KvTransferError):
+    def __init__(self, reason: RejectReason, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class CheckedRequest:
+    request: PrefillRequest
+    plan: TransferPlan
+    dst_descriptors: tuple[MemoryRegionDescriptor, ...]
+    dst_layout: PoolLayout
+    dst_pages: PageIds
+    context: MemoryRegionDescriptor | None
+
+    def dst_slice(self, pages: range) -> PageIds:
+        if isinstance(self.dst_pages, dict):
+            return {rank: ids[pages.start : pages.stop] for rank, ids in self.dst_pages.items()}
+        assert isinstance(self.dst_pages, list)
+        return self.dst_pages[pages.start : pages.stop]
+
+
+def check_request(
+    request: PrefillRequest, messenger: PrefillMessenger, rng: random.Random
+) -> CheckedRequest:
+    mine = messenger.sharding
+    geometry = messenger.geometry
+    engine = messenger.engine
+    incompatible = RejectReason.INCOMPATIBLE
+    if request.page_size != geometry.page_size:
+        raise RequestRejected(
+            incompatible, f"page size {request.page_size} != {geometry.page_size}"
+        )
+    if (request.num_kv_heads, request.is_mla) != (mine.num_kv_heads, mine.is_mla):
+        raise RequestRejected(incompatible, "KV heads / MLA differ from this model's")
+    num_tokens = len(request.token_ids)
+    if num_tokens + 1 >= engine.max_model_len:
+        raise RequestRejected(RejectReason.TOO_LONG, f"{num_tokens + 1} tokens")
+    if num_pages_for_tokens(num_tokens, geometry.page_size) > engine.num_pages:
+        raise RequestRejected(RejectReason.TOO_LONG, f"{num_tokens} tokens exceed the KV pool")
+    if max(request.token_ids) >= engine.model_config.vocab_size:
+        raise RequestRejected(incompatible, "token id outside the vocabulary")
+    page_bytes = messenger.pools.layout.page_bytes
+    my_limit = messenger.fabric.max_pages_per_run(page_bytes)
+    if my_limit is not None and not 0 < request.max_pages_per_run <= my_limit:
+        raise RequestRejected(incompatible, f"runs longer than {my_limit} pages do not fit")
+    try:
+        plan = make_transfer_plan(
+            mine,
+            request.decode_sharding,
+            geometry,
+            rng=rng,
+            source_sets=request.source_sets or None,
+            coalesce_pages=request.coalesce_pages,
+            segment_pages=request.segment_pages or None,
+            max_pages_per_run=request.max_pages_per_run or None,
+        )
+        descriptors = tuple(MemoryRegionDescriptor.from_bytes(d) for d in request.dst_descriptors)
+        layouts = {
+            layout_from_descriptor(d, request.decode_sharding, geometry) for d in descriptors
+        }
+        context = (
+            MemoryRegionDescriptor.from_bytes(request.context_descriptor)
+            if request.context_descriptor
+            else None
+        )
+    except (KvTransferError, FabricError) as error:
+        raise RequestRejected(incompatible, str(error)) from error
+    if any(d.provider != messenger.fabric.provider for d in descriptors):
+        raise RequestRejected(incompatible, "descriptors are for another provider")
+    if len(layouts) != 1:
+        raise RequestRejected(incompatible, "decode ranks' pools differ in size")
+    (dst_layout,) = layouts
+    for pages in request.dst_page_ids:
+        if pages and max(pages) >= dst_layout.num_pages:
+            raise RequestRejected(incompatible, "a destination page id is outside the pool")
+        if len(set(pages)) != len(pages):
+            raise RequestRejected(incompatible, "destination page ids repeat")
+    row_bytes = engine.model_config.hidden_size * engine.kv_cache.element_size()
+    if context is not None and request.context_offset + row_bytes > context.length:
+        raise RequestRejected(incompatible, "context buffer too small for the hidden state")
+    dst_pages: PageIds = (
+        list(request.dst_page_ids[0])
+        if len(request.dst_page_ids) == 1
+        else {rank: list(ids) for rank, ids in enumerate(request.dst_page_ids)}
+    )
+    if request.expected_write_count:
+        try:
+            mine_count = expected_write_count_from_dst(
+                plan, dst_pages, geometry.num_layers, request.num_context_writes
+            )
+        except KvTransferError as error:
+            raise RequestRejected(RejectReason.WRITE_COUNT_MISMATCH, str(error)) from error
+        if mine_count != request.expected_write_count:
+            raise RequestRejected(
+                RejectReason.WRITE_COUNT_MISMATCH,
+                f"decoder expects {request.expected_write_count} writes, plan has {mine_count}",
+            )
+    return CheckedRequest(request, plan, descriptors, dst_layout, dst_pages, context)

@@ -1,0 +1,437 @@
+"""Prefill side of the KV messenger: decoders' requests in, KV pages out, layer by layer.
+
+Queues and life cycle (all keyed by the decoder's request id)::
+
+    fabric callback ──message──▶ inbox ──poll()──▶ validate ──▶ queued ──admit──▶ engine
+      (PrefillRequest / AbortPrefill)                   └──▶ PrefillRejected
+    engine.on_step_scheduled(chunks) ──▶ PassPlan ──▶ push thread (writes per finished layer)
+    final-norm forward hook (pass end) ──▶ context write (hidden state of last prefilled position)
+    fabric on_done / on_error ──▶ events ──poll()──▶ all writes completed ──▶ engine.release
+
+- **queued**: accepted, waiting for source pages. A request is admitted to the engine only when
+  the pages of its whole prompt are free next to every admitted request's, so the prefill
+  scheduler never preempts (a recomputed chunk would be written twice).
+- **PrefillAccepted** carries the exact write count and goes out when the request's last chunk
+  is scheduled: only then are all its source page ids (and so the coalesced runs) known. The
+  decoder's counter buffers writes that land before it is armed.
+- Pages of each pass are sent as `workers.kv.pages.sendable_pages` allows (whole segments, or
+  the rest after the last chunk), so the runs never depend on how the scheduler chunked.
+- No done message: when every write completed locally the pages are released.
+- **Abort** (`AbortPrefill`): a queued request is dropped; a running one stops submitting,
+  its in-flight writes drain, then the engine request is aborted (pages freed);
+  `AbortAcknowledged(num_writes_submitted)` goes back at once. **Deadline** (the request's
+  ``timeout_ms``): same as an abort, marked failed; no write is submitted after it.
+
+Threads: `poll`, the engine hooks and `after_step` run on the worker's step thread (the only
+one touching the engine); the push thread calls `_gate`; fabric callbacks only enqueue. Transfer
+state is shared under one lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+
+from workers.engine.engine_core import EngineCore
+from workers.engine.errors import InvalidRequestError
+from workers.engine.outputs import RequestOutput
+from workers.engine.sampling_params import SamplingParams
+from workers.engine.scheduler import ScheduledChunk
+from workers.fabric import FabricError, Message, PeerHandle, TransferEngine
+from workers.kv.errors import KvTransferError, ProtocolError
+from workers.kv.outgoing import Outgoing, last_row_of
+from workers.kv.pages import num_pages_for_tokens
+from workers.kv.pools import RegisteredPools
+from workers.kv.prefill_checks import RequestRejected, check_request
+from workers.kv.protocol import (
+    AbortAcknowledged,
+    AbortPrefill,
+    PrefillRejected,
+    PrefillRequest,
+    RejectReason,
+    decode_message,
+    encode_message,
+)
+from workers.kv.push import PassPlan, PushItem, PushThread
+from workers.kv.sharding import GroupSharding, PageGeometry
+from workers.kv.transfer_state import PrefillState, PrefillTransfer
+from workers.kv.writes import PoolLayout
+
+log = logging.getLogger(__name__)
+
+_ACTIVE = (PrefillState.QUEUED, PrefillState.PREFILLING, PrefillState.WRITING)
+
+
+@dataclass(frozen=True)
+class PrefillMessengerConfig:
+    max_transfers: int = 256  # live transfers (and rows of the context staging buffer)
+    finished_memory: int = 4096  # ended transfers remembered for late aborts and stats
+    poll_interval_s: float = 0.0001  # push thread's layer-counter poll
+    layerwise: bool = True  # False: push a pass's writes only once it ended (bench baseline)
+    seed: int = 0
+
+
+def _send_failed(peer_name: str, error: FabricError) -> None:
+    log.info("control message to %s not delivered: %s", peer_name, error)
+
+
+class PrefillMessenger:
+    def __init__(
+        self,
+        engine: EngineCore,
+        fabric: TransferEngine,
+        config: PrefillMessengerConfig | None = None,
+        *,
+        rank_pools: Sequence[object] | None = None,
+        sharding: GroupSharding | None = None,
+        wake: Callable[[], None] | None = None,
+    ) -> None:
+        """``rank_pools``: every TP rank's KV pool in rank order (default: the engine's own)."""
+        self.engine = engine
+        self.fabric = fabric
+        self.config = config = config or PrefillMessengerConfig()
+        model = engine.model_config
+        self.sharding = sharding or GroupSharding(1, model.num_kv_heads)
+        self.geometry = PageGeometry(
+            model.num_layers,
+            engine.config.page_size,
+            model.head_dim,
+            engine.kv_cache.element_size(),
+        )
+        layout = PoolLayout.for_group(self.sharding, self.geometry, engine.num_pages)
+        self.pools = RegisteredPools.register(fabric, rank_pools or [engine.kv_cache], layout)
+        self._staging = torch.zeros(config.max_transfers, model.hidden_size, dtype=engine.dtype)
+        self._staging_handle, _ = fabric.register(self._staging)
+        self._free_rows: deque[int] = deque(range(config.max_transfers))
+        self._rng = random.Random(config.seed)
+        self._lock = threading.Lock()
+        self._inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
+        self._events: queue.SimpleQueue[tuple[str, int, FabricError | None]] = queue.SimpleQueue()
+        self._wake = wake or (lambda: None)
+        self._by_id: dict[str, Outgoing] = {}
+        self._queued: deque[Outgoing] = deque()
+        self._reserved_pages = 0
+        self.finished: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._pass_chunks: list[ScheduledChunk] = []
+        self._draining = False
+        engine.on_step_scheduled = self.on_step_scheduled
+        self._hook = engine.model.norm.register_forward_hook(self._on_forward_end)
+        self._push = PushThread(
+            fabric,
+            self.pools.handles,
+            engine.layer_progress,
+            model.num_layers,
+            self._gate,
+            self._on_write_done,
+            self._on_write_error,
+            poll_interval_s=config.poll_interval_s,
+            layerwise=config.layerwise,
+        )
+        fabric.on_message(self._on_message)
+
+    # -- fabric callbacks (callback thread: enqueue only) ------------------------------------
+
+    def _on_message(self, message: Message) -> None:
+        self._inbox.put(message)
+        self._wake()
+
+    def _on_write_done(self, request_id: str, count: int) -> None:
+        self._events.put((request_id, count, None))
+        self._wake()
+
+    def _on_write_error(self, request_id: str, count: int, error: FabricError) -> None:
+        self._events.put((request_id, count, error))
+        self._wake()
+
+    # -- step thread ----------------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return bool(self._by_id) or not self._inbox.empty() or not self._events.empty()
+
+    def poll(self) -> None:
+        """Handle messages and completions, expire deadlines, admit queued requests."""
+        while True:
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            self._handle_message(message)
+        while True:
+            try:
+                request_id, count, error = self._events.get_nowait()
+            except queue.Empty:
+                break
+            self._handle_completion(request_id, count, error)
+        now = time.monotonic()
+        for out in list(self._by_id.values()):
+            if out.transfer.state in _ACTIVE and now >= out.deadline_s:
+                log.warning("prefill transfer %s missed its deadline", out.request.request_id)
+                self._stop(out, "deadline passed", failed=True)
+        self._admit()
+
+    def on_step_scheduled(self, chunks: list[ScheduledChunk]) -> None:
+        """Engine hook, before the pass: plan the writes of every chunk's sendable pages."""
+        pass_id = self.engine.layer_progress.read()[0] + 1
+        items: list[PushItem] = []
+        with self._lock:
+            for chunk in chunks:
+                out = self._by_id.get(chunk.request_id)
+                if out is None:
+                    continue
+                if out.transfer.state is PrefillState.QUEUED:
+                    out.transfer.advance(PrefillState.PREFILLING, time.monotonic())
+                out.src_pages.extend(chunk.page_ids)
+                if out.transfer.accepts_writes:
+                    item, accepted = out.plan_chunk(chunk, self.pools.layout)
+                    if accepted is not None:
+                        self._send(out.peer, accepted)
+                    if item is not None:
+                        items.append(item)
+        self._pass_chunks = list(chunks)
+        self._push.submit_pass(PassPlan(pass_id, items))
+
+    def _on_forward_end(self, module: object, args: object, hidden: torch.Tensor) -> None:
+        """Forward hook of the model's final norm, the pass's last op the prefill role needs.
+
+        Requests whose last chunk ran in this pass enter WRITING here and their context write
+        (the hidden state of the last prefilled position) is submitted at once, on the step
+        thread, before the step returns.
+        """
+        now = time.monotonic()
+        self._push.pass_ended(self.engine.layer_progress.read()[0])
+        for chunk in self._pass_chunks:
+            out = self._by_id.get(chunk.request_id)
+            if out is None or chunk.end != len(out.request.token_ids):
+                continue
+            with self._lock:
+                out.transfer.stats.forward_end_s = now
+                if out.transfer.state is PrefillState.PREFILLING:
+                    out.transfer.advance(PrefillState.WRITING, now)
+                    if out.checked.context is not None:
+                        self._submit_context(out, hidden, now)
+
+    def after_step(self, outputs: list[RequestOutput]) -> None:
+        """After the step: requests the engine reports prefilled may be freed once drained."""
+        for output in outputs:
+            out = self._by_id.get(output.request_id)
+            if out is not None and output.finish_reason == "prefilled":
+                out.prefilled = True
+                self._finish_if_drained(out)
+
+    def _submit_context(self, out: Outgoing, hidden: torch.Tensor, now: float) -> None:
+        context = out.checked.context
+        assert context is not None
+        row = last_row_of(self._pass_chunks, out.request_id)
+        with torch.no_grad():
+            self._staging[out.context_row].copy_(hidden[row])
+        row_bytes = self._staging.shape[1] * self._staging.element_size()
+        out.transfer.record_submit(row_bytes, now)
+        try:
+            self.fabric.submit_write(
+                self._staging_handle,
+                out.context_row * row_bytes,
+                out.peer,
+                context,
+                out.request.context_offset,
+                row_bytes,
+                imm=out.transfer.imm,
+                on_done=lambda: self._on_write_done(out.request.request_id, 1),
+                on_error=lambda e: self._on_write_error(out.request.request_id, 1, e),
+            )
+        except FabricError as error:
+            self._events.put((out.request.request_id, 1, error))
+
+    # -- push thread ----------------------------------------------------------------------------
+
+    def _gate(self, item: PushItem, layer: int) -> bool:
+        with self._lock:
+            out = self._by_id.get(item.request_id)
+            if out is None or out.transfer.imm != item.imm or not out.transfer.accepts_writes:
+                return False
+            now = time.monotonic()
+            if now >= out.deadline_s:
+                return False  # a prefill worker never submits after the deadline
+            try:
+                out.transfer.record_submit(item.num_bytes, now, count=item.num_writes)
+            except KvTransferError:
+                log.exception("transfer %s: write plan exceeded", item.request_id)
+                return False
+            return True
+
+    # -- messages -------------------------------------------------------------------------------
+
+    def _handle_message(self, message: Message) -> None:
+        try:
+            peer = self.fabric.add_peer(message.source)
+        except FabricError as error:
+            log.warning("message from an unreachable peer dropped: %s", error)
+            return
+        try:
+            decoded = decode_message(message.payload)
+        except ProtocolError as error:
+            log.warning("malformed message from %s: %s", peer.name, error)
+            return
+        if isinstance(decoded, PrefillRequest):
+            self._handle_request(decoded, peer)
+        elif isinstance(decoded, AbortPrefill):
+            self._handle_abort(decoded, peer)
+        else:
+            log.warning("unexpected %s from %s", type(decoded).__name__, peer.name)
+
+    def _handle_request(self, request: PrefillRequest, peer: PeerHandle) -> None:
+        def reject(reason: RejectReason, detail: str) -> None:
+            log.info("rejected %s: %s %s", request.request_id, reason.name, detail)
+            rejected = PrefillRejected(request.request_id, request.transfer_id, reason, detail)
+            self._send(peer, rejected)
+
+        if self._draining:
+            return reject(RejectReason.DRAINING, "worker is shutting down")
+        if request.request_id in self._by_id:
+            return reject(RejectReason.INTERNAL, "request id already in flight")
+        if not self._free_rows:
+            return reject(RejectReason.OVERLOADED, f"{self.config.max_transfers} transfers live")
+        try:
+            checked = check_request(request, self, self._rng)
+        except RequestRejected as error:
+            return reject(error.reason, str(error))
+        now = time.monotonic()
+        out = Outgoing(
+            checked,
+            peer,
+            PrefillTransfer(request.request_id, request.transfer_id, None, now),
+            now + request.timeout_ms / 1000,
+            num_pages_for_tokens(len(request.token_ids), self.geometry.page_size),
+            self._free_rows.popleft(),
+        )
+        self._by_id[request.request_id] = out
+        self._queued.append(out)
+
+    def _admit(self) -> None:
+        while self._queued:
+            out = self._queued[0]
+            if self._reserved_pages + out.num_pages_total > self.engine.num_pages:
+                return
+            self._queued.popleft()
+            tokens = list(out.request.token_ids)
+            try:
+                # The prefill role computes every prompt token but the last; the decoder kept
+                # the real last token, so any valid id stands in for it.
+                self.engine.add_request(
+                    out.request.request_id,
+                    [*tokens, tokens[-1]],
+                    SamplingParams(temperature=0.0, max_tokens=1),
+                )
+            except InvalidRequestError as error:
+                self._send(
+                    out.peer,
+                    PrefillRejected(
+                        out.request.request_id, out.transfer.imm, RejectReason.TOO_LONG, str(error)
+                    ),
+                )
+                self._stop(out, f"rejected: {error}", failed=True)
+                continue
+            out.in_engine = True
+            self._reserved_pages += out.num_pages_total
+
+    def _handle_abort(self, abort: AbortPrefill, peer: PeerHandle) -> None:
+        out = self._by_id.get(abort.request_id)
+        if out is None or out.transfer.imm != abort.transfer_id:
+            done = self.finished.get(abort.request_id)
+            if done is not None and done["imm"] == abort.transfer_id:
+                ack = AbortAcknowledged(abort.request_id, abort.transfer_id, done["num_writes"])
+                self._send(peer, ack)
+            return
+        if out.transfer.state in _ACTIVE:
+            self._stop(out, "aborted by the decoder", failed=False)
+        ack = AbortAcknowledged(
+            abort.request_id, abort.transfer_id, out.transfer.num_writes_submitted
+        )
+        self._send(peer, ack)
+
+    def _send(self, peer: PeerHandle, message: Any) -> None:
+        try:
+            self.fabric.submit_send(
+                peer, encode_message(message), on_error=partial(_send_failed, peer.name)
+            )
+        except FabricError as error:
+            log.warning("could not send %s to %s: %s", type(message).__name__, peer.name, error)
+
+    # -- completion and freeing -------------------------------------------------------------
+
+    def _handle_completion(self, request_id: str, count: int, error: FabricError | None) -> None:
+        out = self._by_id.get(request_id)
+        if out is None:
+            log.error("completion of %d writes for unknown transfer %s", count, request_id)
+            return
+        with self._lock:
+            if error is not None:
+                log.warning("transfer %s: %d writes failed: %s", request_id, count, error)
+            out.transfer.record_completion(time.monotonic(), ok=error is None, count=count)
+        self._finish_if_drained(out)
+
+    def _stop(self, out: Outgoing, reason: str, *, failed: bool) -> None:
+        with self._lock:
+            out.transfer.stop(reason, time.monotonic(), failed=failed)
+        if out in self._queued:
+            self._queued.remove(out)
+        if out.transfer.is_terminal:
+            self._free(out)
+
+    def _finish_if_drained(self, out: Outgoing) -> None:
+        with self._lock:
+            if out.transfer.state is PrefillState.WRITING and not out.prefilled:
+                return
+            finished = out.transfer.finish_if_drained(time.monotonic())
+        if finished:
+            self._free(out)
+
+    def _free(self, out: Outgoing) -> None:
+        request_id = out.request.request_id
+        with self._lock:
+            del self._by_id[request_id]
+        self._free_rows.append(out.context_row)
+        if out.in_engine:
+            self._reserved_pages -= out.num_pages_total
+            if out.transfer.state is PrefillState.DONE:
+                self.engine.release(request_id)
+            else:
+                self.engine.abort(request_id)
+        self._remember(out)
+
+    def _remember(self, out: Outgoing) -> None:
+        self.finished[out.request_id] = out.summary()
+        while len(self.finished) > self.config.finished_memory:
+            self.finished.popitem(last=False)
+
+    # -- state and teardown ---------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        with self._lock:
+            by_state: dict[str, int] = {}
+            for out in self._by_id.values():
+                by_state[out.transfer.state.value] = by_state.get(out.transfer.state.value, 0) + 1
+        return {
+            "num_free_pages": self.engine.block_manager.num_free_pages,
+            "num_pages": self.engine.num_pages,
+            "num_transfers": sum(by_state.values()),
+            "transfers_by_state": by_state,
+            "num_queued": len(self._queued),
+            "num_passes_pushed": self._push.num_passes,
+        }
+
+    def close(self) -> None:
+        self._draining = True
+        self.fabric.on_message(None)
+        self._push.close()
+        self._hook.remove()
+        self.engine.on_step_scheduled = None

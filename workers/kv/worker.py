@@ -1,0 +1,353 @@
+"""Workers: an engine, a fabric `TransferEngine` and a KV messenger in one role.
+
+Each worker runs one **step thread** that alone touches the engine and the messenger's request
+state::
+
+    loop: run queued API calls ─▶ messenger.poll() ─▶ engine.step() (if work) ─▶ route outputs
+          (idle: wait until a call, a fabric message or a completion wakes it)
+
+The caller's API (`DecodeWorker.submit` / `abort` / `state`, `PrefillWorker.endpoint` /
+`state`) is thread-safe: calls are shipped to the step thread and their results returned.
+Outputs of a request go to its `OutputStream`. The types are plain dataclasses so the next layer
+(Ray actors, the gRPC router) can wrap them without pickling anything onto a wire.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, TypeVar
+
+from workers.engine.config import EngineConfig
+from workers.engine.engine_core import EngineCore
+from workers.engine.outputs import RequestOutput
+from workers.engine.sampling_params import SamplingParams
+from workers.engine.validation import validate_request
+from workers.fabric import TransferEngine
+from workers.kv.decode_messenger import DecodeMessenger, DecodeMessengerConfig
+from workers.kv.endpoint import PrefillEndpoint
+from workers.kv.prefill_messenger import PrefillMessenger, PrefillMessengerConfig
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_IDLE_WAIT_S = 0.02  # wake-ups for deadlines while transfers are in flight
+
+
+@dataclass(frozen=True)
+class WorkerOutput:
+    """New tokens of one request; ``error`` is set when it failed (``finish_reason='error'``)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    error: str | None = None
+
+
+class OutputStream:
+    """The outputs of one request, in order; iterate until the finished one."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._queue: queue.SimpleQueue[WorkerOutput] = queue.SimpleQueue()
+
+    def put(self, output: WorkerOutput) -> None:
+        self._queue.put(output)
+
+    def get(self, timeout: float | None = None) -> WorkerOutput:
+        return self._queue.get(timeout=timeout)
+
+    def __iter__(self) -> Iterator[WorkerOutput]:
+        while True:
+            output = self._queue.get()
+            yield output
+            if output.finished:
+                return
+
+    def result(self, timeout: float = 60.0) -> tuple[list[int], WorkerOutput]:
+        """All tokens and the final output (raises `queue.Empty` after ``timeout`` per output)."""
+        tokens: list[int] = []
+        while True:
+            output = self.get(timeout)
+            tokens.extend(output.new_token_ids)
+            if output.finished:
+                return tokens, output
+
+
+class _StepLoop:
+    """The step thread: API calls, messenger poll, engine step, output routing."""
+
+    def __init__(
+        self,
+        name: str,
+        engine: EngineCore,
+        poll: Callable[[], None],
+        has_work: Callable[[], bool],
+        on_outputs: Callable[[list[RequestOutput]], None],
+    ) -> None:
+        self._engine = engine
+        self._poll = poll
+        self._has_work = has_work
+        self._on_outputs = on_outputs
+        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopped = False
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def call(self, function: Callable[[], T], timeout: float = 60.0) -> T:
+        if self.error is not None:
+            raise RuntimeError(f"worker step loop died: {self.error!r}")
+        future: Future[T] = Future()
+        self._calls.put((function, future))
+        self._wake.set()
+        return future.result(timeout)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stopped = True
+        self._wake.set()
+        if self.thread.is_alive() and threading.current_thread() is not self.thread:
+            self.thread.join(timeout)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopped:
+                self._run_calls()
+                self._poll()
+                if self._engine.has_unfinished():
+                    self._on_outputs(self._engine.step())
+                    continue
+                self._wake.wait(_IDLE_WAIT_S if self._has_work() else 0.05)
+                self._wake.clear()
+        except BaseException as error:
+            log.exception("worker step loop failed")
+            self.error = error
+        finally:
+            self._run_calls()
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                function, future = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                future.set_result(function())
+            except BaseException as error:
+                future.set_exception(error)
+
+
+def _engine_config(config: EngineConfig | None, role: str) -> EngineConfig:
+    config = config or EngineConfig()
+    return replace(config, role=role)  # type: ignore[arg-type]
+
+
+class PrefillWorker:
+    """A prefill-role engine whose prefilled KV is pushed to decoders (no sampling)."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        engine_config: EngineConfig | None = None,
+        *,
+        provider: str = "tcp;ofi_rxm",
+        node: str | None = "127.0.0.1",
+        messenger_config: PrefillMessengerConfig | None = None,
+    ) -> None:
+        config = _engine_config(engine_config, "prefill")
+        self.engine = EngineCore(model_dir, config, detokenize=False)
+        self.fabric = TransferEngine(provider, node)
+        try:
+            self._loop = _StepLoop(
+                "prefill-step", self.engine, self._poll, self._has_work, self._on_outputs
+            )
+            self.messenger = PrefillMessenger(
+                self.engine, self.fabric, messenger_config, wake=self._loop.wake
+            )
+        except BaseException:
+            self.fabric.close()
+            raise
+        self._loop.thread.start()
+
+    def _poll(self) -> None:
+        self.messenger.poll()
+
+    def _has_work(self) -> bool:
+        return self.messenger.has_work()
+
+    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        self.messenger.after_step(outputs)
+
+    def endpoint(self) -> PrefillEndpoint:
+        config = self.engine.config
+        budget_pages = config.max_num_batched_tokens // config.page_size
+        segment_pages = budget_pages if config.enable_chunked_prefill else 0
+        return PrefillEndpoint(
+            self.fabric.address,
+            self.fabric.provider,
+            self.messenger.sharding.tp_size,
+            self.messenger.sharding.num_kv_heads,
+            self.messenger.sharding.is_mla,
+            segment_pages,
+            config.page_size,
+        )
+
+    def state(self) -> dict[str, Any]:
+        return self._loop.call(self.messenger.state)
+
+    def transfer_stats(self, request_id: str) -> dict[str, Any] | None:
+        return self._loop.call(lambda: self.messenger.finished.get(request_id))
+
+    def close(self) -> None:
+        self._loop.stop()
+        self.messenger.close()
+        self.fabric.close()
+
+
+class DecodeWorker:
+    """A decode-role engine whose prompts are prefilled by prefill workers."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        engine_config: EngineConfig | None = None,
+        *,
+        provider: str = "tcp;ofi_rxm",
+        node: str | None = "127.0.0.1",
+        messenger_config: DecodeMessengerConfig | None = None,
+    ) -> None:
+        config = _engine_config(engine_config, "decode")
+        self.engine = EngineCore(model_dir, config, detokenize=False)
+        self.fabric = TransferEngine(provider, node)
+        self._streams: dict[str, OutputStream] = {}
+        try:
+            self._loop = _StepLoop(
+                "decode-step", self.engine, self._poll, self._has_work, self._on_outputs
+            )
+            self.messenger = DecodeMessenger(
+                self.engine, self.fabric, messenger_config, wake=self._loop.wake
+            )
+        except BaseException:
+            self.fabric.close()
+            raise
+        self._loop.thread.start()
+
+    # -- caller API (any thread) ------------------------------------------------------------
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        prefill: PrefillEndpoint,
+    ) -> OutputStream:
+        """Start a request; raises the engine's `InvalidRequestError` / `CapacityError`."""
+        stream = OutputStream(request_id)
+        prompt = list(prompt_ids)
+
+        def start() -> None:
+            engine = self.engine
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already active")
+            validate_request(
+                request_id,
+                prompt,
+                params,
+                vocab_size=engine.model_config.vocab_size,
+                max_model_len=engine.max_model_len,
+                pool_tokens=engine.num_pages * engine.config.page_size,
+                has_tokenizer=engine.tokenizer is not None,
+            )
+            self._streams[request_id] = stream
+            try:
+                self.messenger.start(request_id, prompt, params, prefill)
+            except BaseException:
+                del self._streams[request_id]
+                raise
+
+        self._loop.call(start)
+        return stream
+
+    def abort(self, request_id: str) -> bool:
+        """End a request wherever it is; its stream gets a final ``abort`` output."""
+
+        def abort() -> bool:
+            if self.messenger.abort(request_id):
+                self._emit(WorkerOutput(request_id, [], True, "abort"))
+                return True
+            return self.engine.abort(request_id)
+
+        return self._loop.call(abort)
+
+    def state(self) -> dict[str, Any]:
+        def state() -> dict[str, Any]:
+            block_manager = self.engine.block_manager
+            return {
+                "num_free_pages": block_manager.num_free_pages,
+                "num_pinned_pages": block_manager.num_pinned_pages,
+                "num_pages": self.engine.num_pages,
+                "num_requests": len(self._streams),
+                **self.messenger.state(),
+            }
+
+        return self._loop.call(state)
+
+    def transfer_stats(self, request_id: str) -> dict[str, Any] | None:
+        return self._loop.call(lambda: self.messenger.finished.get(request_id))
+
+    def transfer_progress(self, request_id: str) -> tuple[int, int | None] | None:
+        """``(writes landed, writes expected)`` while the request waits for its KV."""
+        return self._loop.call(lambda: self.messenger.progress(request_id))
+
+    def context_state(self, request_id: str) -> Any:
+        """The hidden state of the last prefilled position the prefill worker wrote (a tensor)."""
+        return self._loop.call(lambda: self.messenger.context_states.get(request_id))
+
+    def imm_writes_received(self) -> int:
+        """Every KV / context write that landed here (the fabric's immediate counter stats)."""
+        return self.fabric.stats().imm.received
+
+    def close(self) -> None:
+        self._loop.stop()
+        self.messenger.close()
+        self.fabric.close()
+        for stream in self._streams.values():
+            stream.put(WorkerOutput(stream.request_id, [], True, "error", "worker closed"))
+        self._streams.clear()
+
+    # -- step thread ------------------------------------------------------------------------
+
+    def _poll(self) -> None:
+        for request_id, error in self.messenger.poll():
+            self._emit(WorkerOutput(request_id, [], True, "error", error))
+
+    def _has_work(self) -> bool:
+        return bool(self.messenger.state()["num_transfers"] or self.messenger.quarantine)
+
+    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            self._emit(
+                WorkerOutput(
+                    output.request_id,
+                    list(output.new_token_ids),
+                    output.finished,
+                    output.finish_reason,
+                )
+            )
+
+    def _emit(self, output: WorkerOutput) -> None:
+        stream = self._streams.get(output.request_id)
+        if stream is None:
+            return
+        if output.finished:
+            del self._streams[output.request_id]
+        stream.put(output)
