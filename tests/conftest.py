@@ -23,3 +23,11 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from workers.engine.presets import write_random_checkpoint
 
     return write_random_checkpoint("tiny", tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def small_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Llama preset ``small`` (4 KV heads) for packages outside tests/engine (same as there)."""
+    from workers.engine.presets import write_random_checkpoint
+
+    return write_random_checkpoint("small", tmp_path_factory.mktemp("small"))

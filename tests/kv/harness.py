@@ -29,24 +29,43 @@ class RemotePrefill:
         *,
         engine: dict[str, Any] | None = None,
         messenger: dict[str, Any] | None = None,
+        num_threads: int | None = None,
+        daemon: bool = True,
+        wait: bool = True,
     ) -> None:
+        """``daemon=False`` for a TP prefill worker: a daemonic process cannot spawn its ranks
+        (then `close` / `kill` must run, e.g. from a fixture's teardown)."""
         options = {
             "model_dir": str(model_dir),
             "provider": provider,
             "engine": engine or {},
             "messenger": messenger or {},
+            "num_threads": num_threads,
         }
         self.conn, child = SPAWN.Pipe()
         self.process = SPAWN.Process(
-            target=prefill_process_main, args=(child, json.dumps(options).encode()), daemon=True
+            target=prefill_process_main, args=(child, json.dumps(options).encode()), daemon=daemon
         )
         self.process.start()
         child.close()
-        if not self.conn.poll(START_TIMEOUT_S):
+        self.killed = False
+        self.endpoint: PrefillEndpoint
+        if wait:
+            self.wait_started()
+
+    def wait_started(self, timeout: float = START_TIMEOUT_S) -> PrefillEndpoint:
+        """Wait for the worker's endpoint (``wait=False`` lets the caller start other things)."""
+        if not self.conn.poll(timeout):
             self.process.kill()
             raise TimeoutError("prefill worker did not start")
-        self.endpoint = PrefillEndpoint.from_bytes(self.conn.recv_bytes())
-        self.killed = False
+        try:
+            self.endpoint = PrefillEndpoint.from_bytes(self.conn.recv_bytes())
+        except EOFError:
+            self.process.join(CALL_TIMEOUT_S)
+            raise RuntimeError(
+                f"prefill worker exited with code {self.process.exitcode} before it started"
+            ) from None
+        return self.endpoint
 
     def call(self, **command: Any) -> Any:
         self.conn.send_bytes(json.dumps(command).encode())

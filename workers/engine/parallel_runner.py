@@ -207,7 +207,7 @@ def start_tensor_parallel(
                 pool_path=str(path),
                 pool_shape=shape,
                 pool_dtype=dtype_name(dtype),
-                num_threads=max(1, (os.cpu_count() or 1) // tp),
+                num_threads=follower_num_threads(tp),
             )
             processes.append(_spawn(follower))
         group = TPGroup(store, 0, tp)
@@ -224,6 +224,12 @@ def start_tensor_parallel(
         unlink_pool_files(paths)
     logger.info("tensor-parallel group of %d ranks ready (%s)", tp, group_name)
     return TensorParallelRuntime(spec, group, model, rank_kv_caches, processes, store)
+
+
+def follower_num_threads(tp: int) -> int:
+    """Intra-op threads of each follower: the cores split over the ranks, and never more than
+    the leader's own setting (``torch.set_num_threads(1)`` in the leader keeps the group at 1)."""
+    return max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // tp))
 
 
 def _spawn(follower: FollowerSpec) -> BaseProcess:

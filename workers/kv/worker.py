@@ -151,6 +151,20 @@ def _engine_config(config: EngineConfig | None, role: str) -> EngineConfig:
     return replace(config, role=role)  # type: ignore[arg-type]
 
 
+def group_pools(engine: EngineCore) -> dict[str, Any]:
+    """The messenger's view of the engine's TP group: every rank's pool and the head placement.
+
+    One rank: the engine's own pool, one rank holding every head (the messengers' defaults).
+    ``tensor_parallel_size > 1``: the leader's pool and the followers' pools mapped into this
+    process (``engine.rank_kv_caches``, rank order), all registered with the leader's single
+    `TransferEngine`, placed by the engine's own `GroupSharding` (``tp.spec.kv_sharding``), so
+    the transfer plans use exactly the heads each rank computes.
+    """
+    if engine.tp is None:
+        return {}
+    return {"rank_pools": list(engine.rank_kv_caches), "sharding": engine.tp.spec.kv_sharding}
+
+
 class PrefillWorker:
     """A prefill-role engine whose prefilled KV is pushed to decoders (no sampling)."""
 
@@ -165,16 +179,25 @@ class PrefillWorker:
     ) -> None:
         config = _engine_config(engine_config, "prefill")
         self.engine = EngineCore(model_dir, config, detokenize=False)
-        self.fabric = TransferEngine(provider, node)
+        try:
+            self.fabric = TransferEngine(provider, node)
+        except BaseException:
+            self.engine.close()
+            raise
         try:
             self._loop = _StepLoop(
                 "prefill-step", self.engine, self._poll, self._has_work, self._on_outputs
             )
             self.messenger = PrefillMessenger(
-                self.engine, self.fabric, messenger_config, wake=self._loop.wake
+                self.engine,
+                self.fabric,
+                messenger_config,
+                wake=self._loop.wake,
+                **group_pools(self.engine),
             )
         except BaseException:
             self.fabric.close()
+            self.engine.close()
             raise
         self._loop.thread.start()
 
@@ -208,9 +231,13 @@ class PrefillWorker:
         return self._loop.call(lambda: self.messenger.finished.get(request_id))
 
     def close(self) -> None:
+        """Stop the step thread, the messenger and the fabric, then the engine's TP ranks."""
         self._loop.stop()
-        self.messenger.close()
-        self.fabric.close()
+        try:
+            self.messenger.close()
+            self.fabric.close()
+        finally:
+            self.engine.close()
 
 
 class DecodeWorker:
@@ -227,17 +254,26 @@ class DecodeWorker:
     ) -> None:
         config = _engine_config(engine_config, "decode")
         self.engine = EngineCore(model_dir, config, detokenize=False)
-        self.fabric = TransferEngine(provider, node)
+        try:
+            self.fabric = TransferEngine(provider, node)
+        except BaseException:
+            self.engine.close()
+            raise
         self._streams: dict[str, OutputStream] = {}
         try:
             self._loop = _StepLoop(
                 "decode-step", self.engine, self._poll, self._has_work, self._on_outputs
             )
             self.messenger = DecodeMessenger(
-                self.engine, self.fabric, messenger_config, wake=self._loop.wake
+                self.engine,
+                self.fabric,
+                messenger_config,
+                wake=self._loop.wake,
+                **group_pools(self.engine),
             )
         except BaseException:
             self.fabric.close()
+            self.engine.close()
             raise
         self._loop.thread.start()
 
@@ -317,9 +353,13 @@ class DecodeWorker:
         return self.fabric.stats().imm.received
 
     def close(self) -> None:
+        """Stop the step thread, the messenger and the fabric, then the engine's TP ranks."""
         self._loop.stop()
-        self.messenger.close()
-        self.fabric.close()
+        try:
+            self.messenger.close()
+            self.fabric.close()
+        finally:
+            self.engine.close()
         for stream in self._streams.values():
             stream.put(WorkerOutput(stream.request_id, [], True, "error", "worker closed"))
         self._streams.clear()

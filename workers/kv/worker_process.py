@@ -4,13 +4,17 @@ Two ways in:
 
 - ``multiprocessing`` (spawn) target `prefill_process_main(conn, options_json)`: builds a
   `PrefillWorker`, sends its `PrefillEndpoint` bytes, then answers JSON commands
-  (``{"op": "state"}``, ``{"op": "stats", "request_id": ...}``, ``{"op": "close"}``) on the pipe.
+  (``{"op": "state"}``, ``{"op": "stats", "request_id": ...}``, ``{"op": "pids"}`` (TP
+  followers), ``{"op": "close"}``) on the pipe.
   The pipe carries bytes only (JSON / msgpack), never pickled objects of ours.
 - ``python -m workers.kv.worker_process --model DIR [--provider P] [--endpoint-file F]``: prints
   (or writes) the endpoint as hex and serves until SIGINT / SIGTERM.
 
-Options (JSON object): ``model_dir``, ``provider``, ``node``, ``engine`` (EngineConfig fields),
-``messenger`` (PrefillMessengerConfig fields).
+Options (JSON object): ``model_dir``, ``provider``, ``node``, ``engine`` (EngineConfig fields,
+e.g. ``tensor_parallel_size``: the worker is then its group's leader and spawns the other
+ranks, so the process must not be daemonic), ``messenger`` (PrefillMessengerConfig fields),
+``num_threads`` (``torch.set_num_threads`` before the engine starts; TP followers never use more
+than the leader).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from workers.engine.config import EngineConfig
 from workers.kv.prefill_messenger import PrefillMessengerConfig
 from workers.kv.worker import PrefillWorker
@@ -33,6 +39,9 @@ log = logging.getLogger(__name__)
 
 
 def build_prefill_worker(options: dict[str, Any]) -> PrefillWorker:
+    num_threads = options.get("num_threads")
+    if num_threads is not None:
+        torch.set_num_threads(int(num_threads))
     return PrefillWorker(
         options["model_dir"],
         EngineConfig(**options.get("engine", {})),
@@ -59,6 +68,9 @@ def prefill_process_main(conn: Connection, options_json: bytes) -> None:
                 reply: Any = worker.state()
             elif op == "stats":
                 reply = worker.transfer_stats(command["request_id"])
+            elif op == "pids":  # the TP follower ranks this worker leads
+                tp = worker.engine.tp
+                reply = [process.pid for process in tp.processes] if tp is not None else []
             else:
                 reply = {"error": f"unknown op {op!r}"}
             conn.send_bytes(json.dumps(reply).encode())
@@ -74,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--node", default="127.0.0.1")
     parser.add_argument("--num-pages", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--endpoint-file", type=Path, default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
@@ -85,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             "engine": {
                 "num_pages": args.num_pages,
                 "max_num_batched_tokens": args.max_num_batched_tokens,
+                "tensor_parallel_size": args.tensor_parallel_size,
             },
         }
     )

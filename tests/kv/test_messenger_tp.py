@@ -1,0 +1,332 @@
+"""Disaggregated serving with tensor-parallel engines on both sides (DESIGN.md §4).
+
+Each case runs a real prefill worker process of TP ``p`` (its follower ranks spawned by the
+engine, their pools in shared memory mapped into the leader and registered with its one
+`TransferEngine`) and an in-process decode worker of TP ``d`` (same), over ``tcp;ofi_rxm``:
+
+- concurrent requests with prompts of 1, 2, 16, 17 and 500 tokens, chunked prefill on (budget
+  64 tokens = 4 pages, so the 500-token prompt takes 8 passes), greedy;
+- outputs identical to a colocated TP=1 engine, computed once per checkpoint (which is itself
+  checked against HF transformers once per checkpoint, not per case);
+- per request, the decoder's armed count, the prefill's submitted and planned writes and the
+  writes observed at the decoder's NIC all equal the README's formula, computed here
+  independently from the head placement (``shards · runs`` or ``shards · 2 · pages`` per layer,
+  + 1 context write);
+- the context write (hidden state of the last prefilled position, taken on the prefill leader
+  after the final norm, where the all-reduced hidden state is complete) matches HF's;
+- both pools are full afterwards, every rank process exits, no pool file is left in /dev/shm.
+
+Matrix: all six (p, d) ∈ {(1,1), (2,1), (1,2), (2,2), (1,4), (4,2)} on both checkpoints:
+``tiny`` (2 KV heads: TP 4 replicates heads, so (1,4) splits into 2 replica sets and (4,2)
+chooses one of 2 source sets) and ``small`` (4 KV heads: sharded everywhere, (4,2)
+reconstructs and (1,4) splits pages with K/V as separate writes). Cost is dominated by process
+start-up (torch import, checkpoint load per rank); every process runs one intra-op thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.engine.engine_helpers import (
+    _hf_model,
+    hf_greedy,
+    make_engine,
+    prompts_of_lengths,
+    run_engine,
+)
+from tests.kv.harness import RemotePrefill, wait_until
+from workers.engine.config import EngineConfig
+from workers.engine.model_config import ModelConfig
+from workers.engine.sampling_params import SamplingParams
+from workers.engine.shared_kv import POOL_FILE_PREFIX, SHM_DIR
+from workers.kv.worker import DecodeWorker
+
+pytestmark = pytest.mark.slow
+
+PROVIDER = "tcp;ofi_rxm"
+PAGE = 16
+BUDGET = 64
+LENGTHS = [1, 2, PAGE, PAGE + 1, 500]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
+PREFILL_PAGES = 64
+DECODE_PAGES = 80
+PAIRS = [(1, 1), (2, 1), (1, 2), (2, 2), (1, 4), (4, 2)]
+CASES = [(checkpoint, p, d) for checkpoint in ("tiny", "small") for p, d in PAIRS]
+CONTEXT_CHECKED = (3, 4)  # the 17- and 500-token prompts: one and several chunks
+
+
+@dataclass(frozen=True)
+class Reference:
+    model_dir: Path
+    config: ModelConfig
+    tokens: list[list[int]]
+    hidden: dict[int, torch.Tensor]  # prompt index -> HF hidden state of the last prefilled token
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """One intra-op thread here (decode leader, references) and in every spawned process."""
+    threads, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    yield
+    torch.set_num_threads(threads)
+    if omp is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+    else:
+        os.environ["OMP_NUM_THREADS"] = omp
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return prompts_of_lengths(LENGTHS, seed=11)
+
+
+@pytest.fixture(scope="module")
+def references(
+    tiny_model_dir: Path, small_model_dir: Path, prompts: list[list[int]]
+) -> Iterator[dict[str, Reference]]:
+    """Colocated TP=1 tokens (== HF greedy) and HF hidden states, once per checkpoint, lazily."""
+    dirs = {"tiny": tiny_model_dir, "small": small_model_dir}
+
+    class Lazy(dict[str, Reference]):
+        def __missing__(self, name: str) -> Reference:
+            self[name] = reference = _reference(dirs[name], prompts)
+            return reference
+
+    yield Lazy()
+
+
+def _reference(model_dir: Path, prompts: list[list[int]]) -> Reference:
+    engine = make_engine(model_dir, num_pages=DECODE_PAGES, max_num_batched_tokens=BUDGET)
+    tokens = run_engine(engine, prompts, GREEDY)
+    for prompt, got in zip(prompts, tokens, strict=True):
+        assert got == hf_greedy(model_dir, prompt, GREEDY.max_tokens)
+    model = _hf_model(str(model_dir))
+    hidden = {}
+    with torch.no_grad():
+        for index in CONTEXT_CHECKED:
+            prompt = prompts[index]
+            states = model(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+            hidden[index] = states[-1][0, len(prompt) - 2].clone()
+    return Reference(model_dir, ModelConfig.from_dir(model_dir), tokens, hidden)
+
+
+# -- the README's write-count formula, independently --------------------------------------------
+
+
+def num_runs(src: Sequence[int], dst: Sequence[int], segment: int, max_run: int | None) -> int:
+    """Maximal stretches where both page ids step by +1, cut at request page indices that are
+    multiples of ``segment`` and after ``max_run`` pages."""
+    runs = length = 0
+    for i in range(len(src)):
+        new = (
+            i == 0
+            or src[i] != src[i - 1] + 1
+            or dst[i] != dst[i - 1] + 1
+            or (segment and i % segment == 0)
+            or (max_run is not None and length == max_run)
+        )
+        if new:
+            runs, length = runs + 1, 0
+        length += 1
+    return runs
+
+
+def formula_count(
+    p: int,
+    d: int,
+    heads: int,
+    layers: int,
+    src: Sequence[int],
+    dst: Sequence[int],
+    segment: int,
+    max_run: int | None,
+) -> int:
+    """``L · Σ_shards (runs | 2 · pages) + 1``. A replica set has ``min(tp, H)`` ranks, each
+    with one head range; a destination set paired with a source set needs one shard per overlap
+    of their ranges, ``max`` of the two set sizes; a shard covers whole pages (1 write per run)
+    only when both sides' ranges are equal, else K and V are separate writes of every page."""
+    src_ranges, dst_ranges = min(p, heads), min(d, heads)
+    num_dst_sets = max(1, d // heads)
+    shards = num_dst_sets * max(src_ranges, dst_ranges)
+    if src_ranges == dst_ranges:
+        per_layer = shards * num_runs(src, dst, segment, max_run)
+    else:
+        per_layer = shards * 2 * len(src)
+    return layers * per_layer + 1
+
+
+# -- one case -------------------------------------------------------------------------------------
+
+
+def _pool_files(pid: int) -> list[Path]:
+    return sorted(SHM_DIR.glob(f"{POOL_FILE_PREFIX}{pid}-*"))
+
+
+def _kill(pids: Sequence[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+class TPPair:
+    """A TP-``p`` prefill worker process and a TP-``d`` decode worker in this process."""
+
+    def __init__(self, model_dir: Path, p: int, d: int) -> None:
+        self.prefill: RemotePrefill | None = None
+        self.decode: DecodeWorker | None = None
+        self.prefill_pids: list[int] = []
+        self.decode_pids: list[int] = []
+        try:
+            self.prefill = RemotePrefill(
+                model_dir,
+                PROVIDER,
+                engine={
+                    "num_pages": PREFILL_PAGES,
+                    "max_num_batched_tokens": BUDGET,
+                    "tensor_parallel_size": p,
+                },
+                num_threads=1,
+                daemon=False,  # it spawns its own ranks
+                wait=False,
+            )
+            self.decode = DecodeWorker(
+                model_dir,
+                EngineConfig(num_pages=DECODE_PAGES, tensor_parallel_size=d),
+                provider=PROVIDER,
+            )
+            tp = self.decode.engine.tp
+            self.decode_pids = [proc.pid or 0 for proc in tp.processes] if tp else []
+            self.endpoint = self.prefill.wait_started()
+            self.prefill_pids = list(self.prefill.call(op="pids"))
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Stop both groups; whatever does not exit in time is killed; no pool file remains."""
+        leftovers: list[Path] = []
+        try:
+            if self.decode is not None:
+                self.decode.close()
+        finally:
+            _kill(self.decode_pids)  # normally gone already (SHUTDOWN from the leader)
+            if self.prefill is not None:
+                prefill_pid = self.prefill.process.pid or 0
+                try:
+                    self.prefill.close()
+                finally:
+                    _kill(self.prefill_pids)
+                leftovers += _pool_files(prefill_pid)
+            leftovers += _pool_files(os.getpid())
+            for path in leftovers:
+                path.unlink(missing_ok=True)
+        assert not leftovers, f"pool files left in /dev/shm: {leftovers}"
+
+    def alive_ranks(self) -> list[int]:
+        return [pid for pid in self.prefill_pids + self.decode_pids if _is_running(pid)]
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("checkpoint", "p", "d"), CASES)
+def test_tp_greedy_parity_and_write_count(
+    checkpoint: str,
+    p: int,
+    d: int,
+    references: dict[str, Reference],
+    prompts: list[list[int]],
+) -> None:
+    reference = references[checkpoint]
+    config = reference.config
+    pair = TPPair(reference.model_dir, p, d)
+    try:
+        _check_case(pair, reference, prompts, p, d, config)
+    finally:
+        pair.close()
+    deadline = time.monotonic() + 10
+    while pair.alive_ranks() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pair.alive_ranks(), "a TP rank outlived its worker"
+
+
+def _check_case(
+    pair: TPPair,
+    reference: Reference,
+    prompts: list[list[int]],
+    p: int,
+    d: int,
+    config: ModelConfig,
+) -> None:
+    assert pair.decode is not None and pair.prefill is not None
+    decode, prefill, endpoint = pair.decode, pair.prefill, pair.endpoint
+    assert (endpoint.tp_size, endpoint.num_kv_heads) == (p, config.num_kv_heads)
+    assert endpoint.segment_pages == BUDGET // PAGE
+    assert decode.messenger.pools.tp_size == d
+    assert len(pair.prefill_pids) == p - 1 and len(pair.decode_pids) == d - 1
+    received_before = decode.imm_writes_received()
+
+    streams = [
+        decode.submit(f"tp{i}", prompt, GREEDY, endpoint) for i, prompt in enumerate(prompts)
+    ]
+    results = [stream.result(90) for stream in streams]
+    assert [final.error for _, final in results] == [None] * len(prompts)
+    assert [tokens for tokens, _ in results] == reference.tokens
+
+    max_run = decode.fabric.max_pages_per_run(decode.messenger.pools.layout.page_bytes)
+    total = 0
+    imms: list[int] = []
+    for i, prompt in enumerate(prompts):
+        decode_stats = decode.transfer_stats(f"tp{i}")
+        if len(prompt) == 1:
+            assert decode_stats is None  # nothing to prefill
+            continue
+        prefill_stats = prefill.stats(f"tp{i}")
+        assert decode_stats is not None and prefill_stats["state"] == "done"
+        expected = formula_count(
+            p,
+            d,
+            config.num_kv_heads,
+            config.num_layers,
+            prefill_stats["src_pages"],
+            decode_stats["page_ids"],
+            endpoint.segment_pages,
+            max_run,
+        )
+        assert decode_stats["num_writes_expected"] == expected, f"prompt {i}"
+        assert prefill_stats["num_writes"] == prefill_stats["num_writes_planned"] == expected
+        assert decode_stats["state"] == "ready"  # its counter fired at exactly ``expected``
+        imms.append(decode_stats["imm"])
+        total += expected
+    # Observed at the decoder's NIC: every counter fired at its count, and the writes that
+    # landed are exactly the sum, so none got more (a surplus would also stay buffered under
+    # its imm) or fewer than the formula.
+    wait_until(lambda: decode.imm_writes_received() - received_before >= total)
+    assert decode.imm_writes_received() - received_before == total
+    assert [decode.fabric.imm_arrivals(imm) for imm in imms] == [0] * len(imms)
+
+    for index in CONTEXT_CHECKED:
+        context = decode.context_state(f"tp{index}")
+        torch.testing.assert_close(context, reference.hidden[index], atol=2e-4, rtol=1e-4)
+
+    wait_until(lambda: decode.state()["num_free_pages"] == DECODE_PAGES, what="decode pool full")
+    wait_until(lambda: prefill.state()["num_free_pages"] == PREFILL_PAGES, what="prefill pool")
+    assert decode.state()["num_transfers"] == 0
+    assert prefill.state()["num_transfers"] == 0
