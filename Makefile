@@ -44,6 +44,7 @@ demo: install
 bench: install
 	$(PY) bench/engine.py
 	$(PY) bench/fabric.py
+	$(PY) bench/router.py
 
 clean:
 	rm -rf build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -28,7 +28,21 @@ def _fetch_demo_model(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from orchestrator.demo import run_demo
 
-    return run_demo(model_dir=args.model, max_tokens=args.max_tokens)
+    return run_demo(model_dir=args.model, max_tokens=args.max_tokens, config_path=args.config)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from orchestrator.launch import run_serve
+
+    return run_serve(args)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from orchestrator.generate_cli import generate
+
+    return asyncio.run(generate(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,10 +64,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="output directory (default: the pdserve cache)")
     p.set_defaults(func=_fetch_demo_model)
 
-    p = sub.add_parser("demo", help="answer a few prompts with the demo model and print timings")
+    p = sub.add_parser(
+        "demo", help="serve the local 1P:3D cluster and answer a few prompts concurrently"
+    )
     p.add_argument("--model", default=None, help="checkpoint directory (default: SmolLM2)")
+    p.add_argument("--config", default=None, help="cluster config (default: local-1p3d.yaml)")
     p.add_argument("--max-tokens", type=int, default=48)
     p.set_defaults(func=_demo)
+
+    p = sub.add_parser(
+        "serve", help="start (or join) Ray, place the worker groups and serve the gRPC router"
+    )
+    from orchestrator.launch import add_serve_arguments
+
+    add_serve_arguments(p)
+    p.set_defaults(func=_serve)
+
+    p = sub.add_parser("generate", help="stream a completion of PROMPT from a running router")
+    p.add_argument("prompt", help="text to complete")
+    p.add_argument("--address", default="127.0.0.1:50051", help="router HOST:PORT")
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=None, help="unset: 1.0; 0 is greedy")
+    p.add_argument("--chat", action="store_true", help="wrap PROMPT in the model's chat template")
+    p.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")
+    p.set_defaults(func=_generate)
     return parser
 
 

@@ -1,0 +1,216 @@
+"""The served system in one process: Ray (joined or embedded), the control plane, the router and
+its gRPC server with health and reflection.
+
+`ServingApp.start()` places every worker group and binds the router; `ServingApp.stop()` drains
+(health NOT_SERVING, new requests UNAVAILABLE, running ones finish within ``grace_seconds``),
+stops the server, then drains and removes the workers. `serve()` wraps both around
+SIGINT / SIGTERM → `asyncio.Event`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from dataclasses import dataclass
+from typing import Any
+
+from orchestrator.config import ClusterConfig
+from orchestrator.stubs import ensure_stubs
+
+logger = logging.getLogger(__name__)
+
+GENERATION_SERVICE = "pdserve.v1.Generation"
+
+
+def ray_environment() -> None:
+    """ENV.md "Ray on these machines": loopback only, no usage stats."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+def connect_ray(address: str | None, num_cpus: int | None = None) -> bool:
+    """Join the cluster at ``address`` (or ``RAY_ADDRESS``, as inside a Ray job), else start an
+    embedded local one. Returns whether this process started Ray (and so shuts it down)."""
+    ray_environment()
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return False
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+    return True
+
+
+@dataclass(frozen=True)
+class AppOptions:
+    ray_address: str | None = None
+    num_cpus: int | None = None  # embedded Ray only
+    metrics_port: int | None = None  # serve /metrics of the router when set
+    seed: int | None = None
+
+
+class ServingApp:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        options: AppOptions | None = None,
+        controller_options: Any = None,
+    ) -> None:
+        ensure_stubs()
+        self.config = config
+        self.options = options or AppOptions()
+        self._controller_options = controller_options
+        self._owns_ray = False
+        self.address = ""
+        self.controller: Any = None
+        self.router: Any = None
+        self._server: Any = None
+        self._health: Any = None
+        self._metrics_server: Any = None
+        self.metrics_registry: Any = None
+
+    async def start(self) -> str:
+        """Place the workers and bind the router; returns its ``host:port``."""
+        from orchestrator.controller import Controller
+        from orchestrator.registry import Registry
+
+        self._owns_ray = connect_ray(self.options.ray_address, self.options.num_cpus)
+        registry = Registry()
+        self.controller = Controller(self.config, registry, self._controller_options)
+        try:
+            await self.controller.start()
+            await self._start_router(registry)
+        except BaseException:
+            await self.stop()
+            raise
+        return self.address
+
+    async def _start_router(self, registry: Any) -> None:
+        import grpc
+        from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+        from grpc_reflection.v1alpha import reflection
+        from prometheus_client import CollectorRegistry
+
+        from orchestrator.router import Router
+        from orchestrator.servicer import GenerationServicer
+        from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
+        from workers.metrics import Metrics, serve_metrics
+
+        config = self.config
+        model_info, tokenizer, settings, groups = describe(config, registry, self.options.seed)
+        self.metrics_registry = metrics_registry = CollectorRegistry()
+        metrics = Metrics(metrics_registry, role="router", model=model_info.model_name)
+        if self.options.metrics_port is not None:
+            self._metrics_server, _ = serve_metrics(
+                metrics_registry, config.router.host, self.options.metrics_port
+            )
+        self.router = Router(settings, registry, tokenizer, metrics)
+        servicer = GenerationServicer(self.router, model_info, groups, self.controller.refresh)
+        server = grpc.aio.server(options=[("grpc.max_concurrent_streams", 4096)])
+        pb_grpc.add_GenerationServicer_to_server(servicer, server)
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            (GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        port = server.add_insecure_port(config.router.address)
+        await server.start()
+        self._server = server
+        for name in ("", GENERATION_SERVICE):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.address = f"{config.router.host}:{port}"
+        logger.info("router serving %s on %s", model_info.model_name, self.address)
+
+    async def stop(self) -> None:
+        grace = self.config.router.grace_seconds
+        try:
+            if self._health is not None:
+                await self._health.enter_graceful_shutdown()
+            if self.router is not None:
+                await self.router.drain(grace)
+            if self._server is not None:
+                await self._server.stop(grace)
+            if self.router is not None:
+                await self.router.close()
+            if self.controller is not None:
+                await self.controller.shutdown(grace)
+            if self._metrics_server is not None:
+                self._metrics_server.shutdown()
+                self._metrics_server.server_close()
+        finally:
+            if self._owns_ray:
+                import ray
+
+                ray.shutdown()
+                self._owns_ray = False
+        logger.info("shutdown complete")
+
+
+def describe(config: ClusterConfig, registry: Any, seed: int | None) -> tuple[Any, Any, Any, Any]:
+    """Model info, tokenizer, router settings and group views of a started cluster."""
+    from orchestrator.router import RouterSettings
+    from orchestrator.servicer import GroupView
+    from protos.pdserve.v1 import generation_pb2 as pb
+    from workers.engine.model_config import ModelConfig
+    from workers.engine.stop_checker import try_load_tokenizer
+
+    model = ModelConfig.from_dir(config.model)
+    tokenizer = try_load_tokenizer(config.model)
+    role = "decode" if config.is_disaggregated else "mixed"
+    engine = config.engine_config(role)
+    max_model_len = config.limits.max_model_len or model.max_position_embeddings
+    eos = set(model.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
+    # A prompt must fit the KV pool of its decode worker and, disaggregated, of its prefill one.
+    roles = (role, "prefill") if config.is_disaggregated else (role,)
+    pages = min(w.load.num_total_kv_pages for r in roles for w in registry.of_role(r))
+    model_info = pb.GetModelInfoResponse(
+        model_name=config.model.name,
+        architecture=model.architecture,
+        dtype=config.dtype if config.dtype != "auto" else model.torch_dtype,
+        vocab_size=model.vocab_size,
+        max_model_len=max_model_len,
+        num_layers=model.num_layers,
+        num_kv_heads=model.num_kv_heads,
+        page_size=config.page_size,
+        eos_token_ids=sorted(eos),
+        serving_mode=(
+            pb.SERVING_MODE_DISAGGREGATED if config.is_disaggregated else pb.SERVING_MODE_MIXED
+        ),
+    )
+    settings = RouterSettings(
+        serving_role=role,
+        is_disaggregated=config.is_disaggregated,
+        vocab_size=model.vocab_size,
+        max_model_len=max_model_len,
+        pool_tokens=pages * config.page_size,
+        capacity_per_worker=engine.max_num_seqs,
+        max_queue=config.router.max_queue,
+        default_max_tokens=config.router.default_max_tokens,
+        policy=config.router.policy,
+        seed=seed,
+    )
+    groups = [GroupView(g.role, g.role, g.replicas, g.tp) for g in config.groups]
+    return model_info, tokenizer, settings, groups
+
+
+async def serve(config: ClusterConfig, options: AppOptions | None = None) -> int:
+    """Start, serve until SIGINT / SIGTERM, drain and stop. Returns the exit status."""
+    stop = asyncio.Event()
+    app = ServingApp(config, options)
+    await app.start()
+    # After start: ray.init installs handlers of its own, which would end the process at once.
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    print(f"pdserve: serving on {app.address} (Ctrl-C to stop)", flush=True)
+    try:
+        await stop.wait()
+        logger.info("signal received: draining")
+    finally:
+        await app.stop()
+    return 0

@@ -1,0 +1,55 @@
+"""A small client of ``pdserve.v1.Generation`` (``pdserve generate``, the demo, the tests)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from orchestrator.stubs import ensure_stubs
+
+ensure_stubs()
+
+from protos.pdserve.v1 import generation_pb2 as pb  # noqa: E402
+from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
+
+
+@dataclass
+class Completion:
+    """A finished stream, reassembled."""
+
+    request_id: str = ""
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    usage: pb.Usage | None = None
+    timings: pb.Timings | None = None
+    num_messages: int = 0
+
+
+async def stream(
+    stub: pb_grpc.GenerationStub, request: pb.GenerateRequest, timeout: float | None = None
+) -> AsyncIterator[pb.GenerateResponse]:
+    async for response in stub.Generate(request, timeout=timeout):
+        yield response
+
+
+async def complete(
+    stub: pb_grpc.GenerationStub, request: pb.GenerateRequest, timeout: float | None = None
+) -> Completion:
+    result = Completion()
+    async for response in stub.Generate(request, timeout=timeout):
+        result.request_id = response.request_id
+        result.text += response.text
+        result.token_ids.extend(response.token_ids)
+        result.num_messages += 1
+        if response.finish_reason:
+            result.finish_reason = response.finish_reason
+            result.usage = response.usage
+            result.timings = response.timings
+    return result
+
+
+def channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address)

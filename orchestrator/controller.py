@@ -1,0 +1,236 @@
+"""The control plane: places worker groups on Ray, keeps the registry, checks health, replaces
+failed workers and drains them on shutdown. Runs as asyncio tasks in the router's process.
+
+Life cycle of one worker id (``decode-1``)::
+
+    place (STRICT_PACK placement group, timeout) ─▶ actor.start() ─▶ healthy
+      ─▶ health check fails (actor died, or no answer in time) ─▶ unhealthy: the router ends
+         its requests there with an error ─▶ actor killed, group removed ─▶ placed again
+    shutdown: drain (no new requests, running ones finish within grace) ─▶ stop ─▶ kill
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from orchestrator.config import ClusterConfig, GroupConfig
+from orchestrator.placement import place_worker, remove_worker_placement
+from orchestrator.registry import Registry, WorkerLoad, WorkerRecord
+from orchestrator.worker_actor import WorkerActor, WorkerSpec
+from workers.engine.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ControllerOptions:
+    placement_timeout_seconds: float = 120.0
+    start_timeout_seconds: float = 300.0
+    health_interval_seconds: float = 2.0
+    health_timeout_seconds: float = 10.0
+    replace_failed: bool = True
+
+
+@dataclass
+class _Placed:
+    handle: Any
+    group: Any
+
+
+class Controller:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        registry: Registry,
+        options: ControllerOptions | None = None,
+    ) -> None:
+        self.config = config
+        self.registry = registry
+        self.options = options or ControllerOptions()
+        self._placed: dict[str, _Placed] = {}
+        self._health_task: asyncio.Task[None] | None = None
+        self._replacing: set[str] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closing = False
+        self._cluster_id = uuid.uuid4().hex[:8]
+
+    # --- start ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Place and start every worker of every group; raises if any cannot start."""
+        starts = []
+        for group in self.config.groups:
+            for replica in range(group.replicas):
+                worker_id = f"{group.role}-{replica}"
+                self.registry.add(WorkerRecord(worker_id, group.role, replica, group.tp))
+                starts.append(self._launch(group, worker_id))
+        results = await asyncio.gather(*starts, return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
+        self._health_task = asyncio.create_task(self._health_loop(), name="health-checks")
+
+    def _spec(self, group: GroupConfig, worker_id: str) -> WorkerSpec:
+        engine = dataclasses.asdict(self.config.engine_config(group.role))
+        if group.tp > 1:
+            if "tensor_parallel_size" not in {f.name for f in dataclasses.fields(EngineConfig)}:
+                raise RuntimeError(f"groups.{group.role}.tp={group.tp}: engine lacks TP support")
+            engine["tensor_parallel_size"] = group.tp
+        fabric = group.fabric
+        return WorkerSpec(
+            worker_id=worker_id,
+            role=group.role,
+            model_dir=str(self.config.model),
+            engine=engine,
+            tp_size=group.tp,
+            provider=fabric.provider if fabric else "tcp;ofi_rxm",
+            fabric_node=fabric.node if fabric else None,
+            transfer=dataclasses.asdict(self.config.transfer),
+        )
+
+    async def _launch(self, group: GroupConfig, worker_id: str) -> None:
+        spec = self._spec(group, worker_id)
+        bundle = group.resources_per_rank.bundle()
+        # Unique per controller and generation: several clusters may share one Ray cluster, and a
+        # removed group's name is released asynchronously.
+        generation = self.registry.workers[worker_id].generation
+        name = f"pdserve-{self._cluster_id}-{worker_id}-g{generation}"
+        placement = await place_worker(
+            name, bundle, group.tp, self.options.placement_timeout_seconds
+        )
+        custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU", "memory")}
+        actor_class: Any = ray.remote(WorkerActor)
+        handle = actor_class.options(
+            name=None,
+            num_cpus=bundle.get("CPU", 0),
+            num_gpus=bundle.get("GPU", 0),
+            memory=bundle.get("memory"),
+            resources=custom or None,
+            max_concurrency=4,
+            max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement, placement_group_bundle_index=0
+            ),
+            runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}},
+        ).remote(spec.to_dict())
+        self._placed[worker_id] = _Placed(handle, placement)
+        try:
+            info = await asyncio.wait_for(handle.start.remote(), self.options.start_timeout_seconds)
+        except BaseException:
+            self._discard(worker_id)
+            raise
+        record = self.registry.workers[worker_id]
+        record.address = info["address"]
+        record.prefill_endpoint = info["prefill_endpoint"]
+        record.load = WorkerLoad(num_total_kv_pages=info["num_total_kv_pages"])
+        record.load.num_free_kv_pages = info["num_total_kv_pages"]
+        self.registry.set_health(worker_id, "healthy")
+        logger.info("%s started (pid %s) at %s", worker_id, info["pid"], record.address or "-")
+
+    def _discard(self, worker_id: str) -> None:
+        placed = self._placed.pop(worker_id, None)
+        if placed is None:
+            return
+        try:
+            ray.kill(placed.handle, no_restart=True)
+        except Exception:
+            logger.debug("kill %s failed", worker_id, exc_info=True)
+        remove_worker_placement(placed.group)
+
+    # --- health and replacement ------------------------------------------------------------
+
+    async def refresh(self) -> None:
+        """Ask every placed worker for its load now (GetClusterState reads the result)."""
+        await asyncio.gather(
+            *(self._check(worker_id) for worker_id in list(self._placed)), return_exceptions=True
+        )
+
+    async def _check(self, worker_id: str) -> None:
+        placed = self._placed.get(worker_id)
+        record = self.registry.workers.get(worker_id)
+        if placed is None or record is None or record.health in ("starting", "unhealthy"):
+            return
+        try:
+            state = await asyncio.wait_for(
+                placed.handle.state.remote(), self.options.health_timeout_seconds
+            )
+        except (ray.exceptions.RayError, TimeoutError) as error:
+            if self._closing:
+                return
+            logger.error("%s failed its health check: %r", worker_id, error)
+            self.registry.set_health(worker_id, "unhealthy")
+            if self.options.replace_failed and worker_id not in self._replacing:
+                self._replacing.add(worker_id)
+                task = asyncio.create_task(self._replace(worker_id), name=f"replace-{worker_id}")
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            return
+        record.load = WorkerLoad(
+            **{k: int(state[k]) for k in dataclasses.asdict(WorkerLoad()) if k in state}
+        )
+        if state["health"] in ("healthy", "draining") and record.health != "unhealthy":
+            record.health = state["health"]
+
+    async def _health_loop(self) -> None:
+        while not self._closing:
+            await asyncio.sleep(self.options.health_interval_seconds)
+            await self.refresh()
+
+    async def _replace(self, worker_id: str) -> None:
+        record = self.registry.workers[worker_id]
+        group = self.config.group(record.role)
+        try:
+            self._discard(worker_id)
+            delay = 1.0
+            while not self._closing:
+                record.health = "starting"
+                record.generation += 1
+                try:
+                    await self._launch(group, worker_id)
+                    logger.info("%s replaced (generation %d)", worker_id, record.generation)
+                    return
+                except Exception:
+                    logger.exception("replacing %s failed; retrying in %.0f s", worker_id, delay)
+                    record.health = "unhealthy"
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 30.0)
+        finally:
+            self._replacing.discard(worker_id)
+
+    def handle_of(self, worker_id: str) -> Any:
+        """The Ray actor handle of a worker (tests kill one to check replacement)."""
+        return self._placed[worker_id].handle
+
+    # --- shutdown ------------------------------------------------------------------------
+
+    async def shutdown(self, grace_seconds: float) -> None:
+        """Drain every worker (running requests finish within grace), stop and remove them."""
+        self._closing = True
+        if self._health_task is not None:
+            self._health_task.cancel()
+        for record in self.registry.workers.values():
+            if record.is_ready:
+                record.health = "draining"
+        placed = list(self._placed.items())
+        await asyncio.gather(
+            *(self._stop(worker_id, p, grace_seconds) for worker_id, p in placed),
+            return_exceptions=True,
+        )
+        for worker_id, _ in placed:
+            self._discard(worker_id)
+        logger.info("control plane stopped %d workers", len(placed))
+
+    async def _stop(self, worker_id: str, placed: _Placed, grace_seconds: float) -> None:
+        try:
+            await asyncio.wait_for(placed.handle.drain.remote(grace_seconds), grace_seconds + 10)
+            await asyncio.wait_for(placed.handle.stop.remote(), 30)
+        except Exception as error:
+            logger.warning("%s did not stop cleanly: %r", worker_id, error)

@@ -1,0 +1,205 @@
+"""Worker backends of the disaggregated roles, over `workers.kv.worker` (engine + KV messenger
++ fabric): `DecodeBackend` (the router names the prefill worker per request) and
+`PrefillBackend` (takes no requests from the router; publishes its endpoint for decoders).
+Contract: `orchestrator.worker_backend.WorkerBackend`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from orchestrator.worker_backend import Sink, TokenDelta, WorkerLoad
+from workers.engine.config import EngineConfig
+from workers.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from workers.kv.worker import DecodeWorker, OutputStream, PrefillWorker, WorkerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class _StreamPump:
+    """Forwards a `workers.kv.worker.OutputStream` to a sink as outputs arrive.
+
+    The stream's ``put`` runs on the worker's step thread; it is wrapped so that each put drains
+    the stream's queue into the sink (under a lock, in order). Outputs put before the wrapper
+    was installed are drained by ``drain()``, which the caller also runs as a safety net.
+    """
+
+    def __init__(self, stream: OutputStream, sink: Sink) -> None:
+        self._stream = stream
+        self._sink = sink
+        self._lock = threading.Lock()
+        self.finished = False
+        original_put = stream.put
+
+        def put(output: WorkerOutput) -> None:
+            original_put(output)
+            self.drain()
+
+        stream.put = put  # type: ignore[method-assign]
+        self.drain()
+
+    def drain(self) -> None:
+        with self._lock:
+            while not self.finished:
+                try:
+                    output = self._stream.get(timeout=0)
+                except queue.Empty:
+                    return
+                self.finished = output.finished
+                self._sink(
+                    TokenDelta(
+                        list(output.new_token_ids),
+                        None,
+                        output.finished,
+                        output.finish_reason,
+                        output.error,
+                    )
+                )
+
+
+class DecodeBackend:
+    """`DecodeWorker`: prompts prefilled by the prefill worker the router names."""
+
+    role = "decode"
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        config: EngineConfig,
+        provider: str,
+        node: str | None,
+        transfer: dict[str, Any],
+    ) -> None:
+        from workers.kv.decode_messenger import DecodeMessengerConfig
+        from workers.kv.worker import DecodeWorker
+
+        messenger = DecodeMessengerConfig(
+            transfer_timeout_s=transfer.get("deadline_seconds", 30.0),
+            drain_interval_s=transfer.get("drain_interval_seconds", 5.0),
+            coalesce_pages=transfer.get("coalesce_pages", True),
+        )
+        self.worker: DecodeWorker = DecodeWorker(
+            model_dir, config, provider=provider, node=node, messenger_config=messenger
+        )
+        self._pumps: dict[str, _StreamPump] = {}
+        self._lock = threading.Lock()
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        prefill_endpoint: bytes,
+        sink: Sink,
+    ) -> None:
+        from workers.engine.errors import InvalidRequestError
+        from workers.kv.endpoint import PrefillEndpoint
+        from workers.kv.errors import ProtocolError
+
+        try:
+            endpoint = PrefillEndpoint.from_bytes(prefill_endpoint)
+        except ProtocolError as error:
+            raise InvalidRequestError(f"bad prefill endpoint: {error}") from None
+
+        def forget_when_done(delta: TokenDelta) -> None:
+            sink(delta)
+            if delta.finished:
+                with self._lock:
+                    self._pumps.pop(request_id, None)
+
+        stream = self.worker.submit(request_id, prompt_token_ids, params, endpoint)
+        pump = _StreamPump(stream, forget_when_done)
+        with self._lock:
+            if not pump.finished:
+                self._pumps[request_id] = pump
+
+    def abort(self, request_id: str) -> None:
+        self.worker.abort(request_id)
+        with self._lock:
+            pump = self._pumps.get(request_id)
+        if pump is not None:
+            pump.drain()
+
+    def load(self) -> WorkerLoad:
+        state = self.worker.state()
+        with self._lock:
+            pumps = list(self._pumps.values())
+        for pump in pumps:  # the safety net of `_StreamPump`: nothing stays unforwarded
+            pump.drain()
+        scheduler = self.worker.engine.scheduler
+        return WorkerLoad(
+            num_running_requests=len(scheduler.running),
+            num_waiting_requests=max(0, int(state["num_requests"]) - len(scheduler.running)),
+            num_free_kv_pages=int(state["num_free_pages"]),
+            num_total_kv_pages=int(state["num_pages"]),
+            num_transfers_in_flight=int(state.get("num_transfers", 0)),
+        )
+
+    def transfer_stats(self, request_id: str) -> dict[str, Any] | None:
+        return self.worker.transfer_stats(request_id)
+
+    def prefill_endpoint(self) -> bytes:
+        return b""
+
+    def close(self) -> None:
+        self.worker.close()
+        with self._lock:
+            pumps = list(self._pumps.values())
+        for pump in pumps:
+            pump.drain()
+
+
+class PrefillBackend:
+    """`PrefillWorker`: fills decoders' KV pages; the router never sends it requests."""
+
+    role = "prefill"
+
+    def __init__(
+        self, model_dir: str | Path, config: EngineConfig, provider: str, node: str | None
+    ):
+        from workers.kv.worker import PrefillWorker
+
+        self.worker: PrefillWorker = PrefillWorker(model_dir, config, provider=provider, node=node)
+        self._endpoint = self.worker.endpoint().to_bytes()
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        prefill_endpoint: bytes,
+        sink: Sink,
+    ) -> None:
+        from workers.engine.errors import InvalidRequestError
+
+        raise InvalidRequestError("prefill workers take requests from decoders only")
+
+    def abort(self, request_id: str) -> None:
+        return None
+
+    def load(self) -> WorkerLoad:
+        state = self.worker.state()
+        engine = self.worker.engine
+        return WorkerLoad(
+            num_running_requests=len(engine.scheduler.running),
+            num_waiting_requests=len(engine.scheduler.waiting),
+            num_free_kv_pages=engine.block_manager.num_free_pages,
+            num_total_kv_pages=engine.num_pages,
+            num_transfers_in_flight=int(state.get("num_transfers", 0)),
+        )
+
+    def transfer_stats(self, request_id: str) -> dict[str, Any] | None:
+        return self.worker.transfer_stats(request_id)
+
+    def prefill_endpoint(self) -> bytes:
+        return self._endpoint
+
+    def close(self) -> None:
+        self.worker.close()

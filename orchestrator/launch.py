@@ -1,0 +1,62 @@
+"""``python -m orchestrator.launch CONFIG``: serve a cluster config on the Ray cluster this
+process belongs to, until SIGINT / SIGTERM. The entry point of
+
+    ray job submit --working-dir . -- python -m orchestrator.launch configs/local-1p3d.yaml
+
+Inside a Ray job ``RAY_ADDRESS`` names the cluster; elsewhere ``--ray-address`` does, and with
+neither an embedded local Ray is started (as ``pdserve serve``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="cluster config (YAML)")
+    parser.add_argument("--model", default=None, help="checkpoint directory (overrides model)")
+    parser.add_argument(
+        "--address", default=None, help="router HOST:PORT (overrides router.address)"
+    )
+    parser.add_argument("--ray-address", default=None, help="join this Ray cluster")
+    metrics_port = os.environ.get("PDSERVE_METRICS_PORT")
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(metrics_port) if metrics_port else None,
+        help="serve the router's /metrics on this port (default: $PDSERVE_METRICS_PORT; none)",
+    )
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from orchestrator.app import AppOptions, serve
+    from orchestrator.config import ClusterConfig, ConfigError
+
+    try:
+        config = ClusterConfig.from_yaml(args.config).with_overrides(
+            model=args.model, address=args.address
+        )
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    options = AppOptions(ray_address=args.ray_address, metrics_port=args.metrics_port)
+    return asyncio.run(serve(config, options))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m orchestrator.launch", description=__doc__)
+    add_serve_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return run_serve(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

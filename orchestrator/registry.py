@@ -1,0 +1,78 @@
+"""The registry of live workers: what the router and decoders read, what the controller writes.
+
+One `WorkerRecord` per worker id (``decode-2``), kept across replacements (``generation`` counts
+them). Only the controller changes records; listeners hear when a worker leaves service so the
+router can end the requests it had there (with an error, never a hang).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+HEALTH_STATES = ("starting", "healthy", "draining", "unhealthy")
+
+
+@dataclass
+class WorkerLoad:
+    num_running_requests: int = 0
+    num_waiting_requests: int = 0
+    num_free_kv_pages: int = 0
+    num_total_kv_pages: int = 0
+    num_transfers_in_flight: int = 0
+
+
+@dataclass
+class WorkerRecord:
+    """``address``: the worker's token service (``host:port``; empty on prefill workers).
+    ``prefill_endpoint``: prefill workers' serialized fabric address and KV sharding
+    (`workers.kv.endpoint.PrefillEndpoint`), handed to decoders per request."""
+
+    worker_id: str
+    role: str
+    replica: int
+    tp_size: int = 1
+    health: str = "starting"
+    address: str = ""
+    prefill_endpoint: bytes = b""
+    load: WorkerLoad = field(default_factory=WorkerLoad)
+    generation: int = 0
+
+    @property
+    def is_ready(self) -> bool:
+        return self.health == "healthy"
+
+
+WorkerListener = Callable[[WorkerRecord], None]
+
+
+class Registry:
+    def __init__(self) -> None:
+        self.workers: dict[str, WorkerRecord] = {}
+        self._on_down: list[WorkerListener] = []
+
+    def add(self, record: WorkerRecord) -> None:
+        self.workers[record.worker_id] = record
+
+    def ready(self, role: str) -> list[WorkerRecord]:
+        return [w for w in self.workers.values() if w.role == role and w.is_ready]
+
+    def of_role(self, role: str) -> list[WorkerRecord]:
+        return [w for w in self.workers.values() if w.role == role]
+
+    def on_worker_down(self, listener: WorkerListener) -> None:
+        self._on_down.append(listener)
+
+    def set_health(self, worker_id: str, health: str) -> None:
+        record = self.workers[worker_id]
+        was_ready = record.is_ready
+        record.health = health
+        if was_ready and health == "unhealthy":
+            for listener in self._on_down:
+                try:
+                    listener(record)
+                except Exception:
+                    logger.exception("worker-down listener failed for %s", worker_id)

@@ -1,0 +1,399 @@
+"""The router: validates a request, assigns it to a worker, streams its tokens back as text.
+
+Request path (one asyncio task per request, the servicer's)::
+
+    tokenize + validate (nothing allocated on bad input)
+      ─▶ admit: a ready decode (or mixed) worker with room, by the routing policy; else wait in
+         the queue (``router.max_queue``; beyond it: `QueueFullError`)
+      ─▶ disaggregated: a random ready prefill worker is the request's KV source
+      ─▶ one ``generate`` message on the worker's Connect stream (`WorkerLink`) ─▶ deltas
+         ─▶ detokenize + stop strings ─▶ `StreamEvent`s
+      ─▶ finally: unless it finished, an ``abort`` message (the worker aborts the request and
+         frees its pages); the worker's slot is released, the queue is woken.
+
+Errors are typed (`orchestrator.errors`); the servicer maps them to status codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import grpc
+
+from orchestrator.errors import (
+    CapacityError,
+    DuplicateRequestError,
+    InvalidRequestError,
+    QueueFullError,
+    UnavailableError,
+    WorkerFailedError,
+)
+from orchestrator.policy import RoutingPolicy, create_policy, pick_prefill_source
+from orchestrator.registry import Registry, WorkerRecord
+from orchestrator.text_stream import TextStream
+from orchestrator.worker_link import LinkBroken, WorkerLink
+from orchestrator.worker_service import sampling_to_proto
+from protos.pdserve.v1 import worker_pb2 as wpb
+from workers.engine.sampling_params import SamplingParams
+from workers.engine.tokenizer import Tokenizer
+from workers.engine.validation import validate_request
+from workers.metrics import Metrics
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    """What the router needs to know of the cluster (from `ClusterConfig`)."""
+
+    serving_role: str  # "decode" or "mixed"
+    is_disaggregated: bool
+    vocab_size: int
+    max_model_len: int
+    pool_tokens: int  # KV tokens a serving worker holds when empty
+    capacity_per_worker: int  # requests in flight per worker before the router queues
+    max_queue: int
+    default_max_tokens: int
+    policy: str = "least_outstanding"
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class GenerationInput:
+    """A client request after the servicer read it (sampling: `SamplingParams` fields the
+    client set; max_tokens None means the router's default)."""
+
+    request_id: str = ""
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)
+    max_tokens: int | None = None
+    return_token_ids: bool = False
+    return_logprobs: bool = False
+
+
+@dataclass(frozen=True)
+class Timings:
+    time_to_first_token: float
+    mean_inter_token_latency: float
+    end_to_end_latency: float
+    queue_time: float
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str = ""
+    num_prompt_tokens: int = 0
+    num_completion_tokens: int = 0
+    timings: Timings | None = None
+
+
+@dataclass
+class _InFlight:
+    request_id: str
+    worker_id: str = ""
+    link: WorkerLink | None = None
+    finished: bool = False
+
+
+_ERRORS_BY_CODE: dict[int, type[Exception]] = {
+    grpc.StatusCode.INVALID_ARGUMENT.value[0]: InvalidRequestError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]: CapacityError,
+}
+
+
+def _worker_error(worker_id: str, delta: wpb.RequestDelta) -> Exception:
+    """A request the worker ended with finish_reason "error", as a typed error."""
+    kind = _ERRORS_BY_CODE.get(delta.error_code)
+    if kind is not None:
+        return kind(delta.error)
+    return WorkerFailedError(f"{worker_id}: {delta.error}")
+
+
+class Router:
+    def __init__(
+        self,
+        settings: RouterSettings,
+        registry: Registry,
+        tokenizer: Tokenizer | None,
+        metrics: Metrics | None = None,
+        policy: RoutingPolicy | None = None,
+    ) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.policy = policy or create_policy(settings.policy, settings.seed)
+        self._rng = random.Random(settings.seed)
+        self._outstanding: dict[str, int] = {}
+        self._requests: dict[str, _InFlight] = {}
+        self._num_queued = 0
+        self._room = asyncio.Condition()
+        self._links: dict[str, WorkerLink] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.draining = False
+        registry.on_worker_down(self._worker_down)
+
+    # --- introspection ---------------------------------------------------------------------
+
+    @property
+    def num_outstanding(self) -> int:
+        return len(self._requests)
+
+    @property
+    def num_queued(self) -> int:
+        return self._num_queued
+
+    # --- the request path ------------------------------------------------------------------
+
+    async def generate(self, request: GenerationInput) -> AsyncGenerator[StreamEvent, None]:
+        arrived = time.perf_counter()
+        if self.draining:
+            raise UnavailableError("the router is draining")
+        request_id = request.request_id or uuid.uuid4().hex
+        prompt = self._prompt_ids(request)
+        params = self._sampling(request, request_id, prompt)
+        if request_id in self._requests:
+            raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
+        inflight = _InFlight(request_id)
+        self._requests[request_id] = inflight
+        worker: WorkerRecord | None = None
+        completed = False
+        try:
+            worker = await self._admit()
+            inflight.worker_id = worker.worker_id
+            queue_time = time.perf_counter() - arrived
+            async for event in self._stream(inflight, worker, prompt, params, request, arrived):
+                if event.timings is not None:
+                    event = replace(event, timings=replace(event.timings, queue_time=queue_time))
+                    self._observe_finished(event, queue_time)
+                    completed = True
+                yield event
+        finally:
+            del self._requests[request_id]
+            if worker is not None and not completed and self.metrics is not None:
+                self.metrics.count_request_success("abort")  # cancelled, timed out or failed
+            if inflight.link is not None and not inflight.finished:
+                inflight.link.abort(request_id)  # the worker aborts it and frees its pages
+            if worker is not None:
+                await self._release(worker.worker_id)
+
+    def _prompt_ids(self, request: GenerationInput) -> list[int]:
+        has_text, has_ids = bool(request.prompt), bool(request.prompt_token_ids)
+        if has_text == has_ids:
+            raise InvalidRequestError("give exactly one of prompt and prompt_token_ids")
+        if has_ids:
+            return list(request.prompt_token_ids or [])
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer: give prompt_token_ids")
+        return self.tokenizer.encode(request.prompt or "")
+
+    def _sampling(
+        self, request: GenerationInput, request_id: str, prompt: list[int]
+    ) -> SamplingParams:
+        settings = self.settings
+        room = max(1, settings.max_model_len - len(prompt))
+        max_tokens = request.max_tokens
+        if max_tokens is None:
+            max_tokens = min(settings.default_max_tokens, room)
+        params = SamplingParams(
+            **request.sampling, max_tokens=max_tokens, logprobs=request.return_logprobs
+        )
+        validate_request(  # the engine's own checks: INVALID_ARGUMENT before any allocation
+            request_id,
+            prompt,
+            params,
+            vocab_size=settings.vocab_size,
+            max_model_len=settings.max_model_len,
+            pool_tokens=settings.pool_tokens,
+            has_tokenizer=self.tokenizer is not None,
+        )
+        return params
+
+    async def _admit(self) -> WorkerRecord:
+        settings = self.settings
+        queued = False
+        try:
+            async with self._room:
+                while True:
+                    if self.draining:
+                        raise UnavailableError("the router is draining")
+                    ready = self.registry.ready(settings.serving_role)
+                    if not ready:
+                        raise UnavailableError(f"no ready {settings.serving_role} worker")
+                    if settings.is_disaggregated and not self.registry.ready("prefill"):
+                        raise UnavailableError("no ready prefill worker")
+                    room = [
+                        w
+                        for w in ready
+                        if self._outstanding.get(w.worker_id, 0) < settings.capacity_per_worker
+                    ]
+                    if room:
+                        worker = self.policy.pick(room, self._outstanding)
+                        self._outstanding[worker.worker_id] = (
+                            self._outstanding.get(worker.worker_id, 0) + 1
+                        )
+                        if self.metrics is not None:
+                            self.metrics.count_router_decision(worker.worker_id)
+                        return worker
+                    if not queued:
+                        if self._num_queued >= settings.max_queue:
+                            raise QueueFullError(
+                                f"every {settings.serving_role} worker is full and "
+                                f"{self._num_queued} requests wait (max_queue)"
+                            )
+                        queued = True
+                        self._num_queued += 1
+                        self._gauge()
+                    # Woken by a release; the timeout re-reads readiness (workers may come back).
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._room.wait(), 1.0)
+        finally:
+            if queued:
+                self._num_queued -= 1
+            self._gauge()
+
+    async def _release(self, worker_id: str) -> None:
+        self._outstanding[worker_id] = max(0, self._outstanding.get(worker_id, 0) - 1)
+        async with self._room:
+            self._room.notify()
+        self._gauge()
+
+    def _link(self, worker: WorkerRecord) -> WorkerLink:
+        link = self._links.get(worker.worker_id)
+        if link is not None and link.address == worker.address:
+            return link
+        if link is not None:  # replaced worker at a new address
+            self._spawn(link.close())
+        link = self._links[worker.worker_id] = WorkerLink(worker.address)
+        return link
+
+    def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _stream(
+        self,
+        inflight: _InFlight,
+        worker: WorkerRecord,
+        prompt: list[int],
+        params: SamplingParams,
+        request: GenerationInput,
+        arrived: float,
+    ) -> AsyncIterator[StreamEvent]:
+        message = wpb.WorkerGenerateRequest(
+            request_id=inflight.request_id,
+            prompt_token_ids=prompt,
+            sampling=sampling_to_proto(params),
+        )
+        if self.settings.is_disaggregated:
+            source = pick_prefill_source(self.registry.ready("prefill"), self._rng)
+            message.prefill_endpoint = source.prefill_endpoint
+        text = TextStream(self.tokenizer, prompt, params.stop)
+        inflight.link = link = self._link(worker)
+        try:
+            deltas = await link.start(message)
+        except LinkBroken as error:
+            raise WorkerFailedError(str(error)) from None
+        num_tokens = 0
+        first = last = 0.0
+        while True:
+            delta = await deltas.get()
+            if isinstance(delta, LinkBroken):
+                raise WorkerFailedError(f"{worker.worker_id}: {delta}")
+            now = time.perf_counter()
+            if delta.token_ids:
+                if num_tokens == 0:
+                    first = now
+                elif self.metrics is not None:
+                    self.metrics.inter_token_latency.observe(now - last)
+                last = now
+                num_tokens += len(delta.token_ids)
+            for token_id in delta.token_ids:
+                text.push(token_id)
+            reason = delta.finish_reason
+            if reason == "error":
+                inflight.finished = True
+                raise _worker_error(worker.worker_id, delta)
+            if text.stopped and not reason:  # a stop string the router saw first
+                reason = "stop"
+            final = bool(reason)
+            event = StreamEvent(
+                inflight.request_id,
+                text.take(final=final),
+                list(delta.token_ids) if request.return_token_ids else [],
+                list(delta.logprobs) if request.return_logprobs else [],
+                reason,
+                len(prompt),
+                num_tokens,
+            )
+            if final:
+                inflight.finished = delta.finish_reason != ""
+                end = time.perf_counter()
+                itl = (last - first) / (num_tokens - 1) if num_tokens > 1 else 0.0
+                ttft = first - arrived if num_tokens else end - arrived
+                event = replace(event, timings=Timings(ttft, itl, end - arrived, 0.0))
+            yield event
+            if final:
+                return
+
+    # --- failures and drain ------------------------------------------------------------------
+
+    def _worker_down(self, record: WorkerRecord) -> None:
+        """The controller took ``record`` out of service: end its requests with an error."""
+        link = self._links.pop(record.worker_id, None)
+        if link is None:
+            return
+        for inflight in self._requests.values():
+            if inflight.link is link:
+                link.fail(inflight.request_id, f"{record.worker_id} failed its health check")
+        self._spawn(link.close())
+
+    async def drain(self, grace_seconds: float) -> None:
+        """Refuse new requests; wait up to ``grace_seconds`` for the running ones."""
+        self.draining = True
+        async with self._room:
+            self._room.notify_all()
+        deadline = time.monotonic() + grace_seconds
+        while self._requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self._requests:
+            logger.warning("%d requests still running after drain", len(self._requests))
+
+    async def close(self) -> None:
+        for link in self._links.values():
+            await link.close()
+        self._links.clear()
+
+    # --- metrics -----------------------------------------------------------------------------
+
+    def _gauge(self) -> None:
+        if self.metrics is not None:
+            self.metrics.num_requests_waiting.set(self._num_queued)
+            self.metrics.num_requests_running.set(len(self._requests) - self._num_queued)
+
+    def _observe_finished(self, event: StreamEvent, queue_time: float) -> None:
+        metrics, timings = self.metrics, event.timings
+        if metrics is None or timings is None:
+            return
+        if event.num_completion_tokens:
+            metrics.time_to_first_token.observe(timings.time_to_first_token)
+        metrics.e2e_request_latency.observe(timings.end_to_end_latency)
+        metrics.request_queue_time.observe(queue_time)
+        metrics.prompt_tokens.inc(event.num_prompt_tokens)
+        metrics.generation_tokens.inc(event.num_completion_tokens)
+        if event.finish_reason in ("stop", "length", "abort"):
+            metrics.count_request_success(event.finish_reason)

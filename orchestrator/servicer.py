@@ -1,0 +1,191 @@
+"""``pdserve.v1.Generation``: the client API's servicer, the one place errors become status codes.
+
+    InvalidRequestError (bad prompt / sampling, too long)  -> INVALID_ARGUMENT
+    QueueFullError, CapacityError                          -> RESOURCE_EXHAUSTED
+    UnavailableError (no ready worker, draining)           -> UNAVAILABLE
+    WorkerFailedError (the worker died mid-request)        -> UNAVAILABLE
+    DuplicateRequestError                                  -> ALREADY_EXISTS
+    anything else                                          -> INTERNAL (logged)
+
+A client that cancels or whose deadline passes shows up as ``CancelledError`` in the stream;
+the router's ``finally`` aborts the request on its worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from orchestrator.errors import (
+    CapacityError,
+    DuplicateRequestError,
+    InvalidRequestError,
+    QueueFullError,
+    UnavailableError,
+    WorkerFailedError,
+)
+from orchestrator.registry import Registry
+from orchestrator.router import GenerationInput, Router, StreamEvent
+from protos.pdserve.v1 import generation_pb2 as pb
+from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+_STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (UnavailableError, grpc.StatusCode.UNAVAILABLE),
+    (WorkerFailedError, grpc.StatusCode.UNAVAILABLE),
+    (DuplicateRequestError, grpc.StatusCode.ALREADY_EXISTS),
+)
+_ROLES = {
+    "prefill": pb.WORKER_ROLE_PREFILL,
+    "decode": pb.WORKER_ROLE_DECODE,
+    "mixed": pb.WORKER_ROLE_MIXED,
+}
+_HEALTH = {
+    "starting": pb.WORKER_HEALTH_STARTING,
+    "healthy": pb.WORKER_HEALTH_HEALTHY,
+    "draining": pb.WORKER_HEALTH_DRAINING,
+    "unhealthy": pb.WORKER_HEALTH_UNHEALTHY,
+}
+# SamplingParams fields that are proto3 `optional` (unset: the engine default).
+_OPTIONAL_FIELDS = ("temperature", "top_p", "repetition_penalty", "seed")
+_PLAIN_FIELDS = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "ignore_eos")
+
+
+@dataclass(frozen=True)
+class GroupView:
+    name: str
+    role: str
+    num_replicas: int
+    tp_size: int
+
+
+def status_of(error: BaseException) -> grpc.StatusCode:
+    for kind, code in _STATUS:
+        if isinstance(error, kind):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def input_from_proto(request: pb.GenerateRequest) -> GenerationInput:
+    sampling: dict[str, Any] = {}
+    max_tokens: int | None = None
+    if request.HasField("sampling"):
+        message = request.sampling
+        for name in _OPTIONAL_FIELDS:
+            if message.HasField(name):
+                sampling[name] = getattr(message, name)
+        for name in _PLAIN_FIELDS:
+            sampling[name] = getattr(message, name)
+        sampling["stop"] = list(message.stop)
+        sampling["stop_token_ids"] = list(message.stop_token_ids)
+        if message.HasField("max_tokens"):
+            max_tokens = message.max_tokens
+            if max_tokens < 1:
+                raise InvalidRequestError(f"max_tokens must be >= 1, got {max_tokens}")
+    return GenerationInput(
+        request_id=request.request_id,
+        prompt=request.prompt or None,
+        prompt_token_ids=list(request.prompt_token_ids) or None,
+        sampling=sampling,
+        max_tokens=max_tokens,
+        return_token_ids=request.return_token_ids,
+        return_logprobs=request.return_logprobs,
+    )
+
+
+def response_of(event: StreamEvent) -> pb.GenerateResponse:
+    response = pb.GenerateResponse(
+        request_id=event.request_id,
+        text=event.text,
+        token_ids=event.token_ids,
+        logprobs=event.logprobs,
+        finish_reason=event.finish_reason,
+    )
+    if event.timings is not None:
+        response.usage.prompt_tokens = event.num_prompt_tokens
+        response.usage.completion_tokens = event.num_completion_tokens
+        timings = event.timings
+        response.timings.time_to_first_token_seconds = timings.time_to_first_token
+        response.timings.mean_inter_token_latency_seconds = timings.mean_inter_token_latency
+        response.timings.end_to_end_latency_seconds = timings.end_to_end_latency
+        response.timings.queue_time_seconds = timings.queue_time
+    return response
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    def __init__(
+        self,
+        router: Router,
+        model_info: pb.GetModelInfoResponse,
+        groups: Sequence[GroupView],
+        refresh: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        self.router = router
+        self.model_info = model_info
+        self.groups = list(groups)
+        self.refresh = refresh
+
+    @property
+    def registry(self) -> Registry:
+        return self.router.registry
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            async for event in self.router.generate(input_from_proto(request)):
+                yield response_of(event)
+        except asyncio.CancelledError:
+            logger.debug("client left request %s", request.request_id or "(unnamed)")
+            raise
+        except Exception as error:
+            code = status_of(error)
+            if code is grpc.StatusCode.INTERNAL:
+                logger.exception("request %s failed", request.request_id or "(unnamed)")
+            await context.abort(code, str(error) or type(error).__name__)
+
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetModelInfoResponse:
+        return self.model_info
+
+    async def GetClusterState(
+        self, request: pb.GetClusterStateRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetClusterStateResponse:
+        if self.refresh is not None:
+            await self.refresh()
+        response = pb.GetClusterStateResponse(
+            serving_mode=self.model_info.serving_mode,
+            num_outstanding_requests=self.router.num_outstanding,
+            num_queued_requests=self.router.num_queued,
+        )
+        for group in self.groups:
+            state = response.groups.add(
+                name=group.name,
+                role=_ROLES[group.role],
+                num_replicas=group.num_replicas,
+                tp_size=group.tp_size,
+            )
+            for record in sorted(self.registry.of_role(group.role), key=lambda r: r.replica):
+                load = record.load
+                state.workers.add(
+                    worker_id=record.worker_id,
+                    role=_ROLES[record.role],
+                    tp_size=record.tp_size,
+                    health=_HEALTH[record.health],
+                    num_running_requests=load.num_running_requests,
+                    num_waiting_requests=load.num_waiting_requests,
+                    num_free_kv_pages=load.num_free_kv_pages,
+                    num_total_kv_pages=load.num_total_kv_pages,
+                    num_transfers_in_flight=load.num_transfers_in_flight,
+                )
+        return response

@@ -1,0 +1,54 @@
+"""Incremental detokenization of one request's output, with stop strings, on the router.
+
+Workers stream token ids only; the router turns them into text deltas. Stop strings follow the
+engine's rule (`workers.engine.stop_checker`): the earliest stop string ends the output and is
+not part of the text. While stop strings are set, the last ``len(longest stop) - 1`` characters
+are held back, since they may turn out to be the start of a stop string.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from workers.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class TextStream:
+    def __init__(
+        self, tokenizer: Tokenizer | None, prompt_token_ids: Sequence[int], stop: Sequence[str]
+    ) -> None:
+        self._detokenizer = (
+            IncrementalDetokenizer(tokenizer, prompt_token_ids) if tokenizer is not None else None
+        )
+        self._stop = list(stop)
+        self._hold = max((len(s) for s in self._stop), default=1) - 1
+        self.text = ""
+        self._num_sent = 0
+        self.stopped = False
+
+    def push(self, token_id: int) -> None:
+        """Add one output token (the engine's stop tokens included: they decode to nothing)."""
+        if self._detokenizer is None or self.stopped:
+            return
+        self.text += self._detokenizer.push(token_id)
+        self._find_stop()
+
+    def take(self, *, final: bool = False) -> str:
+        """Text ready to send; ``final`` releases everything held back."""
+        if final and not self.stopped and self._detokenizer is not None:
+            self.text += self._detokenizer.flush()
+            self._find_stop()
+        end = len(self.text) if final or self.stopped else len(self.text) - self._hold
+        if end <= self._num_sent:
+            return ""
+        delta = self.text[self._num_sent : end]
+        self._num_sent = end
+        return delta
+
+    def _find_stop(self) -> None:
+        if not self._stop:
+            return
+        hits = [i for s in self._stop if (i := self.text.find(s, self._num_sent)) != -1]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.stopped = True

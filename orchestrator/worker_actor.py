@@ -1,0 +1,125 @@
+"""One worker as a Ray actor: an engine backend in its role plus its gRPC token service.
+
+The controller wraps `WorkerActor` with ``ray.remote(...)`` (placement group, one bundle per TP
+rank). Every method takes and returns plain data (str, int, bytes, dicts of them): nothing of
+ours is pickled, Ray's own transport aside.
+
+``start()`` loads the model, registers KV memory (decode / prefill) and binds the token service;
+it returns what the registry needs: the gRPC address (mixed, decode), the prefill endpoint
+descriptor bytes (prefill), the TP layout and the KV pool size.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker needs to start; travels as a plain dict."""
+
+    worker_id: str
+    role: str
+    model_dir: str
+    engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields
+    tp_size: int = 1
+    provider: str = "tcp;ofi_rxm"
+    fabric_node: str | None = "127.0.0.1"
+    host: str = "127.0.0.1"  # where the token service listens
+    # ClusterConfig.transfer: deadline_seconds, drain_interval_seconds, coalesce_pages.
+    transfer: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> WorkerSpec:
+        return cls(**data)
+
+
+class WorkerActor:
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = WorkerSpec.from_dict(spec)
+        # Ray gives num_cpus<=1 actors OMP_NUM_THREADS=1; say so for torch's intra-op pool too.
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        import torch
+
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+        self._backend: Any = None
+        self._server: Any = None
+        logging.basicConfig(
+            level=logging.INFO, format=f"{self.spec.worker_id} %(levelname)s %(name)s: %(message)s"
+        )
+
+    def start(self) -> dict[str, Any]:
+        from orchestrator.stubs import ensure_stubs
+
+        ensure_stubs()  # a tree shipped by `ray job submit` has none
+        from orchestrator.worker_backend import create_backend
+        from orchestrator.worker_service import WorkerServer, WorkerServicer
+        from workers.engine.config import EngineConfig
+
+        spec = self.spec
+        config = EngineConfig(**spec.engine)
+        self._backend = create_backend(
+            spec.role,
+            spec.model_dir,
+            config,
+            provider=spec.provider,
+            node=spec.fabric_node,
+            transfer=spec.transfer,
+        )
+        address = ""
+        if spec.role != "prefill":
+            self._server = WorkerServer(WorkerServicer(spec.worker_id, self._backend), spec.host)
+            address = self._server.address
+        load = self._backend.load()
+        logger.info("%s (%s) ready at %s", spec.worker_id, spec.role, address or "fabric only")
+        return {
+            "worker_id": spec.worker_id,
+            "role": spec.role,
+            "address": address,
+            "prefill_endpoint": self._backend.prefill_endpoint(),
+            "tp_size": spec.tp_size,
+            "num_total_kv_pages": load.num_total_kv_pages,
+            "pid": os.getpid(),
+        }
+
+    def state(self) -> dict[str, Any]:
+        if self._backend is None:
+            return {"health": "starting"}
+        load = self._backend.load()
+        draining = self._server is not None and self._server.servicer.draining
+        return {
+            "health": "draining" if draining else "healthy",
+            "num_running_requests": load.num_running_requests,
+            "num_waiting_requests": load.num_waiting_requests,
+            "num_free_kv_pages": load.num_free_kv_pages,
+            "num_total_kv_pages": load.num_total_kv_pages,
+            "num_transfers_in_flight": load.num_transfers_in_flight,
+        }
+
+    def transfer_stats(self, request_ids: list[str]) -> dict[str, dict[str, Any]]:
+        """KV transfer records of recent requests (plain data; prefill and decode roles)."""
+        if self._backend is None:
+            return {}
+        found = {rid: self._backend.transfer_stats(rid) for rid in request_ids}
+        return {rid: stats for rid, stats in found.items() if stats is not None}
+
+    def drain(self, grace_seconds: float) -> None:
+        if self._server is not None:
+            self._server.drain(grace_seconds)
+
+    def stop(self) -> None:
+        try:
+            if self._server is not None:
+                self._server.stop()
+        finally:
+            if self._backend is not None:
+                self._backend.close()
+            self._backend = self._server = None

@@ -1,0 +1,233 @@
+"""What a worker actor serves: an engine in one role behind a thread-safe, callback-based API.
+
+The contract (`WorkerBackend`): ``submit`` validates and starts a request, raising the engine's
+`InvalidRequestError` / `CapacityError` before anything is allocated; its tokens then reach the
+request's ``sink`` as `TokenDelta`s, ending with exactly one ``finished`` delta. Sinks run on
+the backend's step thread and must only enqueue (the gRPC worker service hands them to its
+event loop). ``abort`` ends a request wherever it is and frees its pages.
+
+Backends:
+
+- `MixedBackend`: a mixed-role `EngineCore` driven by its own step thread (colocated baseline).
+- `orchestrator.kv_backends.DecodeBackend` / `PrefillBackend`: the KV workers of
+  `workers.kv.worker` (engine + KV messenger + fabric) in the disaggregated roles.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+from workers.engine.config import EngineConfig
+from workers.engine.outputs import RequestOutput
+from workers.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from workers.engine.engine_core import EngineCore
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """New tokens of one request; ``error`` is set with ``finish_reason == "error"``."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+Sink = Callable[[TokenDelta], None]
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    num_running_requests: int
+    num_waiting_requests: int
+    num_free_kv_pages: int
+    num_total_kv_pages: int
+    num_transfers_in_flight: int = 0
+
+
+class WorkerBackend(Protocol):
+    role: str
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        prefill_endpoint: bytes,
+        sink: Sink,
+    ) -> None: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def load(self) -> WorkerLoad: ...
+
+    def transfer_stats(self, request_id: str) -> dict[str, Any] | None:
+        """KV transfer record of a recent request (prefill / decode roles); None otherwise."""
+        ...
+
+    def prefill_endpoint(self) -> bytes:
+        """Prefill role: the serialized `PrefillEndpoint` decoders connect to; b"" otherwise."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class _StepThread:
+    """Runs shipped calls and ``engine.step()`` on one thread (the engine is not thread-safe)."""
+
+    def __init__(self, name: str, engine: EngineCore, on_outputs: Callable[..., None]) -> None:
+        self._engine = engine
+        self._on_outputs = on_outputs
+        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopped = False
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def call(self, function: Callable[[], T], timeout: float = 60.0) -> T:
+        if self.error is not None:
+            raise RuntimeError(f"engine step thread died: {self.error!r}")
+        future: Future[T] = Future()
+        self._calls.put((function, future))
+        self._wake.set()
+        return future.result(timeout)
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self.thread.join(30)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopped:
+                self._run_calls()
+                if self._engine.has_unfinished():
+                    self._on_outputs(self._engine.step())
+                    continue
+                self._wake.wait(0.1)
+                self._wake.clear()
+        except BaseException as error:  # the worker reports it through call() and health
+            logger.exception("engine step thread failed")
+            self.error = error
+        finally:
+            self._run_calls()
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                function, future = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                future.set_result(function())
+            except BaseException as error:
+                future.set_exception(error)
+
+
+class MixedBackend:
+    """A mixed-role `EngineCore`: prefill chunks and decodes share each step."""
+
+    role = "mixed"
+
+    def __init__(self, model_dir: str | Path, config: EngineConfig) -> None:
+        from workers.engine.engine_core import EngineCore
+
+        # The router detokenizes; the engine still decodes text when a request has stop strings.
+        self.engine = EngineCore(model_dir, config, detokenize=False)
+        self._sinks: dict[str, Sink] = {}
+        self._loop = _StepThread("mixed-step", self.engine, self._on_outputs)
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        prefill_endpoint: bytes,
+        sink: Sink,
+    ) -> None:
+        def start() -> None:
+            self.engine.add_request(request_id, prompt_token_ids, params)
+            self._sinks[request_id] = sink
+
+        self._loop.call(start)
+
+    def abort(self, request_id: str) -> None:
+        self._loop.call(lambda: self.engine.abort(request_id))
+
+    def load(self) -> WorkerLoad:
+        def load() -> WorkerLoad:
+            scheduler = self.engine.scheduler
+            return WorkerLoad(
+                num_running_requests=len(scheduler.running),
+                num_waiting_requests=len(scheduler.waiting),
+                num_free_kv_pages=self.engine.block_manager.num_free_pages,
+                num_total_kv_pages=self.engine.num_pages,
+            )
+
+        return self._loop.call(load)
+
+    def transfer_stats(self, request_id: str) -> dict[str, Any] | None:
+        return None
+
+    def prefill_endpoint(self) -> bytes:
+        return b""
+
+    def close(self) -> None:
+        self._loop.stop()
+        for sink in self._sinks.values():
+            sink(TokenDelta([], None, True, "error", "worker closed"))
+        self._sinks.clear()
+
+    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            sink = self._sinks.get(output.request_id)
+            if sink is None:
+                continue
+            if output.finished:
+                del self._sinks[output.request_id]
+            sink(
+                TokenDelta(
+                    list(output.new_token_ids),
+                    list(output.logprobs) if output.logprobs is not None else None,
+                    output.finished,
+                    output.finish_reason,
+                )
+            )
+
+
+def create_backend(
+    role: str,
+    model_dir: str | Path,
+    config: EngineConfig,
+    *,
+    provider: str = "tcp;ofi_rxm",
+    node: str | None = "127.0.0.1",
+    transfer: dict[str, Any] | None = None,
+) -> WorkerBackend:
+    """``transfer``: `orchestrator.config_sections.TransferConfig` fields, as plain data."""
+    if role == "mixed":
+        return MixedBackend(model_dir, config)
+    if role == "decode":
+        from orchestrator.kv_backends import DecodeBackend
+
+        return DecodeBackend(model_dir, config, provider, node, transfer or {})
+    if role == "prefill":
+        from orchestrator.kv_backends import PrefillBackend
+
+        return PrefillBackend(model_dir, config, provider, node)
+    raise ValueError(f"unknown worker role {role!r}")

@@ -1,0 +1,111 @@
+"""Router side of ``pdserve.v1.Worker/Connect``: one long-lived stream per worker, many requests.
+
+`WorkerLink.start` writes one ``generate`` message and returns the request's queue of
+``RequestDelta``s; a reader task routes each delta of each ``ConnectResponse`` to its queue.
+`WorkerLink.abort` writes an ``abort`` message (fire and forget: it runs from ``finally`` blocks
+of cancelled tasks). When the stream breaks (worker died, network), every open queue receives a
+`LinkBroken` and the next `start` opens a new stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from protos.pdserve.v1 import worker_pb2 as wpb
+from protos.pdserve.v1 import worker_pb2_grpc as wpb_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class LinkBroken(Exception):
+    """The Connect stream to the worker ended while requests were open on it."""
+
+
+DeltaQueue = asyncio.Queue[wpb.RequestDelta | LinkBroken]
+
+
+class WorkerLink:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = wpb_grpc.WorkerStub(self._channel)
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._queues: dict[str, DeltaQueue] = {}
+        self._write_lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self, message: wpb.WorkerGenerateRequest) -> DeltaQueue:
+        queue: DeltaQueue = asyncio.Queue()
+        call = self._connect()
+        self._queues[message.request_id] = queue
+        try:
+            async with self._write_lock:
+                await call.write(wpb.ConnectRequest(generate=message))
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as error:
+            self._queues.pop(message.request_id, None)
+            raise LinkBroken(f"{self.address}: {error}") from None
+        return queue
+
+    def abort(self, request_id: str) -> None:
+        """Stop routing ``request_id`` and ask the worker to abort it (in the background)."""
+        if self._queues.pop(request_id, None) is None or self._call is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._write_abort(self._call, request_id))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def forget(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+
+    def fail(self, request_id: str, reason: str) -> None:
+        queue = self._queues.pop(request_id, None)
+        if queue is not None:
+            queue.put_nowait(LinkBroken(reason))
+
+    async def close(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+        await self._channel.close()
+
+    def _connect(self) -> grpc.aio.StreamStreamCall:
+        if self._call is None:
+            self._call = call = self._stub.Connect()
+            self._reader = asyncio.get_running_loop().create_task(self._read(call))
+        return self._call
+
+    async def _write_abort(self, call: grpc.aio.StreamStreamCall, request_id: str) -> None:
+        try:
+            async with self._write_lock:
+                await call.write(wpb.ConnectRequest(abort_request_id=request_id))
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.CancelledError):
+            pass  # the stream is gone: the worker aborts everything it carried
+
+    async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
+        reason = "stream closed"
+        try:
+            async for response in call:
+                for delta in response.deltas:
+                    queue = self._queues.get(delta.request_id)
+                    if queue is None:
+                        continue
+                    if delta.finish_reason:
+                        del self._queues[delta.request_id]
+                    queue.put_nowait(delta)
+        except grpc.aio.AioRpcError as error:
+            reason = f"{error.code().name}: {error.details()}"
+        except asyncio.CancelledError:
+            reason = "link closed"
+        finally:
+            if self._call is call:
+                self._call = None
+            broken, self._queues = self._queues, {}
+            for queue in broken.values():
+                queue.put_nowait(LinkBroken(f"{self.address}: {reason}"))
+            if broken:
+                logger.warning(
+                    "link to %s broke with %d requests open: %s", self.address, len(broken), reason
+                )

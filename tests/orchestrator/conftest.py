@@ -1,0 +1,20 @@
+"""In-process Ray for the served-system tests: started once per module that asks for it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.orchestrator import cluster_helpers  # noqa: F401  (sets the Ray environment first)
+
+
+@pytest.fixture(scope="module")
+def ray_local() -> Iterator[None]:
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()

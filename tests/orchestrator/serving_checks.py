@@ -1,0 +1,153 @@
+"""Checks shared by the mixed and disaggregated end-to-end tests (real Ray, real gRPC)."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from orchestrator.client import pb, pb_grpc
+from tests.orchestrator.cluster_helpers import free_pages, pools_full, wait_until
+from workers.engine.config import EngineConfig
+from workers.engine.engine_core import EngineCore
+from workers.engine.sampling_params import SamplingParams
+from workers.engine.tokenizer import load_tokenizer
+
+PROMPTS = [
+    "The quick brown fox",
+    "Once upon a time, in a land far away, there lived",
+    "pdserve",
+    "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31 32",
+    "a" * 70,
+    "Hello, world!",
+]
+
+
+def colocated_outputs(model_dir: Path, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    """Greedy token ids of the colocated engine, one request at a time."""
+    import torch
+
+    torch.set_num_threads(1)  # as the workers run
+    engine = EngineCore(model_dir, EngineConfig(num_pages=64, max_model_len=256), detokenize=False)
+    tokenizer = load_tokenizer(model_dir)
+    results = []
+    for i, prompt in enumerate(prompts):
+        engine.add_request(
+            f"ref-{i}",
+            tokenizer.encode(prompt),
+            SamplingParams(temperature=0.0, max_tokens=max_tokens),
+        )
+        tokens: list[int] = []
+        while engine.has_unfinished():
+            for output in engine.step():
+                tokens.extend(output.new_token_ids)
+        results.append(tokens)
+    return results
+
+
+def generate_all(address: str, prompts: list[str], max_tokens: int) -> list[Any]:
+    def one(prompt: str) -> list[pb.GenerateResponse]:
+        with grpc.insecure_channel(address) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            request = pb.GenerateRequest(
+                prompt=prompt,
+                return_token_ids=True,
+                sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens),
+            )
+            return list(stub.Generate(request, timeout=120))
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, prompts))
+
+
+def check_parity(address: str, model_dir: Path) -> None:
+    max_tokens = 12
+    expected = colocated_outputs(model_dir, PROMPTS, max_tokens)
+    tokenizer = load_tokenizer(model_dir)
+    for prompt, want, responses in zip(
+        PROMPTS, expected, generate_all(address, PROMPTS, max_tokens), strict=True
+    ):
+        got = [t for r in responses for t in r.token_ids]
+        assert got == want, prompt
+        last = responses[-1]
+        assert last.finish_reason in ("length", "stop")
+        assert last.usage.completion_tokens == len(want)
+        assert last.usage.prompt_tokens == len(tokenizer.encode(prompt))
+        assert all(not r.finish_reason for r in responses[:-1])
+        text = "".join(r.text for r in responses)
+        assert text == tokenizer.decode(want)
+
+
+BAD_REQUESTS = {
+    "no prompt": pb.GenerateRequest(),
+    "prompt and token ids": pb.GenerateRequest(prompt="x", prompt_token_ids=[1, 2]),
+    "token id outside vocab": pb.GenerateRequest(prompt_token_ids=[1, 10**6]),
+    "negative token id": pb.GenerateRequest(prompt_token_ids=[1, -3]),
+    "prompt too long": pb.GenerateRequest(prompt_token_ids=[5] * 400),
+    "negative temperature": pb.GenerateRequest(
+        prompt="x", sampling=pb.SamplingParams(temperature=-1)
+    ),
+    "top_p zero": pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(top_p=0)),
+    "top_p above one": pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(top_p=1.5)),
+    "top_k below -1": pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(top_k=-2)),
+    "min_p above one": pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(min_p=2)),
+    "repetition_penalty zero": pb.GenerateRequest(
+        prompt="x", sampling=pb.SamplingParams(repetition_penalty=0)
+    ),
+    "presence_penalty out of range": pb.GenerateRequest(
+        prompt="x", sampling=pb.SamplingParams(presence_penalty=3)
+    ),
+    "frequency_penalty out of range": pb.GenerateRequest(
+        prompt="x", sampling=pb.SamplingParams(frequency_penalty=-3)
+    ),
+    "max_tokens zero": pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(max_tokens=0)),
+    "empty stop string": pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(stop=[""])),
+    "stop token outside vocab": pb.GenerateRequest(
+        prompt="x", sampling=pb.SamplingParams(stop_token_ids=[10**6])
+    ),
+}
+
+
+def check_bad_requests(address: str) -> None:
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        before = free_pages(stub, pb)
+        for name, request in BAD_REQUESTS.items():
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Generate(request, timeout=30))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+        assert free_pages(stub, pb) == before  # nothing was allocated
+        assert stub.GetClusterState(pb.GetClusterStateRequest()).num_outstanding_requests == 0
+
+
+def long_request(request_id: str = "") -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=request_id,
+        prompt="tell me a long story " * 4,
+        sampling=pb.SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True),
+    )
+
+
+def check_cancel_and_deadline(address: str) -> None:
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        # Cancel after the first tokens: the worker aborts, its pages come back.
+        calls = [stub.Generate(long_request(f"cancel-{i}"), timeout=120) for i in range(3)]
+        for call in calls:
+            next(call)
+        for call in calls:
+            call.cancel()
+        wait_until(lambda: pools_full(stub, pb), what="pages freed after cancel")
+        # A deadline that passes mid-stream.
+        with pytest.raises(grpc.RpcError) as info:
+            for _ in stub.Generate(long_request("deadline"), timeout=0.3):
+                pass
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        wait_until(lambda: pools_full(stub, pb), what="pages freed after the deadline")
+        wait_until(
+            lambda: stub.GetClusterState(pb.GetClusterStateRequest()).num_outstanding_requests == 0,
+            what="router forgot the requests",
+        )

@@ -1,0 +1,297 @@
+"""The router's parts without Ray: text stream, policy, proto mapping, and the Connect token path
+between a real `WorkerServer` (fake backend) and a real `Router` over gRPC on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncGenerator, Sequence
+from typing import Any
+
+import grpc
+import pytest
+
+from orchestrator.errors import (
+    DuplicateRequestError,
+    InvalidRequestError,
+    QueueFullError,
+    UnavailableError,
+    WorkerFailedError,
+)
+from orchestrator.policy import LeastOutstanding, create_policy
+from orchestrator.registry import Registry, WorkerRecord
+from orchestrator.router import GenerationInput, Router, RouterSettings, StreamEvent
+from orchestrator.servicer import input_from_proto, status_of
+from orchestrator.text_stream import TextStream
+from orchestrator.worker_backend import Sink, TokenDelta, WorkerLoad
+from orchestrator.worker_service import WorkerServer, WorkerServicer
+from protos.pdserve.v1 import generation_pb2 as pb
+from workers.engine.sampling_params import SamplingParams
+from workers.engine.tokenizer import ByteTokenizer
+
+# --- text stream -----------------------------------------------------------------------------
+
+
+def _push_text(stream: TextStream, text: str) -> str:
+    out = ""
+    for byte in text.encode():
+        stream.push(byte)
+        out += stream.take()
+    return out + stream.take(final=True)
+
+
+def test_text_stream_without_stop_strings_passes_everything() -> None:
+    assert _push_text(TextStream(ByteTokenizer(), [1, 2], []), "héllo wörld") == "héllo wörld"
+
+
+def test_text_stream_cuts_at_the_earliest_stop_string_and_holds_back_its_prefix() -> None:
+    stream = TextStream(ByteTokenizer(), [1], ["END", "xy"])
+    sent = ""
+    for byte in b"abcEN":
+        stream.push(byte)
+        sent += stream.take()
+    assert sent == "abc"  # "EN" is held back: it may start "END"
+    stream.push(ord("D"))
+    assert stream.stopped and stream.take() == ""
+    assert stream.text == "abc"
+
+
+def test_text_stream_releases_held_text_at_the_end() -> None:
+    assert _push_text(TextStream(ByteTokenizer(), [1], ["END"]), "abcEN") == "abcEN"
+
+
+# --- policy and mapping ----------------------------------------------------------------------
+
+
+def _record(worker_id: str, address: str = "") -> WorkerRecord:
+    return WorkerRecord(worker_id, "decode", 0, health="healthy", address=address)
+
+
+def test_least_outstanding_picks_the_least_loaded() -> None:
+    workers = [_record("a"), _record("b"), _record("c")]
+    policy = LeastOutstanding(seed=0)
+    assert policy.pick(workers, {"a": 3, "b": 1, "c": 2}).worker_id == "b"
+    picked = {policy.pick(workers, {}).worker_id for _ in range(50)}
+    assert picked == {"a", "b", "c"}  # ties are spread
+    with pytest.raises(ValueError):
+        create_policy("fastest")
+
+
+def test_input_from_proto_keeps_presence() -> None:
+    unset = input_from_proto(pb.GenerateRequest(prompt="x"))
+    assert unset.sampling == {} and unset.max_tokens is None
+    given = input_from_proto(
+        pb.GenerateRequest(
+            prompt="x", sampling=pb.SamplingParams(temperature=0, max_tokens=3, seed=7)
+        )
+    )
+    assert given.sampling["temperature"] == 0 and given.sampling["seed"] == 7
+    assert given.max_tokens == 3
+    with pytest.raises(InvalidRequestError):
+        input_from_proto(pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(max_tokens=0)))
+
+
+def test_status_mapping() -> None:
+    assert status_of(InvalidRequestError()) == grpc.StatusCode.INVALID_ARGUMENT
+    assert status_of(QueueFullError()) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert status_of(UnavailableError()) == grpc.StatusCode.UNAVAILABLE
+    assert status_of(WorkerFailedError()) == grpc.StatusCode.UNAVAILABLE
+    assert status_of(DuplicateRequestError()) == grpc.StatusCode.ALREADY_EXISTS
+    assert status_of(RuntimeError()) == grpc.StatusCode.INTERNAL
+
+
+# --- the Connect token path with a fake backend ----------------------------------------------
+
+
+class FakeBackend:
+    """Tokens only when the test says so; records aborts; can hold submits."""
+
+    role = "decode"
+
+    def __init__(self) -> None:
+        self.sinks: dict[str, Sink] = {}
+        self.aborted: list[str] = []
+        self.hold_submit = threading.Event()
+        self.hold_submit.set()
+        self.lock = threading.Lock()
+
+    def submit(
+        self, request_id: str, prompt: Sequence[int], params: SamplingParams, _: bytes, sink: Sink
+    ) -> None:
+        if prompt[0] == 0:
+            raise InvalidRequestError("token 0 is refused by this fake")
+        self.hold_submit.wait(10)
+        with self.lock:
+            self.sinks[request_id] = sink
+
+    def emit(self, request_id: str, token_id: int, reason: str | None = None) -> None:
+        with self.lock:
+            sink = self.sinks[request_id]
+        sink(TokenDelta([token_id], None, reason is not None, reason))
+
+    def abort(self, request_id: str) -> None:
+        with self.lock:
+            self.aborted.append(request_id)
+            self.sinks.pop(request_id, None)
+
+    def load(self) -> WorkerLoad:
+        return WorkerLoad(len(self.sinks), 0, 0, 0)
+
+    def transfer_stats(self, request_id: str) -> dict[str, Any] | None:
+        return None
+
+    def prefill_endpoint(self) -> bytes:
+        return b""
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def worker() -> Any:
+    backend = FakeBackend()
+    server = WorkerServer(WorkerServicer("decode-0", backend))
+    try:
+        yield backend, server
+    finally:
+        server.stop(0.1)
+
+
+def _router(address: str, capacity: int = 4, max_queue: int = 1) -> Router:
+    registry = Registry()
+    registry.add(_record("decode-0", address))
+    settings = RouterSettings(
+        serving_role="decode",
+        is_disaggregated=False,
+        vocab_size=512,
+        max_model_len=64,
+        pool_tokens=1024,
+        capacity_per_worker=capacity,
+        max_queue=max_queue,
+        default_max_tokens=8,
+    )
+    return Router(settings, registry, ByteTokenizer())
+
+
+async def _next(stream: AsyncGenerator[StreamEvent, None]) -> StreamEvent:
+    return await anext(stream)
+
+
+async def _wait(predicate: Any) -> None:
+    for _ in range(400):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition never held")
+
+
+def test_tokens_stream_through_the_router_as_text(worker: Any) -> None:
+    backend, server = worker
+
+    async def run() -> None:
+        router = _router(server.address)
+        stream = router.generate(GenerationInput(request_id="r1", prompt="hi"))
+        first = asyncio.create_task(_next(stream))
+        await _wait(lambda: "r1" in backend.sinks)
+        backend.emit("r1", ord("o"))
+        assert (await first).text == "o"
+        backend.emit("r1", ord("k"), "length")
+        last = await anext(stream)
+        assert last.text == "k" and last.finish_reason == "length"
+        assert last.num_completion_tokens == 2 and last.timings is not None
+        await router.close()
+
+    asyncio.run(run())
+
+
+def test_bad_requests_queue_full_and_duplicates(worker: Any) -> None:
+    backend, server = worker
+
+    async def run() -> None:
+        router = _router(server.address, capacity=1, max_queue=1)
+        with pytest.raises(InvalidRequestError):  # rejected by the worker
+            await anext(router.generate(GenerationInput(prompt_token_ids=[0, 1])))
+        with pytest.raises(InvalidRequestError):  # rejected by the router: prompt too long
+            await anext(router.generate(GenerationInput(prompt_token_ids=[1] * 64)))
+        running = router.generate(GenerationInput(request_id="a", prompt="x"))
+        task = asyncio.create_task(_next(running))
+        await _wait(lambda: "a" in backend.sinks)
+        with pytest.raises(DuplicateRequestError):
+            await anext(router.generate(GenerationInput(request_id="a", prompt="x")))
+        queued = asyncio.create_task(_next(router.generate(GenerationInput(prompt="y"))))
+        await _wait(lambda: router.num_queued == 1)
+        with pytest.raises(QueueFullError):
+            await anext(router.generate(GenerationInput(prompt="z")))
+        task.cancel()
+        queued.cancel()
+        await asyncio.gather(task, queued, return_exceptions=True)
+        await running.aclose()
+        await _wait(lambda: "a" in backend.aborted)
+        await router.close()
+
+    asyncio.run(run())
+
+
+def test_abort_while_starting_and_when_the_router_leaves(worker: Any) -> None:
+    backend, server = worker
+
+    async def run() -> None:
+        router = _router(server.address)
+        backend.hold_submit.clear()
+        early = router.generate(GenerationInput(request_id="early", prompt="x"))
+        task = asyncio.create_task(_next(early))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await early.aclose()
+        backend.hold_submit.set()  # submit completes after the abort arrived
+        await _wait(lambda: "early" in backend.aborted)
+
+        left = router.generate(GenerationInput(request_id="left", prompt="x"))
+        task = asyncio.create_task(_next(left))
+        await _wait(lambda: "left" in backend.sinks)
+        await router.close()  # the Connect stream ends: the worker aborts what it carried
+        await _wait(lambda: "left" in backend.aborted)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(run())
+
+
+def test_unavailable_without_ready_workers_and_worker_down(worker: Any) -> None:
+    backend, server = worker
+
+    async def run() -> None:
+        router = _router(server.address)
+        stream = router.generate(GenerationInput(request_id="doomed", prompt="x"))
+        task = asyncio.create_task(_next(stream))
+        await _wait(lambda: "doomed" in backend.sinks)
+        router.registry.set_health("decode-0", "unhealthy")
+        with pytest.raises(WorkerFailedError):
+            await task
+        with pytest.raises(UnavailableError):
+            await anext(router.generate(GenerationInput(prompt="x")))
+        await router.close()
+
+    asyncio.run(run())
+
+
+def test_a_draining_router_refuses_new_requests_and_lets_running_ones_finish(worker: Any) -> None:
+    backend, server = worker
+
+    async def run() -> None:
+        router = _router(server.address)
+        stream = router.generate(GenerationInput(request_id="r", prompt="x"))
+        first = asyncio.create_task(_next(stream))
+        await _wait(lambda: "r" in backend.sinks)
+        drain = asyncio.create_task(router.drain(30))
+        await asyncio.sleep(0.05)
+        with pytest.raises(UnavailableError):
+            await anext(router.generate(GenerationInput(prompt="y")))
+        backend.emit("r", ord("a"), "stop")
+        assert (await first).finish_reason == "stop"
+        await stream.aclose()
+        await asyncio.wait_for(drain, 10)  # returns once the running request finished
+        await router.close()
+
+    asyncio.run(run())

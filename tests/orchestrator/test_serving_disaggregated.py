@@ -1,0 +1,122 @@
+"""End to end, disaggregated: prefill workers push KV over libfabric (tcp, loopback) into
+decode workers that stream tokens through the router. 1P:3D, and 2P:2D with TP 2."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from orchestrator.client import pb, pb_grpc
+from orchestrator.controller import ControllerOptions
+from tests.orchestrator import serving_checks
+from tests.orchestrator.cluster_helpers import (
+    ServedCluster,
+    cluster_config,
+    disaggregated_groups,
+    pools_full,
+    wait_until,
+)
+from workers.engine.config import EngineConfig
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_local: None, tiny_model_dir: Path) -> Iterator[ServedCluster]:
+    served = ServedCluster(
+        cluster_config(
+            tiny_model_dir, disaggregated_groups(1, 3), transfer={"deadline_seconds": 5}
+        ),
+        ControllerOptions(health_interval_seconds=0.5, health_timeout_seconds=5),
+    )
+    try:
+        yield served
+    finally:
+        served.close()
+
+
+def test_concurrent_outputs_match_the_colocated_engine(
+    cluster: ServedCluster, tiny_model_dir: Path
+) -> None:
+    serving_checks.check_parity(cluster.address, tiny_model_dir)
+
+
+def test_cluster_state_shows_the_ratio(cluster: ServedCluster) -> None:
+    with grpc.insecure_channel(cluster.address) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        assert stub.GetModelInfo(pb.GetModelInfoRequest()).serving_mode == (
+            pb.SERVING_MODE_DISAGGREGATED
+        )
+        state = stub.GetClusterState(pb.GetClusterStateRequest())
+        assert [(g.name, g.num_replicas, len(g.workers)) for g in state.groups] == [
+            ("prefill", 1, 1),
+            ("decode", 3, 3),
+        ]
+        healthy = pb.WORKER_HEALTH_HEALTHY
+        assert all(w.health == healthy for g in state.groups for w in g.workers)
+
+
+def test_every_bad_request_is_invalid_argument(cluster: ServedCluster) -> None:
+    serving_checks.check_bad_requests(cluster.address)
+
+
+def test_cancel_and_deadline_free_every_page(cluster: ServedCluster) -> None:
+    serving_checks.check_cancel_and_deadline(cluster.address)
+
+
+def test_a_dead_prefill_worker_fails_requests_then_is_replaced(cluster: ServedCluster) -> None:
+    import ray
+
+    with grpc.insecure_channel(cluster.address) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        ray.kill(cluster.app.controller.handle_of("prefill-0"), no_restart=True)
+        # Sent before (or while) the controller notices: it must end, with an error or, once the
+        # replacement serves, with tokens; never hang.
+        request = pb.GenerateRequest(
+            prompt="after the crash", sampling=pb.SamplingParams(max_tokens=4)
+        )
+        try:
+            list(stub.Generate(request, timeout=60))
+        except grpc.RpcError as error:
+            assert error.code() == grpc.StatusCode.UNAVAILABLE, error
+
+        def replaced() -> bool:
+            state = stub.GetClusterState(pb.GetClusterStateRequest())
+            return all(
+                w.health == pb.WORKER_HEALTH_HEALTHY for g in state.groups for w in g.workers
+            )
+
+        wait_until(replaced, timeout=120, what="prefill-0 replaced")
+        assert cluster.app.controller.registry.workers["prefill-0"].generation == 1
+        responses = list(stub.Generate(request, timeout=60))
+        assert responses[-1].finish_reason in ("length", "stop")
+        wait_until(lambda: pools_full(stub, pb), what="every pool full again")
+
+
+def _kv_worker_handles_tensor_parallel() -> bool:
+    """The KV workers hand a TP engine's per-rank pools to their messenger (in progress: until
+    then a TP worker fails to start with a ShardingError, and this test is skipped)."""
+    import inspect
+
+    import workers.kv.worker
+
+    has_engine_tp = "tensor_parallel_size" in {f.name for f in dataclasses.fields(EngineConfig)}
+    return has_engine_tp and "rank_pools" in inspect.getsource(workers.kv.worker)
+
+
+@pytest.mark.skipif(
+    not _kv_worker_handles_tensor_parallel(),
+    reason="workers/kv/worker.py does not give the messenger a TP engine's rank pools yet",
+)
+def test_two_by_two_with_tensor_parallel_two(tiny_model_dir: Path, cluster: ServedCluster) -> None:
+    # The 1P:3D cluster stays up (module fixture); this one uses what CPU is left.
+    served = ServedCluster(cluster_config(tiny_model_dir, disaggregated_groups(2, 2, tp=2)))
+    try:
+        serving_checks.check_parity(served.address, tiny_model_dir)
+        serving_checks.check_cancel_and_deadline(served.address)
+    finally:
+        served.close()
