@@ -7,8 +7,6 @@ Contract: `orchestrator.worker_backend.WorkerBackend`.
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,54 +16,17 @@ from workers.engine.config import EngineConfig
 from workers.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from workers.kv.worker import DecodeWorker, OutputStream, PrefillWorker, WorkerOutput
+    from workers.kv.worker import DecodeWorker, PrefillWorker, WorkerOutput
 
 logger = logging.getLogger(__name__)
 
 
-class _StreamPump:
-    """Forwards a `workers.kv.worker.OutputStream` to a sink as outputs arrive.
-
-    The stream's ``put`` runs on the worker's step thread; it is wrapped so that each put drains
-    the stream's queue into the sink (under a lock, in order). Outputs put before the wrapper
-    was installed are drained by ``drain()``, which the caller also runs as a safety net.
-    """
-
-    def __init__(self, stream: OutputStream, sink: Sink) -> None:
-        self._stream = stream
-        self._sink = sink
-        self._lock = threading.Lock()
-        self.finished = False
-        original_put = stream.put
-
-        def put(output: WorkerOutput) -> None:
-            original_put(output)
-            self.drain()
-
-        stream.put = put  # type: ignore[method-assign]
-        self.drain()
-
-    def drain(self) -> None:
-        with self._lock:
-            while not self.finished:
-                try:
-                    output = self._stream.get(timeout=0)
-                except queue.Empty:
-                    return
-                self.finished = output.finished
-                self._sink(
-                    TokenDelta(
-                        list(output.new_token_ids),
-                        None,
-                        output.finished,
-                        output.finish_reason,
-                        output.error,
-                    )
-                )
-
-
 class DecodeBackend:
-    """`DecodeWorker`: prompts prefilled by the prefill worker the router names."""
+    """`DecodeWorker`: prompts prefilled by the prefill worker the router names.
+
+    Outputs reach the sink through the worker's ``on_output`` callback, on its step thread, in
+    the step that produced them; the sink only enqueues (contract of `Sink`).
+    """
 
     role = "decode"
 
@@ -88,8 +49,6 @@ class DecodeBackend:
         self.worker: DecodeWorker = DecodeWorker(
             model_dir, config, provider=provider, node=node, messenger_config=messenger
         )
-        self._pumps: dict[str, _StreamPump] = {}
-        self._lock = threading.Lock()
 
     def submit(
         self,
@@ -108,31 +67,24 @@ class DecodeBackend:
         except ProtocolError as error:
             raise InvalidRequestError(f"bad prefill endpoint: {error}") from None
 
-        def forget_when_done(delta: TokenDelta) -> None:
-            sink(delta)
-            if delta.finished:
-                with self._lock:
-                    self._pumps.pop(request_id, None)
+        def on_output(output: WorkerOutput) -> None:  # step thread: only enqueues
+            sink(
+                TokenDelta(
+                    list(output.new_token_ids),
+                    None,
+                    output.finished,
+                    output.finish_reason,
+                    output.error,
+                )
+            )
 
-        stream = self.worker.submit(request_id, prompt_token_ids, params, endpoint)
-        pump = _StreamPump(stream, forget_when_done)
-        with self._lock:
-            if not pump.finished:
-                self._pumps[request_id] = pump
+        self.worker.submit(request_id, prompt_token_ids, params, endpoint, on_output=on_output)
 
     def abort(self, request_id: str) -> None:
         self.worker.abort(request_id)
-        with self._lock:
-            pump = self._pumps.get(request_id)
-        if pump is not None:
-            pump.drain()
 
     def load(self) -> WorkerLoad:
         state = self.worker.state()
-        with self._lock:
-            pumps = list(self._pumps.values())
-        for pump in pumps:  # the safety net of `_StreamPump`: nothing stays unforwarded
-            pump.drain()
         scheduler = self.worker.engine.scheduler
         return WorkerLoad(
             num_running_requests=len(scheduler.running),
@@ -149,11 +101,7 @@ class DecodeBackend:
         return b""
 
     def close(self) -> None:
-        self.worker.close()
-        with self._lock:
-            pumps = list(self._pumps.values())
-        for pump in pumps:
-            pump.drain()
+        self.worker.close()  # ends every open request with a final "worker closed" output
 
 
 class PrefillBackend:

@@ -13,9 +13,11 @@ from workers.kv.protocol import (
     PROTOCOL_VERSION,
     AbortAcknowledged,
     AbortPrefill,
+    FailReason,
     Message,
     MessageType,
     PrefillAccepted,
+    PrefillFailed,
     PrefillRejected,
     PrefillRequest,
     RejectReason,
@@ -55,6 +57,7 @@ MESSAGES: list[Message] = [
     PrefillRejected("req-1", 5, RejectReason.NO_PAGES, "pool full"),
     AbortPrefill("req-1", 5),
     AbortAcknowledged("req-1", 5, 0),
+    PrefillFailed("req-1", 5, FailReason.DRAINING, 12, "shutting down"),
 ]
 
 
@@ -114,6 +117,25 @@ def test_invalid_small_messages_are_rejected() -> None:
         PrefillRejected("r", 1, 2, "")  # type: ignore[arg-type]
     with pytest.raises(ProtocolError):
         AbortAcknowledged("r", 1, -1)
+    with pytest.raises(ProtocolError):
+        PrefillFailed("r", 1, FailReason.DEADLINE, -1)
+    with pytest.raises(ProtocolError):
+        PrefillFailed("r", 1, RejectReason.DRAINING, 0)  # type: ignore[arg-type]
+
+
+def test_prefill_failed_decoding_is_strict() -> None:
+    good = wire(PrefillFailed("r", 1, FailReason.WRITE_ERROR, 3, "lost"))
+    assert good == [PROTOCOL_VERSION, 6, "r", 1, 2, 3, "lost"]
+    for bad in (
+        [*good[:4], 99, *good[5:]],  # unknown FailReason
+        [*good[:5], -1, good[6]],  # negative count
+        [*good[:5], True, good[6]],  # a bool is not a count
+        [*good[:6], b"lost"],  # detail must be str
+        good[:-1],  # field missing
+        [*good, 0],  # extra field
+    ):
+        with pytest.raises(ProtocolError):
+            decode_message(pack(bad))
 
 
 def wire(message: Message) -> list[object]:
@@ -203,7 +225,8 @@ def test_truncated_and_garbage_bytes_raise_protocol_error_only() -> None:
 
 
 def test_message_types_are_stable() -> None:
-    # Wire numbers are part of the protocol: changing one needs a PROTOCOL_VERSION bump.
+    # Wire numbers are part of the protocol: changing one needs a PROTOCOL_VERSION bump. Adding
+    # a type (6: PrefillFailed) does not: an older peer drops it as unknown.
     assert PROTOCOL_VERSION == 1
-    assert [int(t) for t in MessageType] == [1, 2, 3, 4, 5]
+    assert [int(t) for t in MessageType] == [1, 2, 3, 4, 5, 6]
     assert wire(AbortPrefill("r", 9)) == [1, 4, "r", 9]

@@ -5,10 +5,17 @@ Queues and life cycle (keyed by request id)::
     start() ──▶ pending (no pages / slot yet) ──▶ ALLOCATED (pinned pages, imm slot, context row)
       ──PrefillRequest──▶ REQUESTED ──PrefillAccepted(count): arm counter──▶ counter fires
       ──▶ READY: slot released, engine.add_prefilled_request (the last prompt token runs first)
-    deadline / PrefillRejected / abort ──▶ FAILED: counter cancelled, AbortPrefill sent,
-      pages + slot ──▶ quarantine ──(all writes landed | acknowledged count landed | time)──▶ free
+    deadline / PrefillRejected / PrefillFailed / abort ──▶ FAILED: counter cancelled,
+      AbortPrefill sent (not after PrefillRejected / PrefillFailed), pages + slot ──▶
+      quarantine ──(all writes landed | acknowledged count landed | time)──▶ free
 
 - A one-token prompt has no KV to prefill: it goes to the engine at once.
+- A pending request waits at most ``admission_timeout_s`` (default: the transfer deadline) for
+  its pages and slot, then fails (`AdmissionTimeoutError`'s message); it holds nothing yet, so
+  nothing is freed.
+- A prefill worker that fails a transfer it accepted sends `PrefillFailed` (reason and the
+  number of writes it submitted): the request fails at once and its pages are quarantined as
+  on an abort, released when that many writes landed (or after the drain time).
 - The request stays out of decode scheduling (its pages are pinned, the engine does not know
   it) until the counter reached the expected count.
 - The expected count is the plan's (`workers.kv.writes`): with coalescing it depends on the
@@ -38,13 +45,14 @@ from workers.engine.engine_core import EngineCore
 from workers.engine.sampling_params import SamplingParams
 from workers.fabric import FabricError, Message, PeerHandle, TransferEngine
 from workers.kv.endpoint import PrefillEndpoint
-from workers.kv.errors import KvTransferError, ProtocolError
+from workers.kv.errors import AdmissionTimeoutError, KvTransferError, ProtocolError
 from workers.kv.imm import ImmLayout, SlotTable
 from workers.kv.pools import RegisteredPools
 from workers.kv.protocol import (
     AbortAcknowledged,
     AbortPrefill,
     PrefillAccepted,
+    PrefillFailed,
     PrefillRejected,
     PrefillRequest,
     decode_message,
@@ -63,6 +71,9 @@ _UNKNOWN_COUNT = 1 << 62  # quarantine bound while the prefill side never told i
 @dataclass(frozen=True)
 class DecodeMessengerConfig:
     transfer_timeout_s: float = 30.0
+    # How long a request may wait for decode pages / an imm slot before its PrefillRequest is
+    # sent; None: transfer_timeout_s.
+    admission_timeout_s: float | None = None
     drain_interval_s: float = 5.0
     max_transfers: int = 256  # imm slots and rows of the context buffer
     coalesce_pages: bool = True
@@ -75,6 +86,7 @@ class _Incoming:
     prompt: list[int]
     params: SamplingParams
     endpoint: PrefillEndpoint
+    admission_deadline_s: float
     transfer: DecodeTransfer | None = None
     peer: PeerHandle | None = None
     armed: bool = False
@@ -153,7 +165,12 @@ class DecodeMessenger:
             return
         if request_id in self._by_id:
             raise KvTransferError(f"request {request_id} already has a transfer")
-        self._by_id[request_id] = _Incoming(list(prompt), params, endpoint)
+        admission_s = self.config.admission_timeout_s
+        if admission_s is None:
+            admission_s = self.config.transfer_timeout_s
+        self._by_id[request_id] = _Incoming(
+            list(prompt), params, endpoint, time.monotonic() + admission_s
+        )
         self._pending.append(request_id)
         self._start_pending()
 
@@ -252,9 +269,12 @@ class DecodeMessenger:
             except queue.Empty:
                 break
         now = time.monotonic()
+        self._start_pending()  # pages freed since the last poll count before any deadline
         for request_id, incoming in list(self._by_id.items()):
             transfer = incoming.transfer
-            if transfer is not None and transfer.is_expired(now):
+            if transfer is None and now >= incoming.admission_deadline_s:
+                self._fail(request_id, str(self._admission_timeout(incoming)))
+            elif transfer is not None and transfer.is_expired(now):
                 seen = self.fabric.imm_arrivals(transfer.imm)
                 expected = transfer.num_writes_expected
                 self._fail(
@@ -268,6 +288,18 @@ class DecodeMessenger:
         failures, self._failures = self._failures, []
         return failures
 
+    def _admission_timeout(self, incoming: _Incoming) -> AdmissionTimeoutError:
+        num_pages = self.engine.num_prefill_pages(len(incoming.prompt))
+        block_manager = self.engine.block_manager
+        waited = self.config.admission_timeout_s
+        if waited is None:
+            waited = self.config.transfer_timeout_s
+        return AdmissionTimeoutError(
+            f"admission deadline of {waited:g} s passed waiting for {num_pages} decode pages "
+            f"({block_manager.num_free_pages} free) and a transfer slot "
+            f"({self.slots.num_live} of {self.slots.capacity} live)"
+        )
+
     def _handle_message(self, message: Message) -> None:
         try:
             decoded = decode_message(message.payload)
@@ -280,7 +312,7 @@ class DecodeMessenger:
             )
             self._release(released)
             return
-        if not isinstance(decoded, PrefillAccepted | PrefillRejected):
+        if not isinstance(decoded, PrefillAccepted | PrefillRejected | PrefillFailed):
             log.warning("unexpected %s", type(decoded).__name__)
             return
         incoming = self._by_id.get(decoded.request_id)
@@ -288,6 +320,19 @@ class DecodeMessenger:
         if incoming is None or transfer is None or transfer.imm != decoded.transfer_id:
             if isinstance(decoded, PrefillRejected):  # nothing was or will be written
                 self._release(self.quarantine.acknowledge_abort(decoded.transfer_id, 0, 0.0))
+            elif isinstance(decoded, PrefillFailed):  # no write after this: as an ack
+                released = self.quarantine.acknowledge_abort(
+                    decoded.transfer_id, decoded.num_writes_submitted, time.monotonic()
+                )
+                self._release(released)
+            return
+        if isinstance(decoded, PrefillFailed):
+            detail = f": {decoded.detail}" if decoded.detail else ""
+            self._fail(
+                decoded.request_id,
+                f"prefill worker failed the request ({decoded.reason.name}{detail})",
+                prefill_writes=decoded.num_writes_submitted,
+            )
             return
         if isinstance(decoded, PrefillRejected):
             self._fail(
@@ -327,8 +372,17 @@ class DecodeMessenger:
             self._failures.append((request_id, f"engine refused the prefilled request: {error}"))
 
     def _fail(
-        self, request_id: str, reason: str, *, aborted: bool = False, rejected: bool = False
+        self,
+        request_id: str,
+        reason: str,
+        *,
+        aborted: bool = False,
+        rejected: bool = False,
+        prefill_writes: int | None = None,
     ) -> None:
+        """End a request: FAILED, counter cancelled, pages + slot quarantined. ``rejected``:
+        nothing was written (free at once); ``prefill_writes``: the prefill side stopped after
+        submitting that many writes (`PrefillFailed`, no AbortPrefill needed)."""
         incoming = self._by_id.pop(request_id)
         transfer = incoming.transfer
         if transfer is None:  # still pending (or its allocation failed): nothing to free
@@ -357,6 +411,8 @@ class DecodeMessenger:
         )
         if rejected or never_sent:
             released += self.quarantine.acknowledge_abort(imm, 0, now)
+        elif prefill_writes is not None:
+            released += self.quarantine.acknowledge_abort(imm, prefill_writes, now)
         elif not fired and incoming.peer is not None:
             try:
                 self.fabric.submit_send(

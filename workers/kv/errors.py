@@ -29,3 +29,7 @@ class ProtocolError(KvTransferError, ValueError):
 
 class IllegalTransitionError(KvTransferError):
     """A transfer state machine was asked to move along an edge its table does not have."""
+
+
+class AdmissionTimeoutError(KvTransferError):
+    """A decode request waited longer than its admission deadline for pages / a transfer slot."""

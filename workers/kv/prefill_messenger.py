@@ -21,6 +21,11 @@ Queues and life cycle (all keyed by the decoder's request id)::
   its in-flight writes drain, then the engine request is aborted (pages freed);
   `AbortAcknowledged(num_writes_submitted)` goes back at once. **Deadline** (the request's
   ``timeout_ms``): same as an abort, marked failed; no write is submitted after it.
+- **Giving up** (deadline, a failed write, the engine ending the request, `shutdown`): the
+  transfer stops as on an abort and `PrefillFailed(reason, num_writes_submitted)` goes to the
+  decoder at once, so it fails the request without waiting for its own deadline.
+  `shutdown` (the worker's graceful close) also rejects new requests (DRAINING); the worker
+  then waits, bounded, until in-flight writes and these messages completed (`is_drained`).
 
 Threads: `poll`, the engine hooks and `after_step` run on the worker's step thread (the only
 one touching the engine); the push thread calls `_gate`; fabric callbacks only enqueue. Transfer
@@ -54,8 +59,11 @@ from workers.kv.pages import num_pages_for_tokens
 from workers.kv.pools import RegisteredPools
 from workers.kv.prefill_checks import RequestRejected, check_request
 from workers.kv.protocol import (
+    MAX_DETAIL_CHARS,
     AbortAcknowledged,
     AbortPrefill,
+    FailReason,
+    PrefillFailed,
     PrefillRejected,
     PrefillRequest,
     RejectReason,
@@ -124,6 +132,8 @@ class PrefillMessenger:
         self.finished: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._pass_chunks: list[ScheduledChunk] = []
         self._draining = False
+        self._sends_lock = threading.Lock()
+        self._sends_in_flight = 0
         engine.on_step_scheduled = self.on_step_scheduled
         self._hook = engine.model.norm.register_forward_hook(self._on_forward_end)
         self._push = PushThread(
@@ -176,7 +186,7 @@ class PrefillMessenger:
         for out in list(self._by_id.values()):
             if out.transfer.state in _ACTIVE and now >= out.deadline_s:
                 log.warning("prefill transfer %s missed its deadline", out.request.request_id)
-                self._stop(out, "deadline passed", failed=True)
+                self._give_up(out, FailReason.DEADLINE, "deadline passed on the prefill side")
         self._admit()
 
     def on_step_scheduled(self, chunks: list[ScheduledChunk]) -> None:
@@ -224,9 +234,17 @@ class PrefillMessenger:
         """After the step: requests the engine reports prefilled may be freed once drained."""
         for output in outputs:
             out = self._by_id.get(output.request_id)
-            if out is not None and output.finish_reason == "prefilled":
+            if out is None:
+                continue
+            if output.finish_reason == "prefilled":
                 out.prefilled = True
                 self._finish_if_drained(out)
+            elif output.finished and out.transfer.state in _ACTIVE:
+                if out.in_engine:  # the engine already ended it: nothing to abort there
+                    out.in_engine = False
+                    self._reserved_pages -= out.num_pages_total
+                detail = f"engine ended the request ({output.finish_reason})"
+                self._give_up(out, FailReason.ENGINE_ERROR, detail)
 
     def _submit_context(self, out: Outgoing, hidden: torch.Tensor, now: float) -> None:
         context = out.checked.context
@@ -359,12 +377,39 @@ class PrefillMessenger:
         self._send(peer, ack)
 
     def _send(self, peer: PeerHandle, message: Any) -> None:
+        with self._sends_lock:
+            self._sends_in_flight += 1
         try:
             self.fabric.submit_send(
-                peer, encode_message(message), on_error=partial(_send_failed, peer.name)
+                peer,
+                encode_message(message),
+                on_done=self._on_send_done,
+                on_error=partial(self._on_send_error, peer.name),
             )
         except FabricError as error:
+            self._on_send_done()
             log.warning("could not send %s to %s: %s", type(message).__name__, peer.name, error)
+
+    def _on_send_done(self) -> None:  # fabric callback thread
+        with self._sends_lock:
+            self._sends_in_flight -= 1
+
+    def _on_send_error(self, peer_name: str, error: FabricError) -> None:  # fabric callback
+        self._on_send_done()
+        _send_failed(peer_name, error)
+
+    def _give_up(self, out: Outgoing, reason: FailReason, detail: str) -> None:
+        """Stop an active transfer as failed and tell the decoder (`PrefillFailed`) at once.
+
+        The count sent is final: `_stop` ends submitting under the lock the push thread and the
+        context write take before they submit.
+        """
+        self._stop(out, detail, failed=True)
+        submitted = out.transfer.num_writes_submitted
+        failed = PrefillFailed(
+            out.request_id, out.transfer.imm, reason, submitted, detail[:MAX_DETAIL_CHARS]
+        )
+        self._send(out.peer, failed)
 
     # -- completion and freeing -------------------------------------------------------------
 
@@ -376,7 +421,18 @@ class PrefillMessenger:
         with self._lock:
             if error is not None:
                 log.warning("transfer %s: %d writes failed: %s", request_id, count, error)
+            was_active = out.transfer.state in _ACTIVE
             out.transfer.record_completion(time.monotonic(), ok=error is None, count=count)
+            stopped_now = was_active and out.transfer.state not in _ACTIVE
+        if stopped_now:  # a lost write: the decoder's count can never be reached
+            failed = PrefillFailed(
+                request_id,
+                out.transfer.imm,
+                FailReason.WRITE_ERROR,
+                out.transfer.num_writes_submitted,
+                f"{count} writes failed: {error}"[:MAX_DETAIL_CHARS],
+            )
+            self._send(out.peer, failed)
         self._finish_if_drained(out)
 
     def _stop(self, out: Outgoing, reason: str, *, failed: bool) -> None:
@@ -428,6 +484,20 @@ class PrefillMessenger:
             "num_queued": len(self._queued),
             "num_passes_pushed": self._push.num_passes,
         }
+
+    def shutdown(self) -> None:
+        """Step thread, first step of a graceful close: reject new requests (DRAINING) and
+        give up every live transfer, each decoder told with `PrefillFailed(DRAINING)`."""
+        self._draining = True
+        for out in list(self._by_id.values()):
+            if out.transfer.state in _ACTIVE:
+                self._give_up(out, FailReason.DRAINING, "prefill worker draining (shutting down)")
+
+    def is_drained(self) -> bool:
+        """No transfer left (every in-flight write completed) and every message sent."""
+        with self._sends_lock:
+            sends = self._sends_in_flight
+        return not self._by_id and sends == 0
 
     def close(self) -> None:
         self._draining = True

@@ -8,8 +8,13 @@ number or an oversized list raises `ProtocolError`, never anything else. A versi
 only way to change a message; a peer on another version is rejected, not guessed at.
 
 Flow (see README): decoder -> `PrefillRequest`; prefill -> `PrefillAccepted` or
-`PrefillRejected`; decoder may send `AbortPrefill`, answered by `AbortAcknowledged`. KV itself
-moves by RDMA writes and there is no "done" message.
+`PrefillRejected`; decoder may send `AbortPrefill`, answered by `AbortAcknowledged`; a prefill
+worker that gives up on a transfer it had started (write error, its deadline, engine error,
+shutdown) sends `PrefillFailed`. KV itself moves by RDMA writes and there is no "done" message.
+
+`PrefillFailed` (type 6) was added to version 1 without a bump: no existing message changed,
+and a peer that predates it drops it as an unknown type (strict decoding) and falls back to its
+transfer deadline, which is what it did before.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ class MessageType(enum.IntEnum):
     PREFILL_REJECTED = 3
     ABORT_PREFILL = 4
     ABORT_ACKNOWLEDGED = 5
+    PREFILL_FAILED = 6
 
 
 class RejectReason(enum.IntEnum):
@@ -54,6 +60,16 @@ class RejectReason(enum.IntEnum):
     WRITE_COUNT_MISMATCH = 5  # the decoder's expected count differs from the prefill's plan
     DRAINING = 6  # worker is shutting down
     INTERNAL = 7
+
+
+class FailReason(enum.IntEnum):
+    """Why a prefill worker gave up on a transfer it had started (`PrefillFailed`)."""
+
+    DEADLINE = 1  # the request's timeout_ms passed on the prefill side
+    WRITE_ERROR = 2  # a KV / context write failed: the decoder's count can never be reached
+    ENGINE_ERROR = 3  # the engine ended or refused the request
+    DRAINING = 4  # the worker is shutting down
+    INTERNAL = 5
 
 
 class _Field(ABC):
@@ -322,11 +338,48 @@ class AbortAcknowledged(_Message):
     num_writes_submitted: int
 
 
-Message = PrefillRequest | PrefillAccepted | PrefillRejected | AbortPrefill | AbortAcknowledged
+@dataclasses.dataclass(frozen=True)
+class PrefillFailed(_Message):
+    """Prefill -> decoder: gave up on a transfer it had accepted; it submitted
+    ``num_writes_submitted`` writes in total (some may still be in flight) and submits none
+    after this message. The decoder fails the request at once and quarantines its pages as on
+    an abort (released once that many writes landed, or after the drain time)."""
+
+    TYPE: ClassVar[MessageType] = MessageType.PREFILL_FAILED
+    _FIELDS: ClassVar[tuple[_Field, ...]] = (
+        _REQUEST_ID,
+        _TRANSFER_ID,
+        _Enum(FailReason),
+        _Int(0, U64_MAX),
+        _Str(0, MAX_DETAIL_CHARS),
+    )
+
+    request_id: str
+    transfer_id: int
+    reason: FailReason
+    num_writes_submitted: int
+    detail: str = ""
+
+
+Message = (
+    PrefillRequest
+    | PrefillAccepted
+    | PrefillRejected
+    | AbortPrefill
+    | AbortAcknowledged
+    | PrefillFailed
+)
 
 _BY_TYPE: dict[int, type[_Message]] = {
     cls.TYPE: cls
-    for cls in (PrefillRequest, PrefillAccepted, PrefillRejected, AbortPrefill, AbortAcknowledged)
+    for cls in (
+        PrefillRequest,
+        PrefillAccepted,
+        PrefillRejected,
+        AbortPrefill,
+        AbortAcknowledged,
+        PrefillFailed,
+    )
 }
 
 

@@ -8,7 +8,9 @@ state::
 
 The caller's API (`DecodeWorker.submit` / `abort` / `state`, `PrefillWorker.endpoint` /
 `state`) is thread-safe: calls are shipped to the step thread and their results returned.
-Outputs of a request go to its `OutputStream`. The types are plain dataclasses so the next layer
+Outputs of a request go to its `OutputStream`, or, when `DecodeWorker.submit` got an
+``on_output`` callback, to that callback, called on the step thread in the step that produced
+the output (it must only enqueue: it runs where the engine steps). The types are plain dataclasses so the next layer
 (Ray actors, the gRPC router) can wrap them without pickling anything onto a wire.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
@@ -50,15 +53,30 @@ class WorkerOutput:
     error: str | None = None
 
 
-class OutputStream:
-    """The outputs of one request, in order; iterate until the finished one."""
+OutputCallback = Callable[[WorkerOutput], None]
 
-    def __init__(self, request_id: str) -> None:
+
+class OutputStream:
+    """The outputs of one request, in order; iterate until the finished one.
+
+    With an ``on_output`` callback the outputs go to the callback instead of the queue (so
+    `get` / `result` / iteration then see nothing).
+    """
+
+    def __init__(self, request_id: str, on_output: OutputCallback | None = None) -> None:
         self.request_id = request_id
         self._queue: queue.SimpleQueue[WorkerOutput] = queue.SimpleQueue()
+        self._on_output = on_output
 
     def put(self, output: WorkerOutput) -> None:
-        self._queue.put(output)
+        """Called on the step thread for every output of the request."""
+        if self._on_output is None:
+            self._queue.put(output)
+            return
+        try:
+            self._on_output(output)
+        except Exception:  # a consumer's bug must not take the step thread down
+            log.exception("on_output callback of %s failed", self.request_id)
 
     def get(self, timeout: float | None = None) -> WorkerOutput:
         return self._queue.get(timeout=timeout)
@@ -230,8 +248,25 @@ class PrefillWorker:
     def transfer_stats(self, request_id: str) -> dict[str, Any] | None:
         return self._loop.call(lambda: self.messenger.finished.get(request_id))
 
-    def close(self) -> None:
-        """Stop the step thread, the messenger and the fabric, then the engine's TP ranks."""
+    def finished_transfers(self) -> dict[str, dict[str, Any]]:
+        """Records of recently ended transfers by request id, oldest first (bounded memory)."""
+        return self._loop.call(lambda: dict(self.messenger.finished))
+
+    def close(self, drain_timeout_s: float = 5.0) -> None:
+        """Graceful close: give up every live transfer (each decoder gets `PrefillFailed` with
+        reason DRAINING at once, new requests are rejected), wait up to ``drain_timeout_s`` for
+        in-flight writes and those messages, then stop the step thread, the messenger and the
+        fabric, then the engine's TP ranks."""
+        try:
+            self._loop.call(self.messenger.shutdown, timeout=drain_timeout_s)
+            deadline = time.monotonic() + drain_timeout_s
+            while not self._loop.call(self.messenger.is_drained, timeout=drain_timeout_s):
+                if time.monotonic() >= deadline:
+                    log.warning("prefill worker closing with transfers not drained")
+                    break
+                time.sleep(0.005)
+        except Exception:  # a dead step loop: close what is left regardless
+            log.exception("prefill worker could not drain before closing")
         self._loop.stop()
         try:
             self.messenger.close()
@@ -285,9 +320,21 @@ class DecodeWorker:
         prompt_ids: Sequence[int],
         params: SamplingParams,
         prefill: PrefillEndpoint,
+        *,
+        on_output: OutputCallback | None = None,
     ) -> OutputStream:
-        """Start a request; raises the engine's `InvalidRequestError` / `CapacityError`."""
-        stream = OutputStream(request_id)
+        """Start a request; raises the engine's `InvalidRequestError` / `CapacityError`.
+
+        Outputs go to the returned `OutputStream`, or, with ``on_output``, to that callback
+        instead: it is called on the worker's step thread for every output of the request, in
+        order, in the step that produced it (the finished one included: a final token is never
+        held back), from the moment the request is registered, so none is missed even if the
+        request ends before `submit` returns. It must not block nor call the worker (that would
+        deadlock the step thread): hand the output to another thread or loop and return, e.g.
+        ``loop.call_soon_threadsafe(queue.put_nowait, output)``. An exception it raises is
+        logged and ignored.
+        """
+        stream = OutputStream(request_id, on_output)
         prompt = list(prompt_ids)
 
         def start() -> None:
@@ -339,6 +386,10 @@ class DecodeWorker:
 
     def transfer_stats(self, request_id: str) -> dict[str, Any] | None:
         return self._loop.call(lambda: self.messenger.finished.get(request_id))
+
+    def finished_transfers(self) -> dict[str, dict[str, Any]]:
+        """Records of recently ended transfers by request id, oldest first (bounded memory)."""
+        return self._loop.call(lambda: dict(self.messenger.finished))
 
     def transfer_progress(self, request_id: str) -> tuple[int, int | None] | None:
         """``(writes landed, writes expected)`` while the request waits for its KV."""
