@@ -47,7 +47,7 @@ from workers.fabric import FabricError, Message, PeerHandle, TransferEngine
 from workers.kv.endpoint import PrefillEndpoint
 from workers.kv.errors import AdmissionTimeoutError, KvTransferError, ProtocolError
 from workers.kv.imm import ImmLayout, SlotTable
-from workers.kv.pools import RegisteredPools
+from workers.kv.pools import register_engine_pools
 from workers.kv.protocol import (
     AbortAcknowledged,
     AbortPrefill,
@@ -59,9 +59,9 @@ from workers.kv.protocol import (
     encode_message,
 )
 from workers.kv.quarantine import PageQuarantine, QuarantinedPages
-from workers.kv.sharding import GroupSharding, PageGeometry, make_transfer_plan
+from workers.kv.sharding import GroupSharding, make_transfer_plan
 from workers.kv.transfer_state import DecodeState, DecodeTransfer
-from workers.kv.writes import PoolLayout, expected_write_count_from_dst
+from workers.kv.writes import expected_write_count_from_dst
 
 log = logging.getLogger(__name__)
 
@@ -111,15 +111,9 @@ class DecodeMessenger:
         self.fabric = fabric
         self.config = config = config or DecodeMessengerConfig()
         model = engine.model_config
-        self.sharding = sharding or GroupSharding(1, model.num_kv_heads)
-        self.geometry = PageGeometry(
-            model.num_layers,
-            engine.config.page_size,
-            model.head_dim,
-            engine.kv_cache.element_size(),
+        self.sharding, self.geometry, self.pools = register_engine_pools(
+            fabric, engine, rank_pools, sharding
         )
-        layout = PoolLayout.for_group(self.sharding, self.geometry, engine.num_pages)
-        self.pools = RegisteredPools.register(fabric, rank_pools or [engine.kv_cache], layout)
         self.context = torch.zeros(config.max_transfers, model.hidden_size, dtype=engine.dtype)
         self._row_bytes = model.hidden_size * self.context.element_size()
         _, self._context_descriptor = fabric.register(self.context)

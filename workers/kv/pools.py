@@ -11,11 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from workers.fabric import MemoryRegionDescriptor, MemoryRegionHandle, TransferEngine
 from workers.kv.errors import ShardingError
 from workers.kv.sharding import GroupSharding, PageGeometry
 from workers.kv.writes import PoolLayout
+
+if TYPE_CHECKING:
+    from workers.engine.engine_core import EngineCore
 
 
 def buffer_num_bytes(buffer: object) -> int:
@@ -78,3 +82,21 @@ def layout_from_descriptor(
             f"{geometry.num_layers}-layer pages of {page_bytes} bytes"
         )
     return PoolLayout.for_group(sharding, geometry, descriptor.length // pool_page_bytes)
+
+
+def register_engine_pools(
+    fabric: TransferEngine,
+    engine: EngineCore,
+    rank_pools: Sequence[object] | None,
+    sharding: GroupSharding | None,
+) -> tuple[GroupSharding, PageGeometry, RegisteredPools]:
+    """The group layout of ``engine`` (TP 1 unless ``sharding`` says otherwise) and every rank's
+    pool registered with ``fabric``; ``rank_pools`` defaults to the engine's own pool."""
+    model = engine.model_config
+    sharding = sharding or GroupSharding(1, model.num_kv_heads)
+    geometry = PageGeometry(
+        model.num_layers, engine.config.page_size, model.head_dim, engine.kv_cache.element_size()
+    )
+    layout = PoolLayout.for_group(sharding, geometry, engine.num_pages)
+    pools = RegisteredPools.register(fabric, rank_pools or [engine.kv_cache], layout)
+    return sharding, geometry, pools

@@ -56,7 +56,7 @@ from workers.fabric import FabricError, Message, PeerHandle, TransferEngine
 from workers.kv.errors import KvTransferError, ProtocolError
 from workers.kv.outgoing import Outgoing, last_row_of
 from workers.kv.pages import num_pages_for_tokens
-from workers.kv.pools import RegisteredPools
+from workers.kv.pools import register_engine_pools
 from workers.kv.prefill_checks import RequestRejected, check_request
 from workers.kv.protocol import (
     MAX_DETAIL_CHARS,
@@ -71,9 +71,8 @@ from workers.kv.protocol import (
     encode_message,
 )
 from workers.kv.push import PassPlan, PushItem, PushThread
-from workers.kv.sharding import GroupSharding, PageGeometry
+from workers.kv.sharding import GroupSharding
 from workers.kv.transfer_state import PrefillState, PrefillTransfer
-from workers.kv.writes import PoolLayout
 
 log = logging.getLogger(__name__)
 
@@ -109,15 +108,9 @@ class PrefillMessenger:
         self.fabric = fabric
         self.config = config = config or PrefillMessengerConfig()
         model = engine.model_config
-        self.sharding = sharding or GroupSharding(1, model.num_kv_heads)
-        self.geometry = PageGeometry(
-            model.num_layers,
-            engine.config.page_size,
-            model.head_dim,
-            engine.kv_cache.element_size(),
+        self.sharding, self.geometry, self.pools = register_engine_pools(
+            fabric, engine, rank_pools, sharding
         )
-        layout = PoolLayout.for_group(self.sharding, self.geometry, engine.num_pages)
-        self.pools = RegisteredPools.register(fabric, rank_pools or [engine.kv_cache], layout)
         self._staging = torch.zeros(config.max_transfers, model.hidden_size, dtype=engine.dtype)
         self._staging_handle, _ = fabric.register(self._staging)
         self._free_rows: deque[int] = deque(range(config.max_transfers))
