@@ -1,0 +1,193 @@
+"""``pdserve calibrate``: measure our engine (and optionally the fabric) on this machine and
+write the JSON that `calibrated.fit` reads.
+
+The engine runs the ``small`` preset (random weights; only shapes matter for time) in mixed
+role, one process, one rank. Prefill points: one-shot prompts up to the token budget, then
+one long prompt in budget-sized chunks (so that the attention term sees context). Decode
+points: batches of short prompts, timing only steps that run after every sequence has its
+first token and before any finishes (pure decode steps of the whole batch). Each point is the median of its repeats, after a warm-up.
+Fabric points: one write of each size between two transfer engines in this process over
+``tcp;ofi_rxm`` on loopback, submit to the target's counter firing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+PROMPT_LEN = 32  # decode points: prompt tokens per sequence
+DECODE_STEPS = 4  # timed decode steps per batch size
+
+
+def _engine(model_dir: Path, max_batch: int, budget: int) -> Any:
+    from workers.engine.config import EngineConfig
+    from workers.engine.engine_core import EngineCore
+
+    config = EngineConfig(
+        role="mixed",
+        max_num_seqs=max_batch,
+        max_num_batched_tokens=budget,
+        num_pages=max(256, max_batch * 4),
+    )
+    return EngineCore(model_dir, config, detokenize=False)
+
+
+def _timed_steps(engine: Any) -> list[float]:
+    times = []
+    while engine.has_unfinished():
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _prefill_points(engine: Any, sizes: Sequence[int], repeats: int) -> list[dict[str, float]]:
+    budget = engine.config.max_num_batched_tokens
+    from workers.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    shapes = [(n, 0) for n in sizes if n <= budget]
+    long_prompt = 4 * budget
+    shapes += [(budget, context) for context in range(budget, long_prompt, budget)]
+    samples: dict[tuple[int, int], list[float]] = {shape: [] for shape in shapes}
+    for repeat in range(repeats + 1):  # the first round warms up
+        for n in sorted({n for n, _ in shapes if _ == 0}):
+            engine.add_request(f"p{repeat}-{n}", [5] * n, params)
+            times = _timed_steps(engine)
+            if repeat:
+                samples[(n, 0)].append(times[0])
+        engine.add_request(f"long{repeat}", [7] * long_prompt, params)
+        times = _timed_steps(engine)
+        if repeat:
+            for i, context in enumerate(range(budget, long_prompt, budget), 1):
+                samples[(budget, context)].append(times[i])
+    return [
+        {"tokens": n, "context": c, "seconds": statistics.median(t)}
+        for (n, c), t in samples.items()
+    ]
+
+
+def _decode_points(engine: Any, batches: Sequence[int], repeats: int) -> list[dict[str, float]]:
+    points = []
+    for batch in [batches[0], *batches]:  # the first, repeated, warms up
+        samples: list[list[float]] = [[] for _ in range(DECODE_STEPS)]
+        kv_tokens = [0] * DECODE_STEPS
+        for repeat in range(repeats):
+            timed = _decode_run(engine, batch, f"d{batch}-{repeat}")
+            for k, (seconds, kv) in enumerate(timed):
+                samples[k].append(seconds)
+                kv_tokens[k] = kv
+        points += [
+            {"batch": batch, "kv_tokens": kv_tokens[k], "seconds": statistics.median(s)}
+            for k, s in enumerate(samples)
+            if s
+        ]
+    return points[DECODE_STEPS:]
+
+
+def _decode_run(engine: Any, batch: int, prefix: str) -> list[tuple[float, int]]:
+    """(seconds, KV tokens read) of the first DECODE_STEPS steps after every sequence has its
+    first token: pure decode steps of exactly ``batch`` sequences."""
+    from workers.engine.sampling_params import SamplingParams
+
+    # Early sequences decode while later ones prefill: enough tokens that none finishes
+    # before the timed steps end.
+    budget = engine.config.max_num_batched_tokens
+    max_tokens = 2 * (batch * PROMPT_LEN // max(1, budget - batch) + 2) + DECODE_STEPS
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    generated: dict[str, int] = {}
+    for i in range(batch):
+        engine.add_request(f"{prefix}-{i}", [9] * PROMPT_LEN, params)
+    timed: list[tuple[float, int]] = []
+    while engine.has_unfinished():
+        is_pure_decode = len(generated) == batch and len(timed) < DECODE_STEPS
+        # Each sequence feeds its last token and attends to the prompt and every output.
+        kv = sum(PROMPT_LEN + n for n in generated.values())
+        start = time.perf_counter()
+        outputs = engine.step()
+        if is_pure_decode:
+            timed.append((time.perf_counter() - start, kv))
+        for output in outputs:
+            if output.new_token_ids:
+                generated[output.request_id] = generated.get(output.request_id, 0) + len(
+                    output.new_token_ids
+                )
+    return timed
+
+
+def _fabric_points(sizes: Sequence[int], repeats: int) -> list[dict[str, float]]:
+    import numpy as np
+
+    from workers.fabric import TransferEngine
+
+    target, initiator = TransferEngine("tcp;ofi_rxm"), TransferEngine("tcp;ofi_rxm")
+    try:
+        region = max(sizes)
+        _, descriptor = target.register(np.zeros(region, dtype=np.uint8))
+        source, _ = initiator.register(np.ones(region, dtype=np.uint8))
+        peer = initiator.add_peer(target.address)
+        points = []
+        imm = 1
+        for size in [sizes[0], *sizes]:
+            samples = []
+            for _ in range(repeats):
+                landed = threading.Event()
+                target.expect_imm(imm, 1, on_reached=landed.set)
+                start = time.perf_counter()
+                initiator.submit_write(source, 0, peer, descriptor, 0, size, imm=imm)
+                if not landed.wait(30):
+                    raise TimeoutError(f"a {size}-byte loopback write did not land in 30 s")
+                samples.append(time.perf_counter() - start)
+                imm += 1
+            points.append({"bytes": size, "seconds": statistics.median(samples)})
+        return points[1:]  # the first size was a warm-up
+    finally:
+        initiator.close()
+        target.close()
+
+
+def run_calibration(
+    out: str | Path,
+    *,
+    prefill_sizes: Sequence[int] = (32, 64, 128, 256),
+    decode_batches: Sequence[int] = (1, 8, 32),
+    repeats: int = 2,
+    budget: int = 256,
+    fabric: bool = False,
+    fabric_sizes: Sequence[int] = (64 << 10, 1 << 20, 4 << 20, 16 << 20),
+) -> dict[str, Any]:
+    from workers.engine.presets import write_random_checkpoint
+
+    with tempfile.TemporaryDirectory(prefix="pdserve-calibrate-") as tmp:
+        model_dir = write_random_checkpoint("small", Path(tmp) / "small")
+        engine = _engine(model_dir, max(decode_batches), budget)
+        try:
+            config = engine.model_config
+            element = engine.kv_cache.element_size()
+            data: dict[str, Any] = {
+                "model": "small",
+                "num_layers": config.num_layers,
+                "kv_bytes_per_token": 2
+                * config.num_layers
+                * config.num_kv_heads
+                * config.head_dim
+                * element,
+                "kv_capacity_tokens": engine.num_pages * engine.config.page_size,
+                "prefill": _prefill_points(engine, prefill_sizes, repeats),
+                "decode": _decode_points(engine, decode_batches, repeats),
+            }
+        finally:
+            engine.close()
+    if fabric:
+        data["transfer"] = _fabric_points(fabric_sizes, repeats)
+    Path(out).write_text(json.dumps(data, indent=2) + "\n")
+    return data

@@ -1,0 +1,147 @@
+"""Calibrated cost model: affine fits of step and transfer times measured on this machine.
+
+The measurements file (written by ``pdserve calibrate``, `calibrate.run_calibration`)::
+
+    {"model": "small", "num_layers": 6, "kv_bytes_per_token": 12288,
+     "kv_capacity_tokens": 65536,
+     "prefill":  [{"tokens": 64, "context": 0, "seconds": 0.004}, ...],
+     "decode":   [{"batch": 4, "kv_tokens": 160, "seconds": 0.003}, ...],
+     "transfer": [{"bytes": 1048576, "seconds": 0.0007}, ...]}      # optional
+
+Fits (least squares, coefficients kept >= 0 by dropping a feature that comes out negative):
+prefill = a + b * tokens + c * attention (attention = the positions the chunk's tokens attend
+to); decode = a + b * batch + c * kv_tokens; transfer = a + bytes / bandwidth (no points: free).
+A mixed step pays the larger intercept once plus every variable term. The machine measured
+has one rank: for ``tp > 1`` the variable terms are divided by ``tp`` (ideal scaling) and
+``tp_step_overhead_s`` is added per step, an assumption to replace with measurements.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from orchestrator.sim.cost import StepShape
+
+
+@dataclass(frozen=True)
+class CalibratedCostModel:
+    num_layers: int
+    kv_bytes_per_token: float
+    kv_capacity_per_rank: int
+    prefill_coefficients: tuple[float, float, float]  # intercept, per token, per attention
+    decode_coefficients: tuple[float, float, float]  # intercept, per sequence, per KV token
+    transfer_coefficients: tuple[float, float] = (0.0, 0.0)  # intercept, seconds per byte
+    tp_step_overhead_s: float = 0.0
+    max_tp: int = 8
+    source: str = "calibrated"
+
+    def __post_init__(self) -> None:
+        coefficients = (
+            *self.prefill_coefficients,
+            *self.decode_coefficients,
+            *self.transfer_coefficients,
+        )
+        if min(coefficients) < 0:
+            raise ValueError(f"cost coefficients must be >= 0, got {coefficients}")
+        if self.num_layers < 1 or self.kv_bytes_per_token <= 0 or self.kv_capacity_per_rank < 1:
+            raise ValueError("num_layers, kv_bytes_per_token and kv_capacity must be positive")
+
+    @property
+    def name(self) -> str:
+        return self.source
+
+    def step_seconds(self, shape: StepShape, tp: int) -> float:
+        p0, p_token, p_attention = self.prefill_coefficients
+        d0, d_seq, d_kv = self.decode_coefficients
+        intercept = max(
+            p0 if shape.num_prefill_tokens else 0.0, d0 if shape.num_decode_seqs else 0.0
+        )
+        variable = (
+            p_token * shape.num_prefill_tokens
+            + p_attention * shape.num_prefill_attention
+            + d_seq * shape.num_decode_seqs
+            + d_kv * shape.num_decode_kv_tokens
+        )
+        overhead = self.tp_step_overhead_s if tp > 1 else 0.0
+        return intercept + variable / tp + overhead
+
+    def kv_bytes(self, num_tokens: int) -> int:
+        return int(self.kv_bytes_per_token * num_tokens)
+
+    def transfer_seconds(self, num_tokens: int, tp_prefill: int, tp_decode: int) -> float:
+        intercept, per_byte = self.transfer_coefficients
+        return intercept + per_byte * self.kv_bytes(num_tokens)
+
+    def kv_capacity_tokens(self, tp: int) -> int:
+        return self.kv_capacity_per_rank * tp
+
+    def supports_tp(self, tp: int) -> bool:
+        return 1 <= tp <= self.max_tp
+
+
+def fit_affine(features: np.ndarray, seconds: np.ndarray) -> tuple[float, ...]:
+    """Least squares of ``seconds`` on [1, features...], coefficients >= 0: a feature whose
+    coefficient comes out negative (noise on a small term) is dropped and the rest refit."""
+    columns = np.column_stack([np.ones(len(seconds)), features])
+    active = list(range(columns.shape[1]))
+    while True:
+        solution = np.linalg.lstsq(columns[:, active], seconds, rcond=None)[0]
+        if solution.min() >= 0 or len(active) == 1:
+            break
+        del active[int(np.argmin(solution))]
+    coefficients = np.zeros(columns.shape[1])
+    coefficients[active] = np.maximum(solution, 0.0)
+    return tuple(float(c) for c in coefficients)
+
+
+def _attention(tokens: int, context: int) -> int:
+    return tokens * context + tokens * (tokens + 1) // 2
+
+
+def fit(data: dict[str, Any], source: str = "calibrated") -> CalibratedCostModel:
+    prefill: Sequence[dict[str, float]] = data["prefill"]
+    decode: Sequence[dict[str, float]] = data["decode"]
+    if len(prefill) < 3 or len(decode) < 3:
+        raise ValueError("need at least 3 prefill and 3 decode measurements to fit 3 terms")
+    p = fit_affine(
+        np.array([[m["tokens"], _attention(int(m["tokens"]), int(m["context"]))] for m in prefill]),
+        np.array([m["seconds"] for m in prefill]),
+    )
+    d = fit_affine(
+        np.array([[m["batch"], m["kv_tokens"]] for m in decode]),
+        np.array([m["seconds"] for m in decode]),
+    )
+    transfer = data.get("transfer") or []
+    t = (0.0, 0.0)
+    if len(transfer) >= 2:
+        intercept, per_byte = fit_affine(
+            np.array([[m["bytes"]] for m in transfer]), np.array([m["seconds"] for m in transfer])
+        )
+        t = (intercept, per_byte)
+    return CalibratedCostModel(
+        num_layers=int(data["num_layers"]),
+        kv_bytes_per_token=float(data["kv_bytes_per_token"]),
+        kv_capacity_per_rank=int(data["kv_capacity_tokens"]),
+        prefill_coefficients=(p[0], p[1], p[2]),
+        decode_coefficients=(d[0], d[1], d[2]),
+        transfer_coefficients=t,
+        source=source,
+    )
+
+
+def load(path: str | Path) -> CalibratedCostModel:
+    path = Path(path)
+    return fit(json.loads(path.read_text()), source=f"calibrated from {path.name}")
+
+
+def from_spec(args: list[str]) -> CalibratedCostModel:
+    """``PATH`` of a measurements JSON (a path may itself contain ':')."""
+    if not args or not args[0]:
+        raise ValueError("calibrated needs the measurements file: calibrated:PATH")
+    return load(":".join(args))

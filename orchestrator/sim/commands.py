@@ -1,0 +1,211 @@
+"""The ``simulate``, ``plan`` and ``calibrate`` subcommands of ``pdserve``.
+
+Only argparse is imported here; each command imports what it runs, so that ``pdserve --help``
+stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from orchestrator.sim.instances import EngineLimits
+    from orchestrator.sim.metrics import SLO
+    from orchestrator.sim.simulator import Layout
+    from orchestrator.sim.workload import Workload
+
+
+def add_subcommands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("simulate", help="simulate a cluster layout under a synthetic workload")
+    _add_model_arguments(p)
+    p.add_argument(
+        "--layout",
+        action="append",
+        required=True,
+        help="PxTP:DxTP (e.g. 1x8:3x8, disaggregated) or MxTP (e.g. 4x8, mixed); repeatable",
+    )
+    p.set_defaults(func=_simulate)
+
+    p = sub.add_parser("plan", help="search P:D counts and TP sizes for the most goodput per GPU")
+    _add_model_arguments(p)
+    p.add_argument("--gpus", type=int, required=True, help="GPU budget")
+    p.add_argument("--tp", default="1,2,4,8", help="TP sizes to consider (comma-separated)")
+    p.add_argument("--no-mixed", action="store_true", help="leave out the mixed baseline")
+    p.add_argument("--attainment", type=float, default=0.9, help="share of requests meeting SLOs")
+    p.add_argument("--top", type=int, default=10)
+    p.add_argument(
+        "--min-duration", type=float, default=30.0, help="seconds of arrivals per run, at least"
+    )
+    p.add_argument("--emit-config", default=None, help="write the best layout's cluster config")
+    p.add_argument("--emit-helm", default=None, help="write the best layout's Helm values")
+    p.add_argument("--model-path", default="/models/model", help="model path in the config")
+    p.add_argument("--provider", default="verbs;ofi_rxm", help="libfabric provider to emit")
+    p.set_defaults(func=_plan)
+
+    p = sub.add_parser(
+        "calibrate", help="measure the engine (and fabric) here; write a cost-model JSON"
+    )
+    p.add_argument("--out", default="calibration.json")
+    p.add_argument("--repeats", type=int, default=2, help="timed runs per point (median)")
+    p.add_argument("--fabric", action="store_true", help="also time loopback tcp writes")
+    p.set_defaults(func=_calibrate)
+
+
+def _add_model_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--cost",
+        required=True,
+        help="roofline:MODEL:GPU[:NIC][:key=value] (models: llama-3-70b, qwen3-coder-480b, "
+        "deepseek-r1; GPUs: h100, h200; NICs: 8x400g, efa-3200g, 1x100g) or calibrated:PATH",
+    )
+    p.add_argument("--rate", type=float, default=1.0, help="arrivals per second (plan: start)")
+    p.add_argument("--num-requests", type=int, default=200)
+    p.add_argument("--arrival", choices=["poisson", "fixed"], default="poisson")
+    p.add_argument("--prompt", default="uniform:4096-8192", help="fixed:N | uniform:A-B | chat:M")
+    p.add_argument("--output", default="uniform:1024-2048", help="fixed:N | uniform:A-B | chat:M")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--ttft-slo", type=float, default=2.0, help="seconds")
+    p.add_argument("--tpot-slo", type=float, default=0.05, help="seconds per output token")
+    p.add_argument(
+        "--max-itl-slo", type=float, default=None, help="seconds: bound on a request's longest gap"
+    )
+    p.add_argument(
+        "--warmup", type=float, default=0.1, help="share of first/last arrivals left out"
+    )
+
+
+def parse_layout(text: str) -> Layout:
+    from orchestrator.sim.simulator import Layout
+
+    def pair(part: str) -> tuple[int, int]:
+        count, _, tp = part.lower().partition("x")
+        return int(count), int(tp or 1)
+
+    try:
+        parts = [pair(part) for part in text.split(":")]
+    except ValueError:
+        raise ValueError(f"bad layout {text!r}: use PxTP:DxTP or MxTP") from None
+    if len(parts) == 1:
+        return Layout(num_mixed=parts[0][0], tp_mixed=parts[0][1])
+    if len(parts) == 2:
+        (p, tp_p), (d, tp_d) = parts
+        return Layout(num_prefill=p, num_decode=d, tp_prefill=tp_p, tp_decode=tp_d)
+    raise ValueError(f"bad layout {text!r}: use PxTP:DxTP or MxTP")
+
+
+def _inputs(args: argparse.Namespace) -> tuple[Workload, SLO, EngineLimits]:
+    from orchestrator.sim.instances import EngineLimits
+    from orchestrator.sim.metrics import SLO
+    from orchestrator.sim.workload import LengthDist, Workload
+
+    workload = Workload(
+        rate=args.rate,
+        num_requests=args.num_requests,
+        prompt=LengthDist.parse(args.prompt),
+        output=LengthDist.parse(args.output),
+        arrival=args.arrival,
+        seed=args.seed,
+    )
+    limits = EngineLimits(args.max_num_seqs, args.max_num_batched_tokens)
+    return workload, SLO(args.ttft_slo, args.tpot_slo, args.max_itl_slo), limits
+
+
+def _slo_text(slo: SLO) -> str:
+    text = f"TTFT <= {slo.ttft_s}s, TPOT <= {slo.tpot_s * 1e3:.0f}ms"
+    return text + (f", max ITL <= {slo.max_itl_s * 1e3:.0f}ms" if slo.max_itl_s else "")
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from orchestrator.sim.cost import create_cost_model
+    from orchestrator.sim.metrics import summarize
+    from orchestrator.sim.simulator import simulate
+
+    cost = create_cost_model(args.cost)
+    workload, slo, limits = _inputs(args)
+    print(f"cost model: {cost.name}")
+    print(
+        f"workload: {workload.num_requests} requests, {workload.arrival} {workload.rate}/s, "
+        f"prompt {args.prompt}, output {args.output}, seed {workload.seed}; "
+        f"SLO {_slo_text(slo)}"
+    )
+    for text in args.layout:
+        layout = parse_layout(text)
+        result = simulate(cost, layout, workload, limits)
+        summary = summarize(result, slo, args.warmup)
+        per_node = workload.rate / (layout.num_mixed or layout.num_decode)
+        print(f"{layout.label:<20} {per_node:5.2f} req/s per decoding instance | {summary.row()}")
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import yaml
+
+    from orchestrator.sim.cost import create_cost_model
+    from orchestrator.sim.emit import cluster_config, helm_values
+    from orchestrator.sim.planner import PlanSpec, format_table, plan
+
+    cost = create_cost_model(args.cost)
+    workload, slo, limits = _inputs(args)
+    spec = PlanSpec(
+        workload=workload,
+        slo=slo,
+        gpu_budget=args.gpus,
+        tp_choices=tuple(int(tp) for tp in args.tp.split(",")),
+        include_mixed=not args.no_mixed,
+        attainment=args.attainment,
+        limits=limits,
+        warmup=args.warmup,
+        min_duration_s=args.min_duration,
+    )
+    candidates = plan(cost, spec)
+    print(f"cost model: {cost.name}; {len(candidates)} layouts within {args.gpus} GPUs")
+    print(
+        f"goodput: req/s with >= {spec.attainment:.0%} meeting TTFT <= {slo.ttft_s}s and TPOT <= {slo.tpot_s * 1e3:.0f}ms"
+    )
+    print(format_table(candidates, args.top))
+    if not candidates or candidates[0].goodput == 0:
+        print("no layout meets the SLOs; nothing emitted")
+        return 1
+    best = candidates[0].layout
+    config = cluster_config(best, limits, model_path=args.model_path, provider=args.provider)
+    print(f"\nbest: {best.label}\n--- cluster config ---")
+    print(yaml.safe_dump(config, sort_keys=False), end="")
+    if args.emit_config:
+        with open(args.emit_config, "w") as out:
+            yaml.safe_dump(config, out, sort_keys=False)
+    values = helm_values(best, limits, provider=args.provider)
+    if values is None:
+        print("(mixed layout: the Helm chart deploys prefill/decode groups only; no values)")
+    else:
+        print("--- Helm values ---")
+        print(yaml.safe_dump(values, sort_keys=False), end="")
+        if args.emit_helm:
+            with open(args.emit_helm, "w") as out:
+                yaml.safe_dump(values, out, sort_keys=False)
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from orchestrator.sim.calibrate import run_calibration
+    from orchestrator.sim.calibrated import fit
+
+    data = run_calibration(args.out, repeats=args.repeats, fabric=args.fabric)
+    model = fit(data)
+    print(
+        f"wrote {len(data['prefill'])} prefill, {len(data['decode'])} decode and "
+        f"{len(data.get('transfer', []))} transfer points to {args.out}"
+    )
+    print(
+        f"prefill s = {model.prefill_coefficients[0]:.3g} + {model.prefill_coefficients[1]:.3g}*tokens + {model.prefill_coefficients[2]:.3g}*attention"
+    )
+    print(
+        f"decode  s = {model.decode_coefficients[0]:.3g} + {model.decode_coefficients[1]:.3g}*batch + {model.decode_coefficients[2]:.3g}*kv_tokens"
+    )
+    print(
+        f"transfer s = {model.transfer_coefficients[0]:.3g} + {model.transfer_coefficients[1]:.3g}*bytes"
+    )
+    print(f"use it with: --cost calibrated:{args.out}")
+    return 0

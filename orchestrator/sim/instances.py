@@ -1,0 +1,215 @@
+"""The simulated instances (one TP group each) and the request state they share.
+
+Life cycle of a request (keyed by ``request_id``):
+
+- disaggregated: router -> prefill queue (FIFO, chunked under the token budget; prefill
+  covers every prompt token but the last) -> KV transfer (only the exposed part of the
+  layer-wise push delays it) -> decode waiting queue -> decode running set (continuous
+  batching; its first step runs the last prompt token and yields the first output token).
+- mixed: router -> waiting -> prefilling (chunks share each step with every running decode;
+  the step that finishes the prompt yields the first token) -> running.
+
+Admission to a running set needs a free sequence slot and KV room for the whole request
+(prompt + output): the simulator reserves up front instead of modelling preemption.
+Instances are driven by `simulator.Simulator`: `start_step` plans a step and returns its
+duration (None when idle), `finish_step` applies it at its end time.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass
+
+from orchestrator.sim.cost import CostModel, StepShape
+from orchestrator.sim.workload import RequestSpec
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """Per-instance batch shape, as `orchestrator.config_sections.Limits` (same defaults)."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError(f"limits must be >= 1, got {self}")
+
+
+class SimRequest:
+    """Mutable state of one request inside a run (the simulator's, never shared)."""
+
+    __slots__ = (
+        "decode_index",
+        "finish_time",
+        "first_token_step",
+        "first_token_time",
+        "kv_ready_time",
+        "last_step",
+        "num_prefilled",
+        "prefill_end_time",
+        "prefill_seconds",
+        "prefill_start_time",
+        "spec",
+    )
+
+    def __init__(self, spec: RequestSpec) -> None:
+        self.spec = spec
+        self.decode_index = -1
+        self.num_prefilled = 0
+        self.prefill_seconds = 0.0  # compute time of the passes that ran its chunks
+        self.prefill_start_time: float | None = None
+        self.prefill_end_time: float | None = None
+        self.kv_ready_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        # Step indices (of its decode / mixed instance) of its first and last output token.
+        self.first_token_step = -1
+        self.last_step = -1
+
+
+class DecodeSet:
+    """Sequences decoding one token per step, in O(log n) per join / finish.
+
+    A sequence joined at step j with base context c reads c + (s - j) KV tokens at step s, so
+    the set's total is sum(c) + n * s - sum(j), kept as two running sums.
+    """
+
+    def __init__(self) -> None:
+        self._last_steps: list[tuple[int, int, SimRequest]] = []  # (last step, id, request)
+        self._sum_base = 0
+        self._sum_join = 0
+
+    def __len__(self) -> int:
+        return len(self._last_steps)
+
+    def join(self, request: SimRequest, step: int, base_context: int, num_tokens: int) -> None:
+        heapq.heappush(self._last_steps, (step + num_tokens - 1, request.spec.request_id, request))
+        self._sum_base += base_context
+        self._sum_join += step
+
+    def kv_tokens(self, step: int) -> int:
+        return self._sum_base + len(self._last_steps) * step - self._sum_join
+
+    def pop_finished(self, step: int, base_of: dict[int, tuple[int, int]]) -> list[SimRequest]:
+        done = []
+        while self._last_steps and self._last_steps[0][0] == step:
+            _, request_id, request = heapq.heappop(self._last_steps)
+            base, join = base_of.pop(request_id)
+            self._sum_base -= base
+            self._sum_join -= join
+            done.append(request)
+        return done
+
+
+def request_tokens(request: SimRequest) -> int:
+    return request.spec.num_prompt_tokens + request.spec.num_output_tokens
+
+
+class InstanceBase:
+    def __init__(self, cost: CostModel, tp: int, limits: EngineLimits) -> None:
+        self.cost, self.tp, self.limits = cost, tp, limits
+        self.is_busy = False
+        self.num_outstanding = 0  # requests routed here and not finished (router's load)
+        self.busy_seconds = 0.0
+        self.capacity = cost.kv_capacity_tokens(tp)
+        self.num_reserved_tokens = 0  # KV of admitted requests, prompt + output
+
+    def _admits(self, request: SimRequest, num_admitted: int) -> bool:
+        return (
+            num_admitted < self.limits.max_num_seqs
+            and self.num_reserved_tokens + request_tokens(request) <= self.capacity
+        )
+
+
+class PrefillInstance(InstanceBase):
+    def __init__(self, cost: CostModel, tp: int, limits: EngineLimits) -> None:
+        super().__init__(cost, tp, limits)
+        self.queue: deque[SimRequest] = deque()
+        self.num_queued_tokens = 0
+        self._chunks: list[tuple[SimRequest, int]] = []
+
+    def add(self, request: SimRequest) -> None:
+        self.queue.append(request)
+        self.num_queued_tokens += request.spec.num_prompt_tokens - 1
+
+    def start_step(self, now: float) -> float | None:
+        budget, tokens, attention = self.limits.max_num_batched_tokens, 0, 0
+        self._chunks = []
+        for request in self.queue:
+            if budget == 0:
+                break
+            left = request.spec.num_prompt_tokens - 1 - request.num_prefilled
+            take = min(left, budget)
+            context = request.num_prefilled
+            attention += take * context + take * (take + 1) // 2
+            tokens += take
+            budget -= take
+            self._chunks.append((request, take))
+            if request.prefill_start_time is None:
+                request.prefill_start_time = now
+        if not tokens:
+            return None
+        duration = self.cost.step_seconds(StepShape(tokens, attention), self.tp)
+        self.is_busy, self.busy_seconds = True, self.busy_seconds + duration
+        return duration
+
+    def finish_step(self, now: float, duration: float) -> list[SimRequest]:
+        """Requests whose prefill ended with this step, in queue order."""
+        done = []
+        for request, take in self._chunks:
+            request.num_prefilled += take
+            request.prefill_seconds += duration
+            self.num_queued_tokens -= take
+            if request.num_prefilled == request.spec.num_prompt_tokens - 1:
+                request.prefill_end_time = now
+                done.append(request)
+        for request in done:
+            self.queue.remove(request)
+        self.is_busy, self._chunks = False, []
+        return done
+
+
+class DecodeInstance(InstanceBase):
+    def __init__(self, cost: CostModel, tp: int, limits: EngineLimits) -> None:
+        super().__init__(cost, tp, limits)
+        self.waiting: deque[SimRequest] = deque()
+        self.running = DecodeSet()
+        self.step = 0
+        self._base_of: dict[int, tuple[int, int]] = {}
+        self._joined: list[SimRequest] = []
+        # ITL samples: per step, (duration, sequences that had emitted a token before it).
+        self.itl_steps: list[tuple[float, int]] = []
+
+    def start_step(self, now: float) -> float | None:
+        self._joined = []
+        while self.waiting and self._admits(self.waiting[0], len(self.running)):
+            request = self.waiting.popleft()
+            self.num_reserved_tokens += request_tokens(request)
+            # The first step runs the last prompt token over the other prompt tokens' KV.
+            base = request.spec.num_prompt_tokens - 1
+            self._base_of[request.spec.request_id] = (base, self.step)
+            self.running.join(request, self.step, base, request.spec.num_output_tokens)
+            self._joined.append(request)
+        if not len(self.running):
+            return None
+        # Each sequence also attends to the token it feeds in this step.
+        kv = self.running.kv_tokens(self.step) + len(self.running)
+        shape = StepShape(num_decode_seqs=len(self.running), num_decode_kv_tokens=kv)
+        duration = self.cost.step_seconds(shape, self.tp)
+        self.itl_steps.append((duration, len(self.running) - len(self._joined)))
+        self.is_busy, self.busy_seconds = True, self.busy_seconds + duration
+        return duration
+
+    def finish_step(self, now: float, duration: float) -> list[SimRequest]:
+        """Requests that finished with this step."""
+        for request in self._joined:
+            request.first_token_time, request.first_token_step = now, self.step
+        done = self.running.pop_finished(self.step, self._base_of)
+        for request in done:
+            request.finish_time, request.last_step = now, self.step
+            self.num_reserved_tokens -= request_tokens(request)
+        self.step += 1
+        self.is_busy = False
+        return done

@@ -1,0 +1,98 @@
+"""Summaries of a simulation: latency percentiles, per-request decode speed, SLO attainment."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from orchestrator.sim.simulator import RequestRecord, SimResult
+
+
+@dataclass(frozen=True)
+class SLO:
+    """Service-level objectives of one request (DistServe: all must hold).
+
+    max_itl_s: optional bound on a request's longest inter-token gap: the output stutter a
+    prefill chunk in a mixed step causes (DESIGN.md §1), which a mean TPOT hides.
+    """
+
+    ttft_s: float
+    tpot_s: float
+    max_itl_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.ttft_s <= 0 or self.tpot_s <= 0 or (self.max_itl_s or 1) <= 0:
+            raise ValueError(f"SLOs must be positive, got {self}")
+
+    def met_by(self, record: RequestRecord) -> bool:
+        stall_ok = self.max_itl_s is None or record.max_itl <= self.max_itl_s
+        return record.ttft <= self.ttft_s and record.tpot <= self.tpot_s and stall_ok
+
+
+@dataclass(frozen=True)
+class Summary:
+    num_requests: int
+    ttft_mean: float
+    ttft_p50: float
+    ttft_p99: float
+    queue_mean: float
+    tpot_mean: float
+    itl_p50: float
+    itl_p99: float
+    e2e_mean: float
+    tokens_per_s_per_request: float  # mean over requests of 1 / TPOT
+    output_tokens_per_s: float  # cluster throughput over the measured requests' span
+    slo_attainment: float
+
+    def row(self) -> str:
+        return (
+            f"TTFT mean {self.ttft_mean * 1e3:8.1f} ms  p99 {self.ttft_p99 * 1e3:8.1f} ms | "
+            f"TPOT {self.tpot_mean * 1e3:6.1f} ms  ITL p50 {self.itl_p50 * 1e3:6.1f} "
+            f"p99 {self.itl_p99 * 1e3:6.1f} ms | {self.tokens_per_s_per_request:6.1f} tok/s/req | "
+            f"SLO {self.slo_attainment:5.1%}"
+        )
+
+
+def measured(records: tuple[RequestRecord, ...], warmup: float) -> list[RequestRecord]:
+    """Requests arriving inside the middle of the run: the first and last ``warmup`` share of
+    arrivals see an emptier cluster (filling up, draining) than steady state."""
+    if not 0 <= warmup < 0.5:
+        raise ValueError(f"warmup must be in [0, 0.5), got {warmup}")
+    cut = int(len(records) * warmup)
+    ordered = sorted(records, key=lambda r: r.arrival_time)
+    return ordered[cut : len(ordered) - cut] or ordered
+
+
+def summarize(result: SimResult, slo: SLO | None = None, warmup: float = 0.0) -> Summary:
+    records = measured(result.records, warmup)
+    ttft = np.array([r.ttft for r in records])
+    tpot = np.array([r.tpot for r in records if r.num_output_tokens > 1])
+    speed = 1.0 / tpot[tpot > 0] if len(tpot) else np.array([0.0])
+    durations = np.array([d for d, n in result.itl_steps if n > 0])
+    weights = np.array([n for _, n in result.itl_steps if n > 0], dtype=float)
+    span = max(r.finish_time for r in records) - min(r.arrival_time for r in records)
+    met = sum(slo.met_by(r) for r in records) if slo else len(records)
+    return Summary(
+        num_requests=len(records),
+        ttft_mean=float(ttft.mean()),
+        ttft_p50=float(np.percentile(ttft, 50)),
+        ttft_p99=float(np.percentile(ttft, 99)),
+        queue_mean=float(np.mean([r.queue_time for r in records])),
+        tpot_mean=float(tpot.mean()) if len(tpot) else 0.0,
+        itl_p50=_weighted_percentile(durations, weights, 50),
+        itl_p99=_weighted_percentile(durations, weights, 99),
+        e2e_mean=float(np.mean([r.e2e for r in records])),
+        tokens_per_s_per_request=float(speed.mean()),
+        output_tokens_per_s=sum(r.num_output_tokens for r in records) / span if span > 0 else 0.0,
+        slo_attainment=met / len(records),
+    )
+
+
+def _weighted_percentile(values: np.ndarray, weights: np.ndarray, q: float) -> float:
+    if not len(values):
+        return 0.0
+    order = np.argsort(values)
+    cumulative = np.cumsum(weights[order])
+    index = int(np.searchsorted(cumulative, cumulative[-1] * q / 100))
+    return float(values[order][min(index, len(values) - 1)])

@@ -1,0 +1,150 @@
+"""DistServe-style planner: which P:D counts and TP sizes give the most goodput per GPU.
+
+For every layout within the GPU budget (prefill and decode instance counts, each role's TP
+size; optionally the mixed baseline), the planner finds the highest arrival rate at which at
+least ``attainment`` of requests meet both SLOs (TTFT and TPOT), by doubling then bisecting
+the rate of the same seeded workload. Goodput per GPU is that rate over the layout's GPUs.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+
+from orchestrator.sim.cost import CostModel
+from orchestrator.sim.instances import EngineLimits
+from orchestrator.sim.metrics import SLO, Summary, summarize
+from orchestrator.sim.simulator import Layout, UnservableError, simulate
+from orchestrator.sim.workload import Workload
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PlanSpec:
+    """What to plan for. ``workload.rate`` is only the search's starting rate."""
+
+    workload: Workload
+    slo: SLO
+    gpu_budget: int
+    tp_choices: tuple[int, ...] = (1, 2, 4, 8)
+    include_mixed: bool = True
+    attainment: float = 0.9
+    limits: EngineLimits = field(default_factory=EngineLimits)
+    bisect_steps: int = 6
+    warmup: float = 0.1
+    # Each run lasts at least this long (more requests at higher rates): a run shorter than
+    # a request's life never reaches steady state and flatters the layout.
+    min_duration_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.gpu_budget < 1:
+            raise ValueError(f"gpu_budget must be >= 1, got {self.gpu_budget}")
+        if not self.tp_choices or min(self.tp_choices) < 1:
+            raise ValueError(f"tp_choices must be positive, got {self.tp_choices}")
+        if not 0 < self.attainment <= 1:
+            raise ValueError(f"attainment must be in (0, 1], got {self.attainment}")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layout: Layout
+    goodput: float  # requests/s meeting the SLOs at the attainment target
+    summary: Summary | None  # at that rate; None when no rate meets the target
+
+    @property
+    def goodput_per_gpu(self) -> float:
+        return self.goodput / self.layout.num_gpus
+
+
+def layouts(cost: CostModel, spec: PlanSpec) -> Iterator[Layout]:
+    """Every layout within the budget whose TP sizes the model supports."""
+    budget, sizes = spec.gpu_budget, [tp for tp in spec.tp_choices if cost.supports_tp(tp)]
+    for tp_p in sizes:
+        for tp_d in sizes:
+            for num_p in range(1, (budget - tp_d) // tp_p + 1):
+                for num_d in range(1, (budget - num_p * tp_p) // tp_d + 1):
+                    yield Layout(
+                        num_prefill=num_p, num_decode=num_d, tp_prefill=tp_p, tp_decode=tp_d
+                    )
+    if spec.include_mixed:
+        for tp in sizes:
+            for num_m in range(1, budget // tp + 1):
+                yield Layout(num_mixed=num_m, tp_mixed=tp)
+
+
+def evaluate(cost: CostModel, layout: Layout, spec: PlanSpec, rate: float) -> Summary | None:
+    """Summary at ``rate``; None when the layout cannot hold a request of the workload."""
+    num_requests = max(spec.workload.num_requests, math.ceil(rate * spec.min_duration_s))
+    workload = replace(spec.workload, rate=rate, num_requests=num_requests)
+    try:
+        result = simulate(cost, layout, workload, spec.limits)
+    except UnservableError:
+        return None
+    return summarize(result, spec.slo, spec.warmup)
+
+
+def max_goodput(cost: CostModel, layout: Layout, spec: PlanSpec) -> Candidate:
+    def meets(rate: float) -> Summary | None:
+        summary = evaluate(cost, layout, spec, rate)
+        return summary if summary and summary.slo_attainment >= spec.attainment else None
+
+    # Start from the workload's rate per GPU scaled to this layout, so that big and small
+    # layouts start near their own answer.
+    rate = spec.workload.rate * layout.num_gpus / spec.gpu_budget
+    good, bad = 0.0, None
+    best: Summary | None = None
+    for _ in range(12):  # bracket: double while it meets, halve while it does not
+        summary = meets(rate)
+        if summary:
+            good, best = rate, summary
+            if bad is not None:
+                break
+            rate *= 2
+        else:
+            bad = rate
+            if good:
+                break
+            rate /= 2
+    if not good or bad is None:
+        return Candidate(layout, good, best)
+    for _ in range(spec.bisect_steps):
+        rate = (good + bad) / 2
+        summary = meets(rate)
+        if summary:
+            good, best = rate, summary
+        else:
+            bad = rate
+    return Candidate(layout, good, best)
+
+
+def plan(cost: CostModel, spec: PlanSpec) -> list[Candidate]:
+    """Every layout, best goodput per GPU first (ties: fewer GPUs, then the label)."""
+    candidates = []
+    for layout in layouts(cost, spec):
+        candidate = max_goodput(cost, layout, spec)
+        logger.debug("%s: %.3f req/s", layout.label, candidate.goodput)
+        candidates.append(candidate)
+    return sorted(candidates, key=lambda c: (-c.goodput_per_gpu, c.layout.num_gpus, c.layout.label))
+
+
+def format_table(candidates: list[Candidate], top: int) -> str:
+    lines = [
+        f"{'#':>2}  {'layout':<22} {'GPUs':>4} {'goodput':>9} {'/GPU':>8} "
+        f"{'TTFT p50':>9} {'TTFT p99':>9} {'TPOT':>7} {'ITL p99':>8} {'tok/s/req':>9}",
+    ]
+    for rank, c in enumerate(candidates[:top], 1):
+        s = c.summary
+        cells = (
+            f"{s.ttft_p50 * 1e3:7.0f}ms {s.ttft_p99 * 1e3:7.0f}ms {s.tpot_mean * 1e3:5.1f}ms "
+            f"{s.itl_p99 * 1e3:6.1f}ms {s.tokens_per_s_per_request:9.1f}"
+            if s
+            else "   (no rate meets the SLOs)"
+        )
+        lines.append(
+            f"{rank:>2}  {c.layout.label:<22} {c.layout.num_gpus:>4} {c.goodput:7.3f}/s "
+            f"{c.goodput_per_gpu:8.4f} {cells}"
+        )
+    return "\n".join(lines)

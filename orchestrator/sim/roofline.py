@@ -1,0 +1,148 @@
+"""Roofline cost model: each kind of kernel of a step costs max(FLOPs / achieved FLOP/s,
+bytes / achieved bandwidth) per rank; a step is the sum of its kernels (linear layers,
+attention), tensor-parallel all-reduces and a fixed per-step overhead.
+
+Per rank of a TP group of ``tp`` GPUs: FLOPs are 2 x active parameters per token plus
+attention; bytes are the weights the step touches (dense weights always, routed experts in
+proportion to the experts the step's tokens select) plus the KV the decode sequences read.
+Weights and attention heads split evenly over ranks; the KV splits with the KV heads (GQA) or
+is replicated on every rank (MLA, or GQA with more ranks than KV heads).
+
+Achieved rates are explicit parameters (`Efficiency`), not hidden in the presets: the model
+is only as good as they are, and a calibrated model should replace it when one exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from orchestrator.sim.cost import StepShape
+from orchestrator.sim.hardware import GPUS, NICS, GPUSpec, NICSpec
+from orchestrator.sim.models import MODELS, ModelSpec
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Fractions of datasheet peaks that real kernels reach. Defaults are round figures of
+    the kind serving papers report (GEMM-heavy prefill at ~50% MFU, decode at ~70% of HBM
+    bandwidth), chosen before comparing with any target; override them when you know better.
+
+    step_overhead_s: scheduler, sampling and launch cost of every step (CUDA graphs assumed).
+    allreduce_latency_s: fixed cost of one small all-reduce over NVLink.
+    memory_utilization: share of HBM the engine may use (weights + KV + activations).
+    """
+
+    mfu: float = 0.5
+    bandwidth: float = 0.7
+    nic: float = 0.8
+    step_overhead_s: float = 1e-3
+    allreduce_latency_s: float = 10e-6
+    memory_utilization: float = 0.9
+
+    def __post_init__(self) -> None:
+        for name in ("mfu", "bandwidth", "nic", "memory_utilization"):
+            value = getattr(self, name)
+            if not 0 < value <= 1:
+                raise ValueError(f"efficiency {name} must be in (0, 1], got {value}")
+        if self.step_overhead_s < 0 or self.allreduce_latency_s < 0:
+            raise ValueError("overheads must be >= 0")
+
+
+@dataclass(frozen=True)
+class RooflineCostModel:
+    model: ModelSpec
+    gpu: GPUSpec
+    nic: NICSpec
+    efficiency: Efficiency = field(default_factory=Efficiency)
+
+    @property
+    def name(self) -> str:
+        return f"roofline {self.model.name} on {self.gpu.name}, {self.nic.name}"
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.num_layers
+
+    def with_efficiency(self, **changes: float) -> RooflineCostModel:
+        return replace(self, efficiency=replace(self.efficiency, **changes))
+
+    # --- the CostModel protocol -----------------------------------------------------------
+
+    def step_seconds(self, shape: StepShape, tp: int) -> float:
+        # Kernels run one after another, so each gets its own roofline and the times add:
+        # the linear layers (weights read once for every token of the step) and attention
+        # (prefill attention is compute-bound, decode attention streams the KV).
+        m, eff = self.model, self.efficiency
+        flop_rate = self.gpu.peak_flops * eff.mfu * tp
+        byte_rate = self.gpu.hbm_bandwidth * eff.bandwidth
+        tokens = shape.num_tokens
+        weights = (
+            m.dense_params + m.routed_params * m.expert_fraction_read(tokens)
+        ) * m.weight_bytes
+        linear = max(2.0 * m.active_params * tokens / flop_rate, weights / tp / byte_rate)
+        prefill_attention = m.num_layers * m.attn_flops_per_position * shape.num_prefill_attention
+        # Decode reads every context; prefill writes its own tokens' KV.
+        kv = m.kv_bytes_per_token * (shape.num_decode_kv_tokens + shape.num_prefill_tokens)
+        decode_flops = m.decode_attn_flops_per_position or m.attn_flops_per_position
+        decode_attention = m.num_layers * decode_flops * shape.num_decode_kv_tokens
+        attention = max(
+            (prefill_attention + decode_attention) / flop_rate, kv * self._kv_share(tp) / byte_rate
+        )
+        return linear + attention + self._allreduce_seconds(tokens, tp) + eff.step_overhead_s
+
+    def kv_bytes(self, num_tokens: int) -> int:
+        return int(self.model.kv_bytes_per_token * num_tokens)
+
+    def transfer_seconds(self, num_tokens: int, tp_prefill: int, tp_decode: int) -> float:
+        # Every destination replica set receives its own copy (DESIGN.md §4); distinct
+        # source ranks drive distinct NICs, at most the node's NIC count.
+        copies = max(1.0, tp_decode * self._kv_share(tp_decode))
+        nics = min(tp_prefill, tp_decode, self.nic.num_nics)
+        rate = nics * self.nic.bandwidth * self.efficiency.nic
+        return self.kv_bytes(num_tokens) * copies / rate + self.nic.latency
+
+    def kv_capacity_tokens(self, tp: int) -> int:
+        per_rank = self.gpu.hbm_bytes * self.efficiency.memory_utilization
+        free = per_rank - self.model.total_params * self.model.weight_bytes / tp
+        return int(free / (self.model.kv_bytes_per_token * self._kv_share(tp)))
+
+    def supports_tp(self, tp: int) -> bool:
+        m = self.model
+        if tp < 1 or tp & (tp - 1) or tp > self.gpu.gpus_per_node or m.num_heads % tp:
+            return False
+        if m.attention == "gqa" and m.num_kv_heads % tp and tp % m.num_kv_heads:
+            return False
+        return self.kv_capacity_tokens(tp) > 0
+
+    # --- parts ----------------------------------------------------------------------------
+
+    def _kv_share(self, tp: int) -> float:
+        """Share of one token's KV that each rank holds."""
+        if self.model.attention == "mla":
+            return 1.0
+        return max(1.0 / tp, 1.0 / self.model.num_kv_heads)
+
+    def _allreduce_seconds(self, tokens: int, tp: int) -> float:
+        if tp == 1:
+            return 0.0
+        # Two all-reduces per layer (attention output, MLP output) of BF16 activations; ring
+        # all-reduce moves 2 (tp - 1) / tp of the buffer through each GPU's link.
+        size = tokens * self.model.hidden_size * 2.0
+        one = (
+            self.efficiency.allreduce_latency_s
+            + 2 * (tp - 1) / tp * size / self.gpu.nvlink_bandwidth
+        )
+        return 2 * self.model.num_layers * one
+
+
+def from_spec(args: list[str]) -> RooflineCostModel:
+    """``MODEL:GPU[:NIC][:KEY=VALUE...]``, e.g. ``deepseek-r1:h200:8x400g:mfu=0.4``."""
+    names = [a for a in args if "=" not in a]
+    if len(names) not in (2, 3):
+        raise ValueError(f"roofline needs MODEL:GPU[:NIC], got {':'.join(args)!r}")
+    model, gpu, nic = names[0], names[1], names[2] if len(names) == 3 else "8x400g"
+    for key, table in ((model, MODELS), (gpu, GPUS), (nic, NICS)):
+        if key not in table:
+            raise ValueError(f"unknown preset {key!r}; choose one of {sorted(table)}")
+    overrides = {k: float(v) for k, v in (a.split("=", 1) for a in args if "=" in a)}
+    return RooflineCostModel(MODELS[model], GPUS[gpu], NICS[nic], Efficiency(**overrides))

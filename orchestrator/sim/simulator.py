@@ -1,0 +1,273 @@
+"""Discrete-event simulation of one pdserve cluster under one workload.
+
+Events (time-ordered; ties by insertion): an arrival, the end of an instance's step, and a
+request's KV becoming ready on its decoder. The router assigns each arrival to the decode
+instance with the fewest outstanding requests and the prefill instance with the fewest
+queued prompt tokens (mixed: the instance with the fewest outstanding requests). After every
+event the instances it touched start a step if they are idle and have work.
+
+The transfer model: the KV push overlaps the prefill passes layer by layer, so a request
+waits only for `cost.exposed_transfer_seconds` after its prefill ends. Transfers do not
+contend with each other for NICs (a simplification: one request's push uses the links far
+below their capacity at the rates the planner considers).
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from orchestrator.sim.cost import CostModel, exposed_transfer_seconds
+from orchestrator.sim.instances import (
+    DecodeInstance,
+    EngineLimits,
+    PrefillInstance,
+    SimRequest,
+)
+from orchestrator.sim.mixed import MixedInstance
+from orchestrator.sim.workload import RequestSpec, Workload
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Instance counts and TP sizes: prefill + decode groups, or mixed alone."""
+
+    num_prefill: int = 0
+    num_decode: int = 0
+    num_mixed: int = 0
+    tp_prefill: int = 1
+    tp_decode: int = 1
+    tp_mixed: int = 1
+
+    def __post_init__(self) -> None:
+        counts = (self.num_prefill, self.num_decode, self.num_mixed)
+        if min(counts) < 0 or min(self.tp_prefill, self.tp_decode, self.tp_mixed) < 1:
+            raise ValueError(f"counts must be >= 0 and TP sizes >= 1: {self}")
+        disaggregated = self.num_prefill > 0 and self.num_decode > 0 and self.num_mixed == 0
+        mixed = self.num_mixed > 0 and self.num_prefill == self.num_decode == 0
+        if not (disaggregated or mixed):
+            raise ValueError(f"give prefill and decode instances, or mixed alone: {self}")
+
+    @property
+    def is_mixed(self) -> bool:
+        return self.num_mixed > 0
+
+    @property
+    def num_gpus(self) -> int:
+        return (
+            self.num_prefill * self.tp_prefill
+            + self.num_decode * self.tp_decode
+            + self.num_mixed * self.tp_mixed
+        )
+
+    @property
+    def label(self) -> str:
+        if self.is_mixed:
+            return f"{self.num_mixed}M(tp{self.tp_mixed})"
+        return f"{self.num_prefill}P(tp{self.tp_prefill}):{self.num_decode}D(tp{self.tp_decode})"
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One finished request; times in seconds from the first arrival."""
+
+    request_id: int
+    arrival_time: float
+    prefill_start_time: float
+    kv_ready_time: float
+    first_token_time: float
+    finish_time: float
+    num_prompt_tokens: int
+    num_output_tokens: int
+    max_itl: float = 0.0  # the longest gap between two of its tokens (a stall)
+
+    @property
+    def ttft(self) -> float:
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def e2e(self) -> float:
+        return self.finish_time - self.arrival_time
+
+    @property
+    def queue_time(self) -> float:
+        return self.prefill_start_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float:
+        """Mean time per output token after the first (0 for one-token answers)."""
+        if self.num_output_tokens < 2:
+            return 0.0
+        return (self.finish_time - self.first_token_time) / (self.num_output_tokens - 1)
+
+
+@dataclass(frozen=True)
+class SimResult:
+    layout: Layout
+    records: tuple[RequestRecord, ...]
+    # Per decode (or mixed) step: (duration, sequences for which it is an inter-token gap).
+    itl_steps: tuple[tuple[float, int], ...] = field(repr=False)
+    busy_seconds: tuple[float, ...] = field(repr=False)
+
+    @property
+    def makespan(self) -> float:
+        return max(r.finish_time for r in self.records) - min(r.arrival_time for r in self.records)
+
+
+class UnservableError(ValueError):
+    """A request that no instance of the layout can ever hold (KV capacity)."""
+
+
+class Simulator:
+    def __init__(self, cost: CostModel, layout: Layout, limits: EngineLimits | None = None) -> None:
+        self.cost, self.layout = cost, layout
+        self.limits = limits or EngineLimits()
+        self._events: list[tuple[float, int, Callable[[float], None]]] = []
+        self._order = itertools.count()
+        self._finished: list[SimRequest] = []
+        self.prefills: list[PrefillInstance] = []
+        self.decodes: list[DecodeInstance | MixedInstance] = []
+        if layout.is_mixed:
+            self.decodes = [
+                MixedInstance(cost, layout.tp_mixed, self.limits) for _ in range(layout.num_mixed)
+            ]
+        else:
+            self.prefills = [
+                PrefillInstance(cost, layout.tp_prefill, self.limits)
+                for _ in range(layout.num_prefill)
+            ]
+            self.decodes = [
+                DecodeInstance(cost, layout.tp_decode, self.limits)
+                for _ in range(layout.num_decode)
+            ]
+
+    def run(self, workload: Workload | list[RequestSpec]) -> SimResult:
+        specs = workload.requests() if isinstance(workload, Workload) else workload
+        capacity = self.decodes[0].capacity
+        for spec in specs:
+            if spec.num_prompt_tokens + spec.num_output_tokens > capacity:
+                raise UnservableError(
+                    f"request {spec.request_id} needs {spec.num_prompt_tokens + spec.num_output_tokens} "
+                    f"KV tokens; a {self.layout.label} instance holds {capacity}"
+                )
+            self._push(spec.arrival_time, self._on_arrival_of(SimRequest(spec)))
+        while self._events:
+            time, _, handler = heapq.heappop(self._events)
+            handler(time)
+        return self._result(len(specs))
+
+    # --- events ---------------------------------------------------------------------------
+
+    def _push(self, time: float, handler: Callable[[float], None]) -> None:
+        heapq.heappush(self._events, (time, next(self._order), handler))
+
+    def _on_arrival_of(self, request: SimRequest) -> Callable[[float], None]:
+        return lambda now: self._arrive(request, now)
+
+    def _arrive(self, request: SimRequest, now: float) -> None:
+        index = min(range(len(self.decodes)), key=lambda i: self.decodes[i].num_outstanding)
+        decode = self.decodes[index]
+        decode.num_outstanding += 1
+        request.decode_index = index
+        if isinstance(decode, MixedInstance):
+            decode.waiting.append(request)
+            self._kick(decode, now)
+        elif request.spec.num_prompt_tokens == 1:  # nothing to prefill: the decoder runs it
+            request.prefill_start_time = request.prefill_end_time = now
+            self._kv_ready(request, now)
+        else:
+            prefill = min(self.prefills, key=lambda p: p.num_queued_tokens)
+            prefill.add(request)
+            self._kick(prefill, now)
+
+    def _kick(self, instance: PrefillInstance | DecodeInstance | MixedInstance, now: float) -> None:
+        if instance.is_busy:
+            return
+        duration = instance.start_step(now)
+        if duration is not None:
+            self._push(now + duration, lambda end: self._step_done(instance, end, duration))
+
+    def _step_done(
+        self,
+        instance: PrefillInstance | DecodeInstance | MixedInstance,
+        now: float,
+        duration: float,
+    ) -> None:
+        done = instance.finish_step(now, duration)
+        if isinstance(instance, PrefillInstance):
+            for request in done:
+                total = self.cost.transfer_seconds(
+                    request.spec.num_prompt_tokens - 1,
+                    self.layout.tp_prefill,
+                    self.layout.tp_decode,
+                )
+                exposed = exposed_transfer_seconds(
+                    total, request.prefill_seconds, self.cost.num_layers
+                )
+                self._push(now + exposed, functools.partial(self._kv_ready, request))
+        else:
+            for request in done:
+                instance.num_outstanding -= 1
+                self._finished.append(request)
+        self._kick(instance, now)
+
+    def _kv_ready(self, request: SimRequest, now: float) -> None:  # an event handler
+        request.kv_ready_time = now
+        decode = self.decodes[request.decode_index]
+        assert isinstance(decode, DecodeInstance)
+        decode.waiting.append(request)
+        self._kick(decode, now)
+
+    # --- result ---------------------------------------------------------------------------
+
+    def _result(self, num_arrivals: int) -> SimResult:
+        if len(self._finished) != num_arrivals:
+            # Conservation: every arrival leaves; anything else is a simulator bug.
+            raise RuntimeError(f"{num_arrivals} arrivals, {len(self._finished)} finished")
+        durations = [np.array([d for d, _ in instance.itl_steps]) for instance in self.decodes]
+        records = tuple(
+            sorted((_record(r, durations) for r in self._finished), key=lambda r: r.request_id)
+        )
+        itl = tuple(step for d in self.decodes for step in d.itl_steps)
+        busy = tuple(i.busy_seconds for i in [*self.prefills, *self.decodes])
+        return SimResult(self.layout, records, itl, busy)
+
+
+def _record(request: SimRequest, durations: list[np.ndarray]) -> RequestRecord:
+    times = (
+        request.prefill_start_time,
+        request.kv_ready_time,
+        request.first_token_time,
+        request.finish_time,
+    )
+    if any(t is None for t in times):
+        raise RuntimeError(f"request {request.spec.request_id} finished without {times}")
+    start, ready, first, finish = (float(t) for t in times)  # type: ignore[arg-type]
+    spec = request.spec
+    # Its instance steps back to back while it runs: each later token's gap is one step.
+    gaps = durations[request.decode_index][request.first_token_step + 1 : request.last_step + 1]
+    return RequestRecord(
+        spec.request_id,
+        spec.arrival_time,
+        start,
+        ready,
+        first,
+        finish,
+        spec.num_prompt_tokens,
+        spec.num_output_tokens,
+        float(gaps.max()) if len(gaps) else 0.0,
+    )
+
+
+def simulate(
+    cost: CostModel, layout: Layout, workload: Workload, limits: EngineLimits | None = None
+) -> SimResult:
+    return Simulator(cost, layout, limits).run(workload)
+
+
+__all__ = ["EngineLimits", "Layout", "RequestRecord", "SimResult", "Simulator", "simulate"]

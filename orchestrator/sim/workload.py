@@ -1,0 +1,124 @@
+"""Seeded synthetic workloads: arrival process and prompt / output length distributions.
+
+A `Workload` is a frozen description; `Workload.requests()` draws the same request list for
+the same seed, so that runs at different rates (`with_rate`) or on different clusters see
+the same lengths and only the arrival times scale.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import numpy as np
+
+LengthKind = Literal["fixed", "uniform", "chat"]
+ArrivalKind = Literal["poisson", "fixed"]
+
+
+@dataclass(frozen=True)
+class LengthDist:
+    """Token lengths. ``fixed``: always ``low``. ``uniform``: integers in [low, high].
+    ``chat``: a long-tailed lognormal (median ``median``, log-space spread ``sigma``) clipped
+    to [low, high], the shape of chat prompt / answer lengths."""
+
+    kind: LengthKind
+    low: int
+    high: int
+    median: float = 0.0
+    sigma: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("fixed", "uniform", "chat"):
+            raise ValueError(f"length kind must be fixed, uniform or chat, got {self.kind!r}")
+        if self.low < 1 or self.high < self.low:
+            raise ValueError(f"need 1 <= low <= high, got {self.low}..{self.high}")
+        if self.kind == "chat" and not (self.low <= self.median <= self.high and self.sigma > 0):
+            raise ValueError(f"chat needs low <= median <= high and sigma > 0, got {self}")
+
+    @classmethod
+    def parse(cls, text: str) -> LengthDist:
+        """``fixed:N``, ``uniform:LOW-HIGH`` or ``chat:MEDIAN[:LOW-HIGH]`` (default 16-32768)."""
+        kind, _, rest = text.partition(":")
+        try:
+            if kind == "fixed":
+                return cls("fixed", int(rest), int(rest))
+            if kind == "uniform":
+                low, high = (int(part) for part in rest.split("-"))
+                return cls("uniform", low, high)
+            if kind == "chat":
+                median, _, bounds = rest.partition(":")
+                low, high = (int(p) for p in bounds.split("-")) if bounds else (16, 32768)
+                return cls("chat", low, high, median=float(median))
+        except ValueError as exc:
+            raise ValueError(f"bad length distribution {text!r}: {exc}") from None
+        raise ValueError(f"bad length distribution {text!r}: use fixed:N, uniform:A-B, chat:M")
+
+    @property
+    def mean(self) -> float:
+        if self.kind == "fixed":
+            return float(self.low)
+        if self.kind == "uniform":
+            return (self.low + self.high) / 2
+        # Unclipped lognormal mean; close enough for sizing a sweep.
+        return min(self.high, self.median * math.exp(self.sigma**2 / 2))
+
+    def sample(self, rng: np.random.Generator, count: int) -> np.ndarray:
+        if self.kind == "fixed":
+            return np.full(count, self.low, dtype=np.int64)
+        if self.kind == "uniform":
+            return rng.integers(self.low, self.high + 1, size=count, dtype=np.int64)
+        draws = rng.lognormal(math.log(self.median), self.sigma, size=count)
+        return np.clip(np.rint(draws), self.low, self.high).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    request_id: int
+    arrival_time: float
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+@dataclass(frozen=True)
+class Workload:
+    """``num_requests`` requests at ``rate`` per second (Poisson or evenly spaced)."""
+
+    rate: float
+    num_requests: int
+    prompt: LengthDist
+    output: LengthDist
+    arrival: ArrivalKind = "poisson"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not (self.rate > 0 and math.isfinite(self.rate)):
+            raise ValueError(f"rate must be a positive number, got {self.rate}")
+        if self.num_requests < 1:
+            raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
+        if self.arrival not in ("poisson", "fixed"):
+            raise ValueError(f"arrival must be poisson or fixed, got {self.arrival!r}")
+
+    def with_rate(self, rate: float) -> Workload:
+        return replace(self, rate=rate)
+
+    def with_seed(self, seed: int) -> Workload:
+        return replace(self, seed=seed)
+
+    def requests(self) -> list[RequestSpec]:
+        # Separate streams for gaps and lengths: the lengths do not depend on the rate, and
+        # unit-rate gaps scaled by 1/rate keep the arrival order of a seed across rates.
+        lengths_rng = np.random.default_rng([self.seed, 1])
+        prompts = self.prompt.sample(lengths_rng, self.num_requests)
+        outputs = self.output.sample(lengths_rng, self.num_requests)
+        if self.arrival == "fixed":
+            gaps = np.ones(self.num_requests)
+        else:
+            gaps = np.random.default_rng([self.seed, 2]).exponential(1.0, self.num_requests)
+        # The first request arrives at 0: a run measures from its first arrival.
+        times = np.concatenate(([0.0], np.cumsum(gaps[1:]))) / self.rate
+        return [
+            RequestSpec(i, float(times[i]), int(prompts[i]), int(outputs[i]))
+            for i in range(self.num_requests)
+        ]

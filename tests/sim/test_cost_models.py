@@ -1,0 +1,121 @@
+"""Cost models: the roofline presets' basic shape, the calibrated fit's round trip."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from orchestrator.sim.calibrated import fit, from_spec
+from orchestrator.sim.cost import (
+    StepShape,
+    create_cost_model,
+    decode_seconds,
+    exposed_transfer_seconds,
+    prefill_seconds,
+)
+from orchestrator.sim.roofline import RooflineCostModel
+
+
+def test_calibrated_fit_recovers_the_coefficients_it_was_measured_with(tmp_path: Path) -> None:
+    truth_p, truth_d = (0.004, 2e-5, 3e-9), (0.003, 1e-4, 2e-7)
+    prefill = [
+        {"tokens": n, "context": c, "seconds": truth_p[0] + truth_p[1] * n + truth_p[2] * (n * c + n * (n + 1) // 2)}
+        for n, c in [(32, 0), (128, 0), (512, 0), (512, 512), (512, 1536)]
+    ]  # fmt: skip
+    decode = [
+        {"batch": b, "kv_tokens": kv, "seconds": truth_d[0] + truth_d[1] * b + truth_d[2] * kv}
+        for b, kv in [(1, 100), (4, 1000), (16, 2000), (32, 9000)]
+    ]
+    transfer = [{"bytes": s, "seconds": 1e-4 + s / 5e9} for s in (1 << 16, 1 << 20, 1 << 24)]
+    data = {
+        "num_layers": 6, "kv_bytes_per_token": 12288, "kv_capacity_tokens": 4096,
+        "prefill": prefill, "decode": decode, "transfer": transfer,
+    }  # fmt: skip
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps(data))
+    model = from_spec([str(path)])
+    assert model.prefill_coefficients == pytest.approx(truth_p, rel=1e-6)
+    assert model.decode_coefficients == pytest.approx(truth_d, rel=1e-6)
+    assert model.transfer_coefficients == pytest.approx((1e-4, 1 / 5e9), rel=1e-6)
+    assert prefill_seconds(model, 512, 512, 1) == pytest.approx(prefill[3]["seconds"])
+    assert decode_seconds(model, 4, 1000, 1) == pytest.approx(decode[1]["seconds"])
+    assert model.kv_capacity_tokens(2) == 8192
+
+
+def test_calibrated_fit_keeps_coefficients_non_negative() -> None:
+    noisy = {
+        "num_layers": 2, "kv_bytes_per_token": 8, "kv_capacity_tokens": 100,
+        "prefill": [{"tokens": n, "context": 0, "seconds": 0.01 + 1e-4 * n} for n in (8, 16, 32, 64)],
+        "decode": [{"batch": b, "kv_tokens": kv, "seconds": s}
+                   for b, kv, s in [(1, 10, 0.02), (2, 400, 0.021), (4, 40, 0.023), (8, 80, 0.027)]],
+    }  # fmt: skip
+    model = fit(noisy)
+    assert min(model.decode_coefficients) >= 0 and min(model.prefill_coefficients) >= 0
+    assert model.transfer_coefficients == (0.0, 0.0)
+
+
+def test_roofline_prefill_is_compute_bound_and_decode_memory_bound() -> None:
+    llama = create_cost_model("roofline:llama-3-70b:h100")
+    assert isinstance(llama, RooflineCostModel)
+    # 8k-token prefill ~ 2 * 70.6e9 * 8192 FLOP over 4 GPUs at 50% MFU: ~0.58 s plus attention.
+    assert 0.5 < prefill_seconds(llama, 8192, 0, 4) < 1.0
+    # Batch-1 decode ~ 141 GB of BF16 weights over 4 x 3.35 TB/s x 0.7: ~15 ms.
+    assert 0.012 < decode_seconds(llama, 1, 1000, 4) < 0.02
+    # Weights do not fit on one 80 GB GPU; they do on two.
+    assert not llama.supports_tp(1) and llama.supports_tp(2)
+    assert not llama.supports_tp(16)  # beyond a node
+
+
+def test_roofline_is_monotone_and_h200_decodes_faster_than_h100() -> None:
+    h100 = create_cost_model("roofline:qwen3-coder-480b:h100")
+    h200 = create_cost_model("roofline:qwen3-coder-480b:h200")
+    shapes = [StepShape(num_decode_seqs=b, num_decode_kv_tokens=b * 4000) for b in (1, 8, 64)]
+    times = [h200.step_seconds(shape, 8) for shape in shapes]
+    assert times == sorted(times)
+    assert all(h200.step_seconds(s, 8) < h100.step_seconds(s, 8) for s in shapes)
+    mixed = StepShape(2048, 2048 * 1024, 32, 32 * 4000)
+    assert h200.step_seconds(mixed, 8) > h200.step_seconds(shapes[1], 8)
+
+
+def test_mla_replicates_kv_and_layerwise_push_hides_all_but_the_last_layer() -> None:
+    r1 = create_cost_model("roofline:deepseek-r1:h200:8x400g")
+    assert r1.kv_bytes(1) == 61 * 576 * 2  # one latent + rope key per layer, BF16
+    # Replicated latent: (141 GB x 0.9 - 671 GB / 8) per rank over 70 KB per token, ~612k.
+    assert 550_000 < r1.kv_capacity_tokens(8) < 650_000
+    assert not r1.supports_tp(4)  # 671 GB of FP8 weights need a full H200 node
+    assert exposed_transfer_seconds(0.061, overlap=1.0, num_layers=61) == pytest.approx(0.001)
+    # A link slower than the compute exposes what the compute cannot hide.
+    assert exposed_transfer_seconds(2.0, overlap=1.0, num_layers=2) == pytest.approx(1.5)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "roofline:gpt-5:h100",
+        "roofline:llama-3-70b",
+        "nope:x",
+        "calibrated:",
+        "roofline:llama-3-70b:h100:mfu=2",
+    ],
+)
+def test_bad_specs_are_rejected(spec: str) -> None:
+    with pytest.raises(ValueError):
+        create_cost_model(spec)
+
+
+@pytest.mark.slow
+def test_calibration_runs_our_engine_and_its_output_fits(tmp_path: Path) -> None:
+    from orchestrator.sim.calibrate import run_calibration
+
+    out = tmp_path / "calibration.json"
+    data = run_calibration(
+        out, prefill_sizes=(16, 64), decode_batches=(1, 2, 4), repeats=1, budget=64
+    )
+    assert json.loads(out.read_text()) == data
+    assert data["num_layers"] == 6 and data["kv_capacity_tokens"] > 0
+    assert len(data["prefill"]) >= 3 and len(data["decode"]) >= 3
+    assert all(point["seconds"] > 0 for point in data["prefill"] + data["decode"])
+    model = from_spec([str(out)])
+    assert decode_seconds(model, 4, 4 * 40, 1) > 0

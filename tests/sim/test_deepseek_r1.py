@@ -1,0 +1,82 @@
+"""The roofline DeepSeek-R1 preset against the reference deployment's result (DESIGN.md §1):
+mixed serving stayed under ~50 tok/s per request; 1 prefill : 3 decode nodes gave > 90 tok/s
+per request at ~1 QPS per decode node, for ~100 ms more TTFT.
+
+Workload (ours; the reference does not give one): Poisson arrivals, prompts uniform in
+4096-8192 tokens, outputs uniform in 1024-2048, 300 requests, seed 0; nodes of 8 H200 at TP 8,
+8 x 400 Gb/s NICs, the default 2048-token step budget; the first and last 20% of arrivals
+left out of the averages. Mixed runs on 4 nodes, as many as 1P:3D, at the same rate per node.
+
+What the model reproduces with its a-priori efficiency factors (bench/RESULTS.md has the
+table): the direction everywhere (disaggregated decode is faster per request, with a flat
+ITL where mixed steps stall on prefill chunks, for a higher TTFT) and the size at 0.5 QPS
+per decode node (> 90 vs the mixed baseline below it). At 1 QPS per decode node with these
+output lengths the roofline decoder's batch grows to ~35 and both fall to ~35-45 tok/s:
+the reference's > 90 there is *not* reproduced (it would need ~2x faster decode steps than
+this roofline gives, e.g. MTP / speculative decoding, which it does not model).
+
+Not reproduced either, and not asserted: at the same hardware *and* the same total load
+(4M at 1.5 QPS against 1P:3D at 1.5 QPS) mixed decodes faster per request here (137 vs
+112 tok/s), because its fourth node decodes too and a roofline step that mixes a chunk with
+decodes reads the weights once for both. The comparison these tests make is at the same
+load per decoding node, which is how the reference states its result.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.sim.cost import create_cost_model
+from orchestrator.sim.metrics import Summary, summarize
+from orchestrator.sim.simulator import Layout, simulate
+from orchestrator.sim.workload import LengthDist, Workload
+
+DISAGGREGATED = Layout(num_prefill=1, num_decode=3, tp_prefill=8, tp_decode=8)
+MIXED = Layout(num_mixed=4, tp_mixed=8)
+
+
+def _run(layout: Layout, per_node: float) -> Summary:
+    cost = create_cost_model("roofline:deepseek-r1:h200:8x400g")
+    nodes = layout.num_decode or layout.num_mixed
+    workload = Workload(
+        per_node * nodes,
+        300,
+        LengthDist.parse("uniform:4096-8192"),
+        LengthDist.parse("uniform:1024-2048"),
+    )
+    return summarize(simulate(cost, layout, workload), warmup=0.2)
+
+
+@pytest.fixture(scope="module")
+def half_qps() -> tuple[Summary, Summary]:
+    return _run(DISAGGREGATED, 0.5), _run(MIXED, 0.5)
+
+
+@pytest.fixture(scope="module")
+def one_qps() -> tuple[Summary, Summary]:
+    return _run(DISAGGREGATED, 1.0), _run(MIXED, 1.0)
+
+
+def test_half_qps_per_decode_node_reproduces_direction_and_size(
+    half_qps: tuple[Summary, Summary],
+) -> None:
+    split, mixed = half_qps
+    assert split.tokens_per_s_per_request > 90
+    assert mixed.tokens_per_s_per_request < split.tokens_per_s_per_request
+    # Mixed steps stall on prefill chunks; decode-only steps do not.
+    assert mixed.itl_p99 > 3 * mixed.itl_p50 and split.itl_p99 < 2 * split.itl_p50
+    # The price: a higher TTFT (the single prefill node's queue, the KV push), tens to
+    # hundreds of ms, not seconds.
+    assert 0 < split.ttft_mean - mixed.ttft_mean < 0.5
+
+
+def test_one_qps_per_decode_node_keeps_the_direction_not_the_size(
+    one_qps: tuple[Summary, Summary],
+) -> None:
+    split, mixed = one_qps
+    assert mixed.tokens_per_s_per_request < 50  # as the reference's mixed baseline
+    assert split.tokens_per_s_per_request > mixed.tokens_per_s_per_request
+    # Not > 90 as in the reference (see the module docstring); pinned loosely so that a
+    # change of the model that moves it shows up here.
+    assert 30 < split.tokens_per_s_per_request < 60
+    assert split.ttft_mean > mixed.ttft_mean

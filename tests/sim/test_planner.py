@@ -1,0 +1,104 @@
+"""The planner on small cases whose optimum is clear by hand, and its emitted configs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from orchestrator.config import ClusterConfig
+from orchestrator.sim.emit import cluster_config, helm_values
+from orchestrator.sim.instances import EngineLimits
+from orchestrator.sim.metrics import SLO
+from orchestrator.sim.planner import PlanSpec, format_table, layouts, plan
+from orchestrator.sim.simulator import Layout
+from orchestrator.sim.workload import LengthDist, Workload
+from tests.sim.toy import affine
+
+LIMITS = EngineLimits(max_num_seqs=4, max_num_batched_tokens=2048)
+
+
+def _spec(prompt: str, output: str, slo: SLO, budget: int = 4) -> PlanSpec:
+    workload = Workload(2.0, 80, LengthDist.parse(prompt), LengthDist.parse(output), seed=3)
+    return PlanSpec(
+        workload,
+        slo,
+        budget,
+        tp_choices=(1,),
+        include_mixed=False,
+        limits=LIMITS,
+        bisect_steps=5,
+        min_duration_s=4.0,
+    )
+
+
+def test_layouts_stay_within_the_budget_and_supported_tp() -> None:
+    spec = PlanSpec(
+        Workload(1.0, 10, LengthDist.parse("fixed:8"), LengthDist.parse("fixed:8")),
+        SLO(1.0, 1.0),
+        gpu_budget=8,
+        tp_choices=(1, 2, 4, 16),
+    )
+    found = list(layouts(affine(), spec))
+    assert found and all(layout.num_gpus <= 8 for layout in found)
+    assert {layout.tp_decode for layout in found if not layout.is_mixed} == {1, 2, 4}
+    assert Layout(num_prefill=1, num_decode=7) in found and Layout(num_mixed=8) in found
+
+
+def test_decode_bound_workload_gets_more_decode_than_prefill() -> None:
+    # Prefill of 16 tokens is ~2 ms; decode runs at most 4 sequences per 8.8 ms step for 64
+    # tokens: one decode instance serves ~7 req/s, one prefill instance hundreds.
+    cost = affine(prefill=(0.002, 1e-5, 0.0), decode=(0.008, 2e-4, 0.0))
+    candidates = plan(cost, _spec("fixed:16", "fixed:64", SLO(ttft_s=1.0, tpot_s=0.05)))
+    best = candidates[0].layout
+    assert (best.num_prefill, best.num_decode) == (1, 3)
+    assert candidates[0].goodput_per_gpu > candidates[-1].goodput_per_gpu > 0
+
+
+def test_prefill_bound_workload_gets_more_prefill_than_decode() -> None:
+    # A 2048-token prompt costs ~0.2 s of prefill; its 4 output tokens almost nothing.
+    cost = affine(prefill=(0.005, 1e-4, 0.0), decode=(0.002, 1e-5, 0.0))
+    candidates = plan(cost, _spec("fixed:2048", "fixed:4", SLO(ttft_s=2.0, tpot_s=0.05)))
+    best = candidates[0].layout
+    assert (best.num_prefill, best.num_decode) == (3, 1)
+    table = format_table(candidates, top=3)
+    assert "3P(tp1):1D(tp1)" in table.splitlines()[1]
+
+
+def test_emitted_config_loads_and_helm_values_match_the_chart(tmp_path: Path) -> None:
+    layout = Layout(num_prefill=1, num_decode=3, tp_prefill=8, tp_decode=4)
+    raw = cluster_config(layout, EngineLimits(), model_path=str(tmp_path / "model"))
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    config = ClusterConfig.from_yaml(path)
+    assert (config.group("prefill").replicas, config.group("prefill").tp) == (1, 8)
+    assert (config.group("decode").replicas, config.group("decode").tp) == (3, 4)
+    mixed = ClusterConfig.from_dict(cluster_config(Layout(num_mixed=2, tp_mixed=2), EngineLimits()))
+    assert mixed.group("mixed").tp == 2
+    chart = yaml.safe_load(Path("helm/pdserve/values.yaml").read_text())
+    values = helm_values(layout, EngineLimits())
+    assert values is not None and helm_values(Layout(num_mixed=1), EngineLimits()) is None
+    for role, group in values["workerGroups"].items():
+        assert set(group) <= set(chart["workerGroups"][role])
+    assert (
+        values["workerGroups"]["decode"] | {"replicas": 3, "tpPerPod": 4}
+        == values["workerGroups"]["decode"]
+    )
+    assert set(values) <= set(chart)
+
+
+def test_a_stall_bound_turns_the_choice_from_mixed_to_disaggregated() -> None:
+    # Prefill chunks cost 10x a decode step: mixed wins on TPOT alone (it decodes on every
+    # instance), but every chunk it mixes in stalls all decodes beyond a 30 ms gap.
+    cost = affine(prefill=(0.002, 1e-4, 0.0), decode=(0.008, 1e-4, 0.0))
+    workload = Workload(4.0, 80, LengthDist.parse("fixed:1024"), LengthDist.parse("fixed:64"))
+    limits = EngineLimits(max_num_seqs=16, max_num_batched_tokens=512)
+
+    def best(slo: SLO) -> Layout:
+        spec = PlanSpec(
+            workload, slo, 4, tp_choices=(1,), limits=limits, bisect_steps=4, min_duration_s=4.0
+        )
+        return plan(cost, spec)[0].layout
+
+    assert best(SLO(ttft_s=2.0, tpot_s=0.05)).is_mixed
+    assert not best(SLO(ttft_s=2.0, tpot_s=0.05, max_itl_s=0.03)).is_mixed
