@@ -72,6 +72,8 @@ class ServingApp:
         self._server: Any = None
         self._health: Any = None
         self._metrics_server: Any = None
+        self._http: Any = None
+        self.http_address = ""
         self.metrics_registry: Any = None
 
     async def start(self) -> str:
@@ -125,6 +127,18 @@ class ServingApp:
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.address = f"{config.router.host}:{port}"
         logger.info("router serving %s on %s", model_info.model_name, self.address)
+        await self._start_http(model_info.model_name)
+
+    async def _start_http(self, model_name: str) -> None:
+        from orchestrator.http_api import HttpSettings, OpenAIHttpApi
+
+        where = self.config.router.http_host_port
+        if where is None:
+            return
+        settings = HttpSettings(model_name, self.config.router.auth.token)
+        self._http = OpenAIHttpApi(self.router, settings)
+        self.http_address = await self._http.start(*where)
+        logger.info("OpenAI HTTP API on http://%s/v1", self.http_address)
 
     async def stop(self) -> None:
         grace = self.config.router.grace_seconds
@@ -135,6 +149,8 @@ class ServingApp:
                 await self.router.drain(grace)
             if self._server is not None:
                 await self._server.stop(grace)
+            if self._http is not None:
+                await self._http.stop()
             if self.router is not None:
                 await self.router.close()
             if self.controller is not None:
@@ -198,16 +214,19 @@ def describe(config: ClusterConfig, registry: Any, seed: int | None) -> tuple[An
     return model_info, tokenizer, settings, groups
 
 
-async def serve(config: ClusterConfig, options: AppOptions | None = None) -> int:
+async def serve(
+    config: ClusterConfig, options: AppOptions | None = None, controller_options: Any = None
+) -> int:
     """Start, serve until SIGINT / SIGTERM, drain and stop. Returns the exit status."""
     stop = asyncio.Event()
-    app = ServingApp(config, options)
+    app = ServingApp(config, options, controller_options)
     await app.start()
     # After start: ray.init installs handlers of its own, which would end the process at once.
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
-    print(f"pdserve: serving on {app.address} (Ctrl-C to stop)", flush=True)
+    http = f", OpenAI HTTP on http://{app.http_address}/v1" if app.http_address else ""
+    print(f"pdserve: serving on {app.address}{http} (Ctrl-C to stop)", flush=True)
     try:
         await stop.wait()
         logger.info("signal received: draining")

@@ -88,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="wrap PROMPT in the model's chat template")
     p.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")
     p.set_defaults(func=_generate)
+
+    # simulate / plan / calibrate: the cluster simulator (orchestrator/sim/); argparse only.
+    from orchestrator.sim.commands import add_subcommands as add_sim_subcommands
+
+    add_sim_subcommands(sub)
     return parser
 
 

@@ -15,7 +15,7 @@ Layout (every key optional unless marked; `configs/*.yaml` are complete examples
         fabric: {provider, node}    # prefill and decode only
         limits: {...}               # overrides of GROUP_LIMIT_KEYS for this group
     transfer: {deadline_seconds, drain_interval_seconds, coalesce_pages}
-    router: {address, policy, max_queue, default_max_tokens, grace_seconds,
+    router: {address, http_address, policy, max_queue, default_max_tokens, grace_seconds,
              auth: {token}, tls: {cert, key, ca}}
 
 Relative paths (``model``, TLS files) are resolved against the YAML file's directory, so a
@@ -232,9 +232,14 @@ class ClusterConfig:
         )
 
     def with_overrides(
-        self, *, model: str | Path | None = None, address: str | None = None
+        self,
+        *,
+        model: str | Path | None = None,
+        address: str | None = None,
+        http_address: str | None = None,
     ) -> ClusterConfig:
-        """A new, revalidated config with command-line overrides (``--model``, ``--address``);
+        """A new, revalidated config with command-line overrides (``--model``, ``--address``,
+        ``--http-address``);
         this one is left as it is. A relative ``model`` is resolved against the working
         directory, as a command-line user expects."""
         result = self
@@ -243,6 +248,10 @@ class ClusterConfig:
         if address is not None:
             with _errors_under("router"):
                 router = replace(result.router, address=address)
+            result = replace(result, router=router)
+        if http_address is not None:
+            with _errors_under("router"):
+                router = replace(result.router, http_address=http_address)
             result = replace(result, router=router)
         return result
 

@@ -223,7 +223,8 @@ class TransferConfig:
 
 @dataclass(frozen=True)
 class AuthConfig:
-    """Placeholder: a bearer token clients must send; None disables auth (not enforced yet)."""
+    """A bearer token clients of the OpenAI HTTP front must send (``Authorization: Bearer``;
+    ``/health`` is exempt); None disables auth. The gRPC API does not check it yet."""
 
     # Out of repr: configs get logged, secrets must not be.
     token: str | None = field(default=None, repr=False)
@@ -254,15 +255,18 @@ class TLSConfig:
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """The gRPC front door.
+    """The front doors: gRPC, and the OpenAI-compatible HTTP API (`orchestrator.http_api`).
 
-    address: ``host:port`` to listen on (port 0: any free port).
+    address: gRPC ``host:port`` to listen on (port 0: any free port).
+    http_address: HTTP ``host:port`` of ``/v1/completions``, ``/v1/chat/completions``,
+        ``/v1/models`` and ``/health``; None serves no HTTP.
     max_queue: requests held while no decode worker has room; more get RESOURCE_EXHAUSTED.
     default_max_tokens: for requests that leave ``max_tokens`` unset.
     grace_seconds: how long a stopping router lets streams finish.
     """
 
     address: str = "127.0.0.1:50051"
+    http_address: str | None = "127.0.0.1:8000"
     policy: str = "least_outstanding"
     max_queue: int = 1024
     default_max_tokens: int = 256
@@ -272,6 +276,8 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         _split_address(self.address)
+        if self.http_address is not None:
+            _split_address(self.http_address, "http_address")
         check_choice("policy", self.policy, ROUTING_POLICIES)
         check_int("max_queue", self.max_queue, 0)
         check_int("default_max_tokens", self.default_max_tokens, 1)
@@ -285,12 +291,18 @@ class RouterConfig:
     def port(self) -> int:
         return _split_address(self.address)[1]
 
+    @property
+    def http_host_port(self) -> tuple[str, int] | None:
+        if self.http_address is None:
+            return None
+        return _split_address(self.http_address, "http_address")
 
-def _split_address(address: object) -> tuple[str, int]:
+
+def _split_address(address: object, name: str = "address") -> tuple[str, int]:
     if not isinstance(address, str):
-        raise ConfigError("address", f"must be a 'host:port' string, got {address!r}")
+        raise ConfigError(name, f"must be a 'host:port' string, got {address!r}")
     host, sep, port = address.rpartition(":")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # [::1]:50051
     if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ConfigError("address", f"must be 'host:port' with a port in 0-65535, got {address!r}")
+        raise ConfigError(name, f"must be 'host:port' with a port in 0-65535, got {address!r}")
     return host, int(port)

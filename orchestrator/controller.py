@@ -37,6 +37,7 @@ class ControllerOptions:
     health_interval_seconds: float = 2.0
     health_timeout_seconds: float = 10.0
     replace_failed: bool = True
+    worker_metrics_port: int | None = 0  # each worker's /metrics (0: any free port; None: none)
 
 
 @dataclass
@@ -94,6 +95,7 @@ class Controller:
             provider=fabric.provider if fabric else "tcp;ofi_rxm",
             fabric_node=fabric.node if fabric else None,
             transfer=dataclasses.asdict(self.config.transfer),
+            metrics_port=self.options.worker_metrics_port,
         )
 
     async def _launch(self, group: GroupConfig, worker_id: str) -> None:
@@ -130,6 +132,7 @@ class Controller:
         record = self.registry.workers[worker_id]
         record.address = info["address"]
         record.prefill_endpoint = info["prefill_endpoint"]
+        record.metrics_port = info.get("metrics_port", 0)
         record.load = WorkerLoad(num_total_kv_pages=info["num_total_kv_pages"])
         record.load.num_free_kv_pages = info["num_total_kv_pages"]
         self.registry.set_health(worker_id, "healthy")

@@ -36,7 +36,7 @@ def run_demo(model_dir: str | None, max_tokens: int, config_path: str | None = N
         print("fetching SmolLM2-135M-Instruct (converted once, then cached) ...", flush=True)
         model_dir = str(fetch_demo_model(None))
     config = ClusterConfig.from_yaml(config_path or DEFAULT_CONFIG).with_overrides(
-        model=model_dir, address="127.0.0.1:0"
+        model=model_dir, address="127.0.0.1:0", http_address="127.0.0.1:0"
     )
     return asyncio.run(_demo(config, max_tokens))
 

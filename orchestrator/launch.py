@@ -23,6 +23,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--address", default=None, help="router HOST:PORT (overrides router.address)"
     )
+    parser.add_argument(
+        "--http-address",
+        default=None,
+        help="OpenAI-compatible HTTP HOST:PORT (overrides router.http_address)",
+    )
     parser.add_argument("--ray-address", default=None, help="join this Ray cluster")
     metrics_port = os.environ.get("PDSERVE_METRICS_PORT")
     parser.add_argument(
@@ -31,21 +36,32 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=int(metrics_port) if metrics_port else None,
         help="serve the router's /metrics on this port (default: $PDSERVE_METRICS_PORT; none)",
     )
+    worker_port = os.environ.get("PDSERVE_WORKER_METRICS_PORT")
+    parser.add_argument(
+        "--worker-metrics-port",
+        type=int,
+        default=int(worker_port) if worker_port else 0,
+        help="port of every worker's /metrics, -1 for none "
+        "(default: $PDSERVE_WORKER_METRICS_PORT; 0, any free port)",
+    )
 
 
 def run_serve(args: argparse.Namespace) -> int:
     from orchestrator.app import AppOptions, serve
     from orchestrator.config import ClusterConfig, ConfigError
+    from orchestrator.controller import ControllerOptions
 
     try:
         config = ClusterConfig.from_yaml(args.config).with_overrides(
-            model=args.model, address=args.address
+            model=args.model, address=args.address, http_address=args.http_address
         )
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     options = AppOptions(ray_address=args.ray_address, metrics_port=args.metrics_port)
-    return asyncio.run(serve(config, options))
+    worker_port = args.worker_metrics_port
+    controller = ControllerOptions(worker_metrics_port=None if worker_port < 0 else worker_port)
+    return asyncio.run(serve(config, options, controller))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -29,7 +29,8 @@ class WorkerLoad:
 class WorkerRecord:
     """``address``: the worker's token service (``host:port``; empty on prefill workers).
     ``prefill_endpoint``: prefill workers' serialized fabric address and KV sharding
-    (`workers.kv.endpoint.PrefillEndpoint`), handed to decoders per request."""
+    (`workers.kv.endpoint.PrefillEndpoint`), handed to decoders per request.
+    ``metrics_port``: the worker's ``/metrics`` port on its host (0: it serves none)."""
 
     worker_id: str
     role: str
@@ -38,6 +39,7 @@ class WorkerRecord:
     health: str = "starting"
     address: str = ""
     prefill_endpoint: bytes = b""
+    metrics_port: int = 0
     load: WorkerLoad = field(default_factory=WorkerLoad)
     generation: int = 0
 

@@ -33,6 +33,7 @@ class WorkerSpec:
     host: str = "127.0.0.1"  # where the token service listens
     # ClusterConfig.transfer: deadline_seconds, drain_interval_seconds, coalesce_pages.
     transfer: dict[str, Any] = field(default_factory=dict)
+    metrics_port: int | None = 0  # the worker's /metrics on ``host`` (0: any free; None: none)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -52,6 +53,7 @@ class WorkerActor:
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         self._backend: Any = None
         self._server: Any = None
+        self._metrics: Any = None
         logging.basicConfig(
             level=logging.INFO, format=f"{self.spec.worker_id} %(levelname)s %(name)s: %(message)s"
         )
@@ -78,6 +80,12 @@ class WorkerActor:
         if spec.role != "prefill":
             self._server = WorkerServer(WorkerServicer(spec.worker_id, self._backend), spec.host)
             address = self._server.address
+        metrics_port = 0
+        if spec.metrics_port is not None:
+            from orchestrator.worker_metrics import WorkerMetricsExporter
+
+            self._metrics = WorkerMetricsExporter(self._backend, spec.role, spec.model_dir)
+            metrics_port = self._metrics.start(spec.host, spec.metrics_port)
         load = self._backend.load()
         logger.info("%s (%s) ready at %s", spec.worker_id, spec.role, address or "fabric only")
         return {
@@ -87,6 +95,7 @@ class WorkerActor:
             "prefill_endpoint": self._backend.prefill_endpoint(),
             "tp_size": spec.tp_size,
             "num_total_kv_pages": load.num_total_kv_pages,
+            "metrics_port": metrics_port,
             "pid": os.getpid(),
         }
 
@@ -117,9 +126,11 @@ class WorkerActor:
 
     def stop(self) -> None:
         try:
+            if self._metrics is not None:
+                self._metrics.stop()
             if self._server is not None:
                 self._server.stop()
         finally:
             if self._backend is not None:
                 self._backend.close()
-            self._backend = self._server = None
+            self._backend = self._server = self._metrics = None

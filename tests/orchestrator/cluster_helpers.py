@@ -40,7 +40,12 @@ def cluster_config(model_dir: Path, groups: dict[str, Any], **overrides: Any) ->
             "num_pages": 64,
         },
         "groups": groups,
-        "router": {"address": "127.0.0.1:0", "default_max_tokens": 16, "grace_seconds": 2},
+        "router": {
+            "address": "127.0.0.1:0",
+            "http_address": "127.0.0.1:0",
+            "default_max_tokens": 16,
+            "grace_seconds": 2,
+        },
     }
     for key, value in overrides.items():
         if isinstance(value, dict) and isinstance(raw.get(key), dict):

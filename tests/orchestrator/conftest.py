@@ -1,4 +1,5 @@
-"""In-process Ray for the served-system tests: started once per module that asks for it."""
+"""In-process Ray for the served-system tests: started once per session, on first use (each
+module places and removes its own workers on it)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 from tests.orchestrator import cluster_helpers  # noqa: F401  (sets the Ray environment first)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ray_local() -> Iterator[None]:
     import ray
 

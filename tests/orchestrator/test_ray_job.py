@@ -66,6 +66,10 @@ def head_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             f"--port={gcs_port}",
             "--dashboard-host=127.0.0.1",
             f"--dashboard-port={dashboard_port}",
+            # Free ports, not the fixed defaults: the session's in-process Ray (ray_local) may
+            # be up and hold them, and a head without its agent takes no job.
+            f"--dashboard-agent-listen-port={free_port()}",
+            f"--metrics-export-port={free_port()}",
             "--num-cpus=2",
             f"--temp-dir={temp_dir}",
             "--disable-usage-stats",
@@ -136,7 +140,12 @@ def test_job_serves_a_request_and_ends_cleanly(
                 "dtype": "float32",
                 "limits": {"max_model_len": 256, "num_pages": 32, "max_num_batched_tokens": 128},
                 "groups": {"mixed": {"replicas": 1, "resources_per_rank": {"cpu": 0.5}}},
-                "router": {"address": router, "default_max_tokens": 8, "grace_seconds": 1},
+                "router": {
+                    "address": router,
+                    "http_address": "127.0.0.1:0",
+                    "default_max_tokens": 8,
+                    "grace_seconds": 1,
+                },
             }
         )
     )

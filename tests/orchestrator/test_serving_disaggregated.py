@@ -45,6 +45,41 @@ def test_concurrent_outputs_match_the_colocated_engine(
     serving_checks.check_parity(cluster.address, tiny_model_dir)
 
 
+def scrape(port: int) -> dict[str, float]:
+    """``/metrics`` of a worker as {sample name: value} (samples of the base labels only)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if set(sample.labels) == {"role", "model"}
+    }
+
+
+def test_every_worker_serves_its_metrics(cluster: ServedCluster) -> None:
+    with grpc.insecure_channel(cluster.address) as channel:
+        request = pb.GenerateRequest(
+            prompt="metrics please", sampling=pb.SamplingParams(max_tokens=3)
+        )
+        list(pb_grpc.GenerationStub(channel).Generate(request, timeout=60))
+    workers = cluster.app.controller.registry.workers
+    assert len(workers) == 4 and all(w.metrics_port > 0 for w in workers.values())
+    for record in workers.values():
+        values = scrape(record.metrics_port)
+        assert values["pdserve_kv_pages_capacity"] == 64, record.worker_id
+        assert "pdserve_num_requests_running" in values
+    # The prefill worker measured the KV it pushed: at least this request's.
+    prefill = scrape(workers["prefill-0"].metrics_port)
+    assert prefill["pdserve_kv_transfer_bytes_count"] >= 1
+    assert prefill["pdserve_kv_transfer_bytes_sum"] > 0
+    assert prefill["pdserve_kv_transfer_seconds_count"] >= 1
+
+
 def test_cluster_state_shows_the_ratio(cluster: ServedCluster) -> None:
     with grpc.insecure_channel(cluster.address) as channel:
         stub = pb_grpc.GenerationStub(channel)

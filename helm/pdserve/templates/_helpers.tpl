@@ -76,7 +76,8 @@ Ray places prefill ranks only on prefill pods and decode ranks only on decode po
 {{- end }}
 {{- $_ := set $groups $role $entry }}
 {{- end }}
-{{- $router := merge (dict "address" (printf "0.0.0.0:%v" .Values.router.grpcPort)) (deepCopy .Values.clusterConfig.router) }}
+{{- $ports := dict "address" (printf "0.0.0.0:%v" .Values.router.grpcPort) "http_address" (printf "0.0.0.0:%v" .Values.router.httpPort) }}
+{{- $router := merge $ports (deepCopy .Values.clusterConfig.router) }}
 {{- $config := merge (dict "model" .Values.model.path "groups" $groups "router" $router) (omit (deepCopy .Values.clusterConfig) "router") }}
 {{- toYaml $config }}
 {{- end }}

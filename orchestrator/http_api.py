@@ -1,0 +1,225 @@
+"""The OpenAI-compatible HTTP front of the router (aiohttp, in the router's event loop).
+
+    POST /v1/completions, /v1/chat/completions   JSON, or SSE with ``stream: true``
+    GET  /v1/models, /health
+
+Requests run through the same `Router.generate` as the gRPC servicer (same queue, policy,
+metrics); `orchestrator.openai_protocol` translates bodies and events. Errors become HTTP
+statuses only here, in OpenAI's shape ``{"error": {"message", "type", "code"}}``:
+
+    InvalidRequestError (bad body, sampling, context overflow)  -> 400
+    CapacityError (the prompt never fits a KV pool)             -> 400
+    missing / wrong bearer token (``router.auth.token``)        -> 401
+    unknown model                                               -> 404
+    QueueFullError                                              -> 429
+    UnavailableError, WorkerFailedError (draining, no worker)   -> 503
+    anything else                                               -> 500 (logged)
+
+A streamed request fails with a status while nothing was sent (the first event is awaited
+before the response starts); after that, an error is one ``data: {"error": ...}`` event and
+the stream ends without ``[DONE]``. A client that leaves closes the router's generator, whose
+``finally`` aborts the request on its worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from orchestrator.errors import (
+    CapacityError,
+    DuplicateRequestError,
+    InvalidRequestError,
+    QueueFullError,
+    UnavailableError,
+    WorkerFailedError,
+)
+from orchestrator.openai_protocol import (
+    ParsedRequest,
+    completion_response,
+    models_response,
+    parse_request,
+    stream_chunk,
+    usage_chunk,
+)
+from orchestrator.router import Router, StreamEvent
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+# (error type, HTTP status, OpenAI error type, code), first match wins.
+_ERRORS: tuple[tuple[type[BaseException], int, str, str], ...] = (
+    (InvalidRequestError, 400, "invalid_request_error", "invalid_request"),
+    (CapacityError, 400, "invalid_request_error", "context_length_exceeded"),
+    (DuplicateRequestError, 409, "invalid_request_error", "duplicate_request"),
+    (QueueFullError, 429, "rate_limit_error", "queue_full"),
+    (UnavailableError, 503, "service_unavailable", "unavailable"),
+    (WorkerFailedError, 503, "service_unavailable", "worker_failed"),
+)
+
+
+class ModelNotFoundError(Exception):
+    """The request names a model this router does not serve."""
+
+
+def error_body(status: int, message: str, kind: str, code: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "code": code, "param": None}}
+
+
+def error_of(error: BaseException) -> tuple[int, dict[str, Any]]:
+    """The HTTP status and OpenAI error JSON of a typed error (the one mapping)."""
+    message = str(error) or type(error).__name__
+    if isinstance(error, ModelNotFoundError):
+        return 404, error_body(404, message, "invalid_request_error", "model_not_found")
+    for kind, status, type_name, code in _ERRORS:
+        if isinstance(error, kind):
+            return status, error_body(status, message, type_name, code)
+    return 500, error_body(500, "internal error", "internal_error", "internal_error")
+
+
+def _error_response(error: BaseException) -> web.Response:
+    status, body = error_of(error)
+    if status == 500:
+        logger.error("request failed", exc_info=error)
+    return web.json_response(body, status=status)
+
+
+@dataclass(frozen=True)
+class HttpSettings:
+    model_name: str
+    auth_token: str | None = None
+
+
+class OpenAIHttpApi:
+    """The aiohttp application over one `Router`."""
+
+    def __init__(self, router: Router, settings: HttpSettings) -> None:
+        self.router = router
+        self.settings = settings
+        self.created = int(time.time())
+        self.app = web.Application(middlewares=[self._auth])
+        self.app.router.add_post("/v1/completions", self._completions)
+        self.app.router.add_post("/v1/chat/completions", self._chat)
+        self.app.router.add_get("/v1/models", self._models)
+        self.app.router.add_get("/health", self._health)
+        self._runner: web.AppRunner | None = None
+        self.address = ""
+
+    async def start(self, host: str, port: int) -> str:
+        """Listen on ``host:port`` (0: any free port); returns the bound ``host:port``."""
+        self._runner = runner = web.AppRunner(self.app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        bound = runner.addresses[0]
+        self.address = f"{host}:{bound[1]}"
+        return self.address
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # --- middleware ------------------------------------------------------------------------
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        token = self.settings.auth_token
+        if token is None or request.path == "/health":
+            return await handler(request)
+        given = request.headers.get("Authorization", "")
+        scheme, _, value = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            value.strip().encode(), token.encode()
+        ):
+            body = error_body(401, "invalid or missing API key", "authentication_error", "")
+            body["error"]["code"] = "invalid_api_key"
+            return web.json_response(body, status=401)
+        return await handler(request)
+
+    # --- routes ----------------------------------------------------------------------------
+
+    async def _health(self, request: web.Request) -> web.Response:
+        router = self.router
+        ready = bool(router.registry.ready(router.settings.serving_role))
+        if router.draining or not ready:
+            return web.json_response({"status": "unavailable"}, status=503)
+        return web.json_response({"status": "ok"})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response(models_response(self.settings.model_name, self.created))
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completion")
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat")
+
+    async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        try:
+            try:
+                body = await request.json()
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise InvalidRequestError("the request body is not valid JSON") from None
+            parsed = parse_request(kind, body, self.settings.model_name, self.router.tokenizer)
+            if parsed.model != self.settings.model_name:
+                raise ModelNotFoundError(f"model {parsed.model!r} is not served here")
+            events = self.router.generate(parsed.generation)
+            if parsed.stream:
+                return await self._stream(request, parsed, events)
+            async with contextlib.aclosing(events):
+                collected = [event async for event in events]
+        except Exception as error:
+            return _error_response(error)
+        tokenizer = self.router.tokenizer
+        return web.json_response(completion_response(parsed, collected, tokenizer))
+
+    async def _stream(
+        self,
+        request: web.Request,
+        parsed: ParsedRequest,
+        events: AsyncGenerator[StreamEvent, None],
+    ) -> web.StreamResponse:
+        async with contextlib.aclosing(events):
+            first = await anext(events)  # errors before any byte is sent: a status
+            response = web.StreamResponse(
+                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+            )
+            await response.prepare(request)
+            created = int(time.time())
+            tokenizer = self.router.tokenizer
+            event = first
+            try:
+                while True:
+                    chunk = stream_chunk(parsed, event, created, tokenizer)
+                    await _send(response, chunk)
+                    if event.timings is not None:
+                        break
+                    event = await anext(events)
+            except ConnectionResetError:
+                logger.debug("client left stream %s", parsed.generation.request_id)
+                return response
+            except Exception as error:
+                status, body = error_of(error)
+                if status == 500:
+                    logger.error("stream failed", exc_info=error)
+                await _send(response, body)
+                return response
+            if parsed.include_usage:
+                await _send(response, usage_chunk(parsed, event, created))
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+            return response
+
+
+async def _send(response: web.StreamResponse, body: dict[str, Any]) -> None:
+    await response.write(b"data: " + json.dumps(body).encode() + b"\n\n")

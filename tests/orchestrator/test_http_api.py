@@ -1,0 +1,200 @@
+"""The OpenAI-compatible HTTP front, end to end: the official ``openai`` client against a served
+mixed cluster (real Ray, real workers), compared with the gRPC path of the same router."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import openai
+import pytest
+
+from orchestrator.client import pb, pb_grpc
+from orchestrator.http_api import HttpSettings, OpenAIHttpApi
+from tests.orchestrator.cluster_helpers import ServedCluster, cluster_config, mixed_groups
+from workers.engine.tokenizer import load_tokenizer
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "Once upon a time, in a land far away, there lived"
+MESSAGES: list[Any] = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Name a colour."},
+]
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_local: None, tiny_model_dir: Path) -> Iterator[ServedCluster]:
+    served = ServedCluster(cluster_config(tiny_model_dir, mixed_groups(1)))
+    try:
+        yield served
+    finally:
+        served.close()
+
+
+@pytest.fixture(scope="module")
+def client(cluster: ServedCluster) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=f"http://{cluster.app.http_address}/v1", api_key="none", max_retries=0
+    )
+
+
+@pytest.fixture(scope="module")
+def model(client: openai.OpenAI) -> str:
+    (entry,) = client.models.list().data
+    return entry.id
+
+
+def grpc_text(address: str, max_tokens: int, **prompt: Any) -> str:
+    with grpc.insecure_channel(address) as channel:
+        request = pb.GenerateRequest(
+            sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens), **prompt
+        )
+        return "".join(r.text for r in pb_grpc.GenerationStub(channel).Generate(request))
+
+
+def post(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> Any:
+    request = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
+    return urllib.request.urlopen(request, timeout=60)
+
+
+def test_models_and_health(cluster: ServedCluster, model: str, tiny_model_dir: Path) -> None:
+    assert model == tiny_model_dir.name
+    with urllib.request.urlopen(f"http://{cluster.app.http_address}/health") as reply:
+        assert reply.status == 200 and json.load(reply) == {"status": "ok"}
+
+
+def test_completion_matches_grpc(
+    cluster: ServedCluster, client: openai.OpenAI, model: str, tiny_model_dir: Path
+) -> None:
+    expected = grpc_text(cluster.address, 12, prompt=PROMPT)
+    result = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0)
+    (choice,) = result.choices
+    assert choice.text == expected
+    assert choice.finish_reason in ("length", "stop")
+    assert result.usage is not None
+    assert result.usage.prompt_tokens == len(load_tokenizer(tiny_model_dir).encode(PROMPT))
+    assert 0 < result.usage.completion_tokens <= 12
+    assert result.usage.total_tokens == result.usage.prompt_tokens + result.usage.completion_tokens
+
+
+def test_streamed_completion_with_usage(
+    cluster: ServedCluster, client: openai.OpenAI, model: str
+) -> None:
+    expected = grpc_text(cluster.address, 12, prompt=PROMPT)
+    chunks = list(
+        client.completions.create(
+            model=model,
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    *text_chunks, last = chunks
+    assert "".join(c.choices[0].text for c in text_chunks) == expected
+    assert text_chunks[-1].choices[0].finish_reason in ("length", "stop")
+    assert last.choices == [] and last.usage is not None
+    assert 0 < last.usage.completion_tokens <= 12
+
+
+def test_chat_matches_grpc_with_the_template(
+    cluster: ServedCluster, client: openai.OpenAI, model: str, tiny_model_dir: Path
+) -> None:
+    tokenizer = load_tokenizer(tiny_model_dir)
+    ids = tokenizer.encode(tokenizer.apply_chat_template(MESSAGES), add_special_tokens=False)
+    expected = grpc_text(cluster.address, 10, prompt_token_ids=ids)
+    result = client.chat.completions.create(
+        model=model, messages=MESSAGES, max_completion_tokens=10, temperature=0
+    )
+    (choice,) = result.choices
+    assert choice.message.role == "assistant" and choice.message.content == expected
+    assert result.usage is not None and result.usage.prompt_tokens == len(ids)
+    streamed = client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=10, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == expected
+
+
+def test_raw_sse_ends_with_done(cluster: ServedCluster, model: str) -> None:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 4, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    with post(f"http://{cluster.app.http_address}/v1/completions", body) as reply:
+        assert reply.headers["Content-Type"].startswith("text/event-stream")
+        events = [line for line in reply.read().decode().split("\n\n") if line]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    usage = json.loads(events[-2].removeprefix("data: "))
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] > 0
+
+
+def test_logprobs_of_the_chosen_tokens(client: openai.OpenAI, model: str) -> None:
+    result = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=1
+    )
+    logprobs = result.choices[0].logprobs
+    assert logprobs is not None and logprobs.token_logprobs is not None
+    assert len(logprobs.token_logprobs) == result.usage.completion_tokens  # type: ignore[union-attr]
+    assert all(v <= 0 for v in logprobs.token_logprobs)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"prompt": "x" * 300},  # context overflow: max_model_len is 256
+        {"prompt": ""},
+        {"prompt": "hi", "n": 2},
+        {"prompt": "hi", "temperature": -1},
+        {"prompt": "hi", "max_tokens": 0},
+        {"prompt": "hi", "stop": 3},
+        {"prompt": ["a", "b"]},
+    ],
+)
+def test_bad_requests_are_400(client: openai.OpenAI, model: str, fields: dict[str, Any]) -> None:
+    prompt = fields.pop("prompt")
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=model, prompt=prompt, extra_body=fields)
+    assert caught.value.status_code == 400
+    body = caught.value.body
+    assert isinstance(body, dict)
+    error = body.get("error", body)  # the whole JSON or its "error" (client versions differ)
+    assert error["type"] == "invalid_request_error" and error["message"]
+
+
+def test_bad_chat_and_unknown_model(client: openai.OpenAI, model: str) -> None:
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=model, messages=[])
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="hi")
+
+
+def test_bearer_token(cluster: ServedCluster, model: str) -> None:
+    # The cluster's own router behind a second front that requires a token.
+    api = OpenAIHttpApi(cluster.app.router, HttpSettings(model, auth_token="s3cret"))
+    address = cluster.run(api.start("127.0.0.1", 0))
+    try:
+        base = f"http://{address}/v1"
+        body = {"model": model, "prompt": "hi", "max_tokens": 2}
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            post(f"{base}/completions", body)
+        assert caught.value.code == 401
+        assert json.load(caught.value)["error"]["code"] == "invalid_api_key"
+        wrong = openai.OpenAI(base_url=base, api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            wrong.models.list()
+        right = openai.OpenAI(base_url=base, api_key="s3cret", max_retries=0)
+        assert right.completions.create(model=model, prompt="hi", max_tokens=2).choices
+        with urllib.request.urlopen(f"http://{address}/health") as reply:  # exempt
+            assert reply.status == 200
+    finally:
+        cluster.run(api.stop())
