@@ -28,6 +28,10 @@ def ray_environment() -> None:
     """ENV.md "Ray on these machines": loopback only, no usage stats."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Ray starts worker processes at nice 15 by default; our workers are the inference engines,
+    # and at nice 15 any ordinary process on the host starves them until they miss health checks
+    # (seen with a load generator on the same host). Applies to a Ray this process starts.
+    os.environ.setdefault("RAY_worker_niceness", "0")
 
 
 def connect_ray(address: str | None, num_cpus: int | None = None) -> bool:
