@@ -16,24 +16,20 @@ Backends:
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol
 
 from workers.engine.config import EngineConfig
 from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import SamplingParams
+from workers.engine.step_loop import StepLoop
 
 if TYPE_CHECKING:
-    from workers.engine.engine_core import EngineCore
+    pass
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -86,59 +82,6 @@ class WorkerBackend(Protocol):
     def close(self) -> None: ...
 
 
-class _StepThread:
-    """Runs shipped calls and ``engine.step()`` on one thread (the engine is not thread-safe)."""
-
-    def __init__(self, name: str, engine: EngineCore, on_outputs: Callable[..., None]) -> None:
-        self._engine = engine
-        self._on_outputs = on_outputs
-        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._stopped = False
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self.thread.start()
-
-    def call(self, function: Callable[[], T], timeout: float = 60.0) -> T:
-        if self.error is not None:
-            raise RuntimeError(f"engine step thread died: {self.error!r}")
-        future: Future[T] = Future()
-        self._calls.put((function, future))
-        self._wake.set()
-        return future.result(timeout)
-
-    def stop(self) -> None:
-        self._stopped = True
-        self._wake.set()
-        self.thread.join(30)
-
-    def _run(self) -> None:
-        try:
-            while not self._stopped:
-                self._run_calls()
-                if self._engine.has_unfinished():
-                    self._on_outputs(self._engine.step())
-                    continue
-                self._wake.wait(0.1)
-                self._wake.clear()
-        except BaseException as error:  # the worker reports it through call() and health
-            logger.exception("engine step thread failed")
-            self.error = error
-        finally:
-            self._run_calls()
-
-    def _run_calls(self) -> None:
-        while True:
-            try:
-                function, future = self._calls.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                future.set_result(function())
-            except BaseException as error:
-                future.set_exception(error)
-
-
 class MixedBackend:
     """A mixed-role `EngineCore`: prefill chunks and decodes share each step."""
 
@@ -150,7 +93,8 @@ class MixedBackend:
         # The router detokenizes; the engine still decodes text when a request has stop strings.
         self.engine = EngineCore(model_dir, config, detokenize=False)
         self._sinks: dict[str, Sink] = {}
-        self._loop = _StepThread("mixed-step", self.engine, self._on_outputs)
+        self._loop = StepLoop("mixed-step", self.engine, self._on_outputs)
+        self._loop.thread.start()
 
     def submit(
         self,

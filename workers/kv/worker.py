@@ -18,18 +18,17 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from workers.engine.config import EngineConfig
 from workers.engine.engine_core import EngineCore
 from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import SamplingParams
+from workers.engine.step_loop import StepLoop
 from workers.engine.validation import validate_request
 from workers.fabric import TransferEngine
 from workers.kv.decode_messenger import DecodeMessenger, DecodeMessengerConfig
@@ -37,9 +36,6 @@ from workers.kv.endpoint import PrefillEndpoint
 from workers.kv.prefill_messenger import PrefillMessenger, PrefillMessengerConfig
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
-_IDLE_WAIT_S = 0.02  # wake-ups for deadlines while transfers are in flight
 
 
 @dataclass(frozen=True)
@@ -98,72 +94,6 @@ class OutputStream:
                 return tokens, output
 
 
-class _StepLoop:
-    """The step thread: API calls, messenger poll, engine step, output routing."""
-
-    def __init__(
-        self,
-        name: str,
-        engine: EngineCore,
-        poll: Callable[[], None],
-        has_work: Callable[[], bool],
-        on_outputs: Callable[[list[RequestOutput]], None],
-    ) -> None:
-        self._engine = engine
-        self._poll = poll
-        self._has_work = has_work
-        self._on_outputs = on_outputs
-        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._stopped = False
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
-
-    def wake(self) -> None:
-        self._wake.set()
-
-    def call(self, function: Callable[[], T], timeout: float = 60.0) -> T:
-        if self.error is not None:
-            raise RuntimeError(f"worker step loop died: {self.error!r}")
-        future: Future[T] = Future()
-        self._calls.put((function, future))
-        self._wake.set()
-        return future.result(timeout)
-
-    def stop(self, timeout: float = 30.0) -> None:
-        self._stopped = True
-        self._wake.set()
-        if self.thread.is_alive() and threading.current_thread() is not self.thread:
-            self.thread.join(timeout)
-
-    def _run(self) -> None:
-        try:
-            while not self._stopped:
-                self._run_calls()
-                self._poll()
-                if self._engine.has_unfinished():
-                    self._on_outputs(self._engine.step())
-                    continue
-                self._wake.wait(_IDLE_WAIT_S if self._has_work() else 0.05)
-                self._wake.clear()
-        except BaseException as error:
-            log.exception("worker step loop failed")
-            self.error = error
-        finally:
-            self._run_calls()
-
-    def _run_calls(self) -> None:
-        while True:
-            try:
-                function, future = self._calls.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                future.set_result(function())
-            except BaseException as error:
-                future.set_exception(error)
-
-
 def _engine_config(config: EngineConfig | None, role: str) -> EngineConfig:
     config = config or EngineConfig()
     return replace(config, role=role)  # type: ignore[arg-type]
@@ -203,8 +133,12 @@ class PrefillWorker:
             self.engine.close()
             raise
         try:
-            self._loop = _StepLoop(
-                "prefill-step", self.engine, self._poll, self._has_work, self._on_outputs
+            self._loop = StepLoop(
+                "prefill-step",
+                self.engine,
+                self._on_outputs,
+                poll=self._poll,
+                has_work=self._has_work,
             )
             self.messenger = PrefillMessenger(
                 self.engine,
@@ -296,8 +230,12 @@ class DecodeWorker:
             raise
         self._streams: dict[str, OutputStream] = {}
         try:
-            self._loop = _StepLoop(
-                "decode-step", self.engine, self._poll, self._has_work, self._on_outputs
+            self._loop = StepLoop(
+                "decode-step",
+                self.engine,
+                self._on_outputs,
+                poll=self._poll,
+                has_work=self._has_work,
             )
             self.messenger = DecodeMessenger(
                 self.engine,
