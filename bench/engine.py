@@ -1,12 +1,15 @@
 """Engine benchmark: pdserve's engine against HF transformers ``generate`` on one checkpoint.
 
     .venv/bin/python bench/engine.py [--model DIR] [--new-tokens 32] [--repeats 3] [--threads N]
+                                     [--dtype float32|bfloat16] [--batches 1,16,64]
 
 Measures, in one process with the same torch thread settings for both:
 - prefill tokens/s for one 512-token prompt (time to the first token);
 - decode tokens/s at batch 1, 16 and 64: prompts of 32 tokens, ``--new-tokens`` new tokens each
   (greedy, EOS ignored); decode time = time to generate all tokens minus time to the first.
-Each figure is the best of ``--repeats`` runs after a warm-up.
+Each figure is the best of ``--repeats`` runs after a warm-up. ``--dtype`` sets the weight and
+compute dtype of both engines (bfloat16 is what serving deployments run; on CPUs with AMX its GEMMs
+are several times faster than float32, so per-step overhead weighs more).
 """
 
 from __future__ import annotations
@@ -99,7 +102,12 @@ def main() -> int:
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: torch's choice)"
     )
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument(
+        "--batches", default=",".join(map(str, BATCH_SIZES)), help="decode batch sizes"
+    )
     args = parser.parse_args()
+    batches = tuple(int(b) for b in args.batches.split(","))
     if args.threads:
         # On shared machines extra OpenMP threads spin against other processes; one thread
         # gives stable figures.
@@ -115,9 +123,12 @@ def main() -> int:
         else:
             model_dir = Path(args.model)
             label = str(model_dir)
-        rows = measure(model_dir, args.new_tokens, args.repeats)
+        rows = measure(model_dir, args.new_tokens, args.repeats, args.dtype, batches)
 
-    print(f"\nmodel: {label}; torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(
+        f"\nmodel: {label}, {args.dtype}; torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads"
+    )
     print(f"decode: {DECODE_PROMPT_LEN}-token prompts, {args.new_tokens} new tokens, greedy\n")
     print(f"| {'metric':<28} | {'pdserve':>10} | {'HF':>10} | {'ratio':>6} |")
     print(f"|{'-' * 30}|{'-' * 12}|{'-' * 12}|{'-' * 8}|")
@@ -126,13 +137,20 @@ def main() -> int:
     return 0
 
 
-def measure(model_dir: Path, new_tokens: int, repeats: int) -> list[tuple[str, float, float]]:
+def measure(
+    model_dir: Path,
+    new_tokens: int,
+    repeats: int,
+    dtype: str = "float32",
+    batches: tuple[int, ...] = BATCH_SIZES,
+) -> list[tuple[str, float, float]]:
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     vocab = min(int(hf.config.vocab_size), 256 if hf.config.vocab_size < 1000 else 10**9)
-    max_batch = max(BATCH_SIZES)
+    max_batch = max(batches)
     config = EngineConfig(
+        dtype=dtype,
         num_pages=max_batch * -(-(DECODE_PROMPT_LEN + new_tokens) // 16) + 64,
         max_num_seqs=max_batch,
         max_num_batched_tokens=max(PREFILL_LEN, max_batch * DECODE_PROMPT_LEN),
@@ -146,7 +164,7 @@ def measure(model_dir: Path, new_tokens: int, repeats: int) -> list[tuple[str, f
     rows.append((f"prefill {PREFILL_LEN} tok/s", PREFILL_LEN / ours, PREFILL_LEN / theirs))
     print(f"prefill: pdserve {ours * 1000:.0f} ms, HF {theirs * 1000:.0f} ms", flush=True)
 
-    for batch in BATCH_SIZES:
+    for batch in batches:
         prompts = random_prompts(batch, DECODE_PROMPT_LEN, vocab, seed=batch)
         decoded = batch * (new_tokens - 1)
         ours = best_of(repeats, partial(lambda p: engine_run(engine, p, new_tokens)[1], prompts))

@@ -211,6 +211,23 @@ def check_features(model_dir: Path) -> None:
         )
 
 
+def _column_major_projections(model: CausalLM) -> None:
+    """Store the float32 projection weights of a CPU model column-major (the same [out, in]
+    tensors, values unchanged, laid out as the transpose of a contiguous [in, out] matrix).
+
+    ``F.linear`` multiplies by ``weight.t()``, which is then contiguous: on CPU float32 that is
+    1.4-1.6x faster for the few-row GEMMs of decode steps (8-16 rows) and 5 % faster for prefill
+    chunks, measured on this repository's bench machine. bfloat16 kernels prefer the row-major
+    layout (0.7-0.9x column-major), and GPUs do not care, so only CPU float32 changes.
+    """
+    for parameter in model.parameters():
+        if parameter.dim() != 2 or parameter.dtype != torch.float32 or parameter.is_cuda:
+            continue
+        if parameter is model.embed_tokens or parameter is model.lm_head:
+            continue  # row lookups (embedding) and the wide LM head gain nothing from it
+        parameter.data = parameter.data.t().contiguous().t()
+
+
 def load_checkpoint(
     model_dir: str | Path,
     dtype: str | torch.dtype | None = None,
@@ -260,6 +277,7 @@ def load_checkpoint(
             f"unexpected tensors {sorted(unexpected)[:8]}"
             f"{'...' if len(unexpected) > 8 else ''}"
         )
+    _column_major_projections(model)
     logger.info(
         "loaded %s (%s, %d layers) from %s as %s",
         config.architecture,
