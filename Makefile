@@ -12,7 +12,7 @@ export RAY_USAGE_STATS_ENABLED := 0
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install test lint lint-protos typecheck unit demo bench clean
+.PHONY: install test lint lint-protos typecheck unit demo bench soak clean
 
 install: $(STAMP) $(PROTO_STUBS)
 
@@ -45,6 +45,10 @@ bench: install
 	$(PY) bench/engine.py
 	$(PY) bench/fabric.py
 	$(PY) bench/router.py
+
+# The long soak (issue #8): 10 minutes of mixed traffic, random cancels, 4 worker kills.
+soak: install
+	$(PY) bench/soak.py --duration 600 --kills 4 --json .cache/soak.json
 
 clean:
 	rm -rf build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,7 +1,11 @@
 """KV messenger benchmark: transfer goodput vs the raw TransferEngine, and exposed transfer time.
 
     .venv/bin/python bench/transfer.py [--provider tcp;ofi_rxm] [--lengths 256,...,8192]
-                                       [--repeats 3]
+                                       [--repeats 3] [--checksum]
+
+``--checksum`` runs the decoder in checksum mode (`workers.kv.checksum`: CRC-32 of every write
+on the prefill's push thread, verified on the decoder when its counter fires) to measure its
+cost against a run without.
 
 Setup: preset ``small`` (hidden 512, 6 layers, 4 KV heads of 64, float32; its config is
 widened to 8704 positions so an 8192-token prompt fits), page size 16, one prefill worker in a
@@ -53,6 +57,8 @@ from workers.engine.config import EngineConfig
 from workers.engine.presets import write_random_checkpoint
 from workers.engine.sampling_params import SamplingParams
 from workers.fabric import MemoryRegionDescriptor, TransferEngine
+from workers.kv.checksum import area_bytes
+from workers.kv.decode_messenger import DecodeMessengerConfig
 from workers.kv.endpoint import PrefillEndpoint
 from workers.kv.worker import DecodeWorker
 from workers.kv.worker_process import prefill_process_main
@@ -108,12 +114,20 @@ def run_messenger(
     repeats: int,
     layerwise: bool,
     raw: RawBench | None = None,
+    checksum: bool = False,
 ) -> dict[int, dict[str, float]]:
     """Median figures per prompt length; with ``raw``, each request is followed by a raw
     measurement of the same writes (same sizes, one call per layer), so both see the same
     machine load."""
     prefill = Prefill(model_dir, provider, layerwise)
-    decode = DecodeWorker(model_dir, EngineConfig(num_pages=NUM_PAGES), provider=provider)
+    decode = DecodeWorker(
+        model_dir,
+        EngineConfig(num_pages=NUM_PAGES),
+        provider=provider,
+        messenger_config=DecodeMessengerConfig(checksum=checksum),
+    )
+    # The context write's bytes: the hidden state, and the sums of TP 1:1's one shard.
+    context_bytes = CONTEXT_BYTES + (area_bytes(1) if checksum else 0)
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0.0, max_tokens=1)
     results: dict[int, dict[str, float]] = {}
@@ -126,6 +140,11 @@ def run_messenger(
                 _, final = decode.submit(request_id, prompt, params, prefill.endpoint).result(300)
                 assert final.error is None, final.error
                 sent, ready = prefill.stats(request_id), decode.transfer_stats(request_id)
+                deadline = time.monotonic() + 30
+                while sent is None and time.monotonic() < deadline:
+                    # The decoder may be done before the prefill saw its last local completion.
+                    time.sleep(0.01)
+                    sent = prefill.stats(request_id)
                 assert ready is not None and sent["state"] == "done"
                 if attempt == 0:
                     continue  # warm-up
@@ -133,7 +152,7 @@ def run_messenger(
                 if raw is not None:
                     num_kv_writes = sent["num_writes"] - 1  # minus the context write
                     per_layer = num_kv_writes // LAYERS
-                    kv_bytes = sent["num_bytes"] - CONTEXT_BYTES
+                    kv_bytes = sent["num_bytes"] - context_bytes
                     # The request's runs: equal split is exact for 1 run per layer, close else.
                     size = kv_bytes // num_kv_writes
                     raw_gbps = raw.measure(LAYERS, [size] * per_layer)
@@ -222,6 +241,7 @@ def main() -> None:
     parser.add_argument("--provider", default="tcp;ofi_rxm")
     parser.add_argument("--lengths", default="256,512,1024,2048,4096,8192")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--checksum", action="store_true", help="decoder in checksum mode")
     args = parser.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")]
     layers = LAYERS
@@ -229,11 +249,16 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory() as root:
             model_dir = small_checkpoint(Path(root))
-            layerwise = run_messenger(model_dir, args.provider, lengths, args.repeats, True)
-            deferred = run_messenger(model_dir, args.provider, lengths, args.repeats, False, raw)
+            layerwise = run_messenger(
+                model_dir, args.provider, lengths, args.repeats, True, checksum=args.checksum
+            )
+            deferred = run_messenger(
+                model_dir, args.provider, lengths, args.repeats, False, raw, args.checksum
+            )
     finally:
         raw.close()
-    print(f"# provider {args.provider}, {os.cpu_count()} CPUs, {platform.processor() or '?'}")
+    mode = ", checksum mode" if args.checksum else ""
+    print(f"# provider {args.provider}{mode}, {os.cpu_count()} CPUs, {platform.processor() or '?'}")
     print(
         "| prompt | KV MiB | writes | forward ms | exposed ms (layer-wise) | exposed ms (deferred) "
         "| exposed fraction | messenger GB/s | raw GB/s | ratio |"

@@ -1,5 +1,6 @@
 """The served system in one process: Ray (joined or embedded), the control plane, the router and
-its gRPC server with health and reflection.
+its gRPC server with health and reflection (TLS / mTLS and token auth per ``router.tls`` /
+``router.auth``, `orchestrator.security`).
 
 `ServingApp.start()` places every worker group and binds the router; `ServingApp.stop()` drains
 (health NOT_SERVING, new requests UNAVAILABLE, running ones finish within ``grace_seconds``),
@@ -79,12 +80,17 @@ class ServingApp:
         self._http: Any = None
         self.http_address = ""
         self.metrics_registry: Any = None
+        self._tls: Any = None  # orchestrator.security.ServerTLS when router.tls is enabled
 
     async def start(self) -> str:
         """Place the workers and bind the router; returns its ``host:port``."""
         from orchestrator.controller import Controller
         from orchestrator.registry import Registry
+        from orchestrator.security import load_server_tls
 
+        # Before anything is placed: a missing or unusable certificate fails here, cheaply.
+        if self.config.router.tls.enabled:
+            self._tls = load_server_tls(self.config.router.tls)
         self._owns_ray = connect_ray(self.options.ray_address, self.options.num_cpus)
         registry = Registry()
         self.controller = Controller(self.config, registry, self._controller_options)
@@ -103,8 +109,7 @@ class ServingApp:
         from prometheus_client import CollectorRegistry
 
         from orchestrator.router import Router
-        from orchestrator.servicer import GenerationServicer
-        from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
+        from orchestrator.servicer import GenerationServicer, add_generation_servicer
         from workers.metrics import Metrics, serve_metrics
 
         config = self.config
@@ -117,21 +122,44 @@ class ServingApp:
             )
         self.router = Router(settings, registry, tokenizer, metrics)
         servicer = GenerationServicer(self.router, model_info, groups, self.controller.refresh)
-        server = grpc.aio.server(options=[("grpc.max_concurrent_streams", 4096)])
-        pb_grpc.add_GenerationServicer_to_server(servicer, server)
+        server = grpc.aio.server(
+            interceptors=self._interceptors(),
+            options=[
+                ("grpc.max_concurrent_streams", 4096),
+                # Room above router.max_request_bytes, so that a request somewhat too large
+                # still reaches the servicer and gets INVALID_ARGUMENT with the limit named.
+                ("grpc.max_receive_message_length", 2 * config.router.max_request_bytes),
+            ],
+        )
+        add_generation_servicer(servicer, server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
             (GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
-        port = server.add_insecure_port(config.router.address)
+        if self._tls is not None:
+            port = server.add_secure_port(config.router.address, self._tls.grpc_credentials)
+        else:
+            port = server.add_insecure_port(config.router.address)
         await server.start()
         self._server = server
         for name in ("", GENERATION_SERVICE):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.address = f"{config.router.host}:{port}"
-        logger.info("router serving %s on %s", model_info.model_name, self.address)
+        logger.info(
+            "router serving %s on %s (%s, %s)",
+            model_info.model_name,
+            self.address,
+            self._tls.mode if self._tls is not None else "plaintext",
+            "token auth" if config.router.auth.token else "no auth",  # never the token itself
+        )
         await self._start_http(model_info.model_name)
+
+    def _interceptors(self) -> list[Any]:
+        from orchestrator.security import TokenAuthInterceptor
+
+        token = self.config.router.auth.token
+        return [TokenAuthInterceptor(token)] if token else []
 
     async def _start_http(self, model_name: str) -> None:
         from orchestrator.http_api import HttpSettings, OpenAIHttpApi
@@ -141,8 +169,16 @@ class ServingApp:
             return
         settings = HttpSettings(model_name, self.config.router.auth.token)
         self._http = OpenAIHttpApi(self.router, settings)
-        self.http_address = await self._http.start(*where)
-        logger.info("OpenAI HTTP API on http://%s/v1", self.http_address)
+        ssl_context = self._tls.ssl_context if self._tls is not None else None
+        self.http_address = await self._http.start(*where, ssl_context=ssl_context)
+        logger.info("OpenAI HTTP API on %s/v1", self.http_url)
+
+    @property
+    def http_url(self) -> str:
+        """``http(s)://host:port`` of the HTTP front ("" when it is off)."""
+        if not self.http_address:
+            return ""
+        return f"{'https' if self._tls is not None else 'http'}://{self.http_address}"
 
     async def stop(self) -> None:
         grace = self.config.router.grace_seconds
@@ -213,6 +249,7 @@ def describe(config: ClusterConfig, registry: Any, seed: int | None) -> tuple[An
         default_max_tokens=config.router.default_max_tokens,
         policy=config.router.policy,
         seed=seed,
+        max_request_bytes=config.router.max_request_bytes,
     )
     groups = [GroupView(g.role, g.role, g.replicas, g.tp) for g in config.groups]
     return model_info, tokenizer, settings, groups
@@ -229,7 +266,7 @@ async def serve(
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
-    http = f", OpenAI HTTP on http://{app.http_address}/v1" if app.http_address else ""
+    http = f", OpenAI HTTP on {app.http_url}/v1" if app.http_url else ""
     print(f"pdserve: serving on {app.address}{http} (Ctrl-C to stop)", flush=True)
     try:
         await stop.wait()

@@ -87,12 +87,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=None, help="unset: 1.0; 0 is greedy")
     p.add_argument("--chat", action="store_true", help="wrap PROMPT in the model's chat template")
     p.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")
+    p.add_argument("--tls", action="store_true", help="TLS, trusting the system's root CAs")
+    p.add_argument("--tls-ca", metavar="PEM", help="TLS, trusting this CA (router.tls.cert's)")
+    p.add_argument("--tls-cert", metavar="PEM", help="client certificate (mTLS; with --tls-key)")
+    p.add_argument("--tls-key", metavar="PEM", help="client certificate's private key")
+    p.add_argument(
+        "--token", default=None, help="bearer token (router.auth.token); default $PDSERVE_TOKEN"
+    )
     p.set_defaults(func=_generate)
 
     # simulate / plan / calibrate: the cluster simulator (orchestrator/sim/); argparse only.
     from orchestrator.sim.commands import add_subcommands as add_sim_subcommands
 
     add_sim_subcommands(sub)
+    # bench run / compare / validate: the load generator (orchestrator/loadgen/); argparse only.
+    from orchestrator.loadgen.commands import add_subcommands as add_bench_subcommands
+
+    add_bench_subcommands(sub)
     return parser
 
 

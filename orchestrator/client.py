@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 
+from orchestrator.security import channel_credentials, token_interceptors
 from orchestrator.stubs import ensure_stubs
 
 ensure_stubs()
@@ -51,5 +53,24 @@ async def complete(
     return result
 
 
-def channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address)
+def channel(
+    address: str,
+    *,
+    tls_ca: Path | None = None,
+    client_cert: Path | None = None,
+    client_key: Path | None = None,
+    token: str | None = None,
+    tls: bool = False,
+) -> grpc.aio.Channel:
+    """An asyncio channel to the router at ``address``.
+
+    TLS is on when ``tls`` or any of ``tls_ca`` (the CA that signed the router's certificate;
+    None: the system's roots), ``client_cert`` / ``client_key`` (mTLS, both or neither) is
+    given; otherwise plaintext. ``token`` is sent as ``authorization: Bearer`` on every call.
+    Unreadable files raise `orchestrator.security.TLSFileError` before anything connects.
+    """
+    interceptors = token_interceptors(token) if token else None
+    if tls or tls_ca is not None or client_cert is not None or client_key is not None:
+        credentials = channel_credentials(tls_ca, client_cert, client_key)
+        return grpc.aio.secure_channel(address, credentials, interceptors=interceptors)
+    return grpc.aio.insecure_channel(address, interceptors=interceptors)

@@ -16,11 +16,12 @@ Layout (every key optional unless marked; `configs/*.yaml` are complete examples
         limits: {...}               # overrides of GROUP_LIMIT_KEYS for this group
     transfer: {deadline_seconds, drain_interval_seconds, coalesce_pages}
     router: {address, http_address, policy, max_queue, default_max_tokens, grace_seconds,
-             auth: {token}, tls: {cert, key, ca}}
+             max_request_bytes, auth: {token}, tls: {cert, key, ca}}
 
 Relative paths (``model``, TLS files) are resolved against the YAML file's directory, so a
 config means the same thing from any working directory. Byte sizes (``kv_memory_bytes``,
-``memory``) take an integer or a string with a unit (``512MiB``, ``4GiB``, ``1GB``).
+``memory``, ``router.max_request_bytes``) take an integer or a string with a unit (``512MiB``,
+``4GiB``, ``1GB``).
 
 Every error is a `ConfigError` whose message starts with the dotted path of the offending key
 (``groups.decode.tp: must be >= 1, got 0``). Rules that need the model (TP against KV heads,
@@ -459,7 +460,7 @@ def _parse_group(role: str, raw: object, top_limits: dict[str, Any]) -> GroupCon
 
 
 def _parse_router(raw: object, base: Path) -> RouterConfig:
-    data = _section(raw, "router")
+    data = _with_bytes(_section(raw, "router"), "max_request_bytes", "router")
     tls = _section(data.get("tls"), "router.tls")
     _reject_unknown(tls, [f.name for f in fields(TLSConfig)], "router.tls")
     tls_paths = {

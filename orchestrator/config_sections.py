@@ -19,6 +19,11 @@ FABRIC_PROVIDERS: tuple[str, ...] = ("tcp;ofi_rxm", "shm", "verbs;ofi_rxm", "efa
 # Short names accepted for convenience, as in `workers.fabric.providers`.
 FABRIC_PROVIDER_ALIASES: dict[str, str] = {"tcp": "tcp;ofi_rxm", "verbs": "verbs;ofi_rxm"}
 ROUTING_POLICIES: tuple[str, ...] = ("least_outstanding", "round_robin", "random")
+# router.max_request_bytes: gRPC's own default receive limit, so nothing that fit before is
+# refused; room for a 128k-token prompt as token ids (at most 5 bytes each) or as text.
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
+# The gRPC transport limit is twice router.max_request_bytes and gRPC takes an int32.
+MAX_REQUEST_BYTES_LIMIT = 2**30
 
 
 class ConfigError(ValueError):
@@ -206,25 +211,35 @@ class TransferConfig:
     """KV transfers between prefill and decode workers.
 
     deadline_seconds: a decoder fails a request whose KV has not fully arrived by then.
-    drain_interval_seconds: how long after an aborted transfer's deadline its pages stay
-        quarantined, so that a late write can never land in a page given to a newer request.
+    drain_interval_seconds: how often a decoder re-sends AbortPrefill for a failed transfer
+        whose pages are quarantined (and checks whether its prefill process is gone). Pages
+        are freed only once no write can land in them (acknowledged writes landed, or the
+        prefill process gone), never after a time: a late write can never land in a page given
+        to a newer request (`workers.kv.quarantine`).
     coalesce_pages: merge writes of adjacent pages (both sides must agree: it is sent along).
+    checksum: decoders verify every transfer's KV against checksums the prefill worker sends in
+        the context write (`workers.kv.checksum`); a mismatch fails the request. Off by default:
+        it costs a CRC-32 pass over the KV on both sides. Decoders ask for it per request.
     """
 
     deadline_seconds: float = 30.0
     drain_interval_seconds: float = 5.0
     coalesce_pages: bool = True
+    checksum: bool = False
 
     def __post_init__(self) -> None:
         check_number("deadline_seconds", self.deadline_seconds, 0, strict=True)
         check_number("drain_interval_seconds", self.drain_interval_seconds, 0)
         check_bool("coalesce_pages", self.coalesce_pages)
+        check_bool("checksum", self.checksum)
 
 
 @dataclass(frozen=True)
 class AuthConfig:
-    """A bearer token clients of the OpenAI HTTP front must send (``Authorization: Bearer``;
-    ``/health`` is exempt); None disables auth. The gRPC API does not check it yet."""
+    """A bearer token every client must send: ``Authorization: Bearer <token>`` on HTTP (else
+    401), ``authorization: Bearer <token>`` metadata on gRPC (else UNAUTHENTICATED). Health
+    checks are exempt (``/health``, ``grpc.health.v1.Health``). None disables auth. Checked by
+    `orchestrator.security` and `orchestrator.http_api`."""
 
     # Out of repr: configs get logged, secrets must not be.
     token: str | None = field(default=None, repr=False)
@@ -235,8 +250,9 @@ class AuthConfig:
 
 @dataclass(frozen=True)
 class TLSConfig:
-    """Placeholder for the router's TLS (not served yet). cert + key turn TLS on; ca in
-    addition requires client certificates signed by it. Files are checked by the router."""
+    """TLS of both router fronts (gRPC and HTTP), PEM files. cert + key turn TLS on; ca in
+    addition requires client certificates signed by it (mTLS). The router reads and checks the
+    files when it starts (`orchestrator.security.load_server_tls`), before placing workers."""
 
     cert: Path | None = None
     key: Path | None = None
@@ -263,6 +279,10 @@ class RouterConfig:
     max_queue: requests held while no decode worker has room; more get RESOURCE_EXHAUSTED.
     default_max_tokens: for requests that leave ``max_tokens`` unset.
     grace_seconds: how long a stopping router lets streams finish.
+    max_request_bytes: largest request accepted, as serialized protobuf (gRPC) or as the JSON
+        body (HTTP); larger ones get INVALID_ARGUMENT / HTTP 400 before they are parsed. The
+        gRPC server's transport limit is twice this: beyond it gRPC itself answers
+        RESOURCE_EXHAUSTED without reading the message.
     """
 
     address: str = "127.0.0.1:50051"
@@ -271,6 +291,7 @@ class RouterConfig:
     max_queue: int = 1024
     default_max_tokens: int = 256
     grace_seconds: float = 5.0
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     auth: AuthConfig = field(default_factory=AuthConfig)
     tls: TLSConfig = field(default_factory=TLSConfig)
 
@@ -282,6 +303,12 @@ class RouterConfig:
         check_int("max_queue", self.max_queue, 0)
         check_int("default_max_tokens", self.default_max_tokens, 1)
         check_number("grace_seconds", self.grace_seconds, 0)
+        check_int("max_request_bytes", self.max_request_bytes, 1024)
+        if self.max_request_bytes > MAX_REQUEST_BYTES_LIMIT:
+            raise ConfigError(
+                "max_request_bytes",
+                f"must be <= {MAX_REQUEST_BYTES_LIMIT} (1GiB), got {self.max_request_bytes}",
+            )
 
     @property
     def host(self) -> str:

@@ -1,13 +1,22 @@
-"""``pdserve generate --address HOST:PORT PROMPT``: stream an answer to the terminal."""
+"""``pdserve generate --address HOST:PORT PROMPT``: stream an answer to the terminal.
+
+``--tls-ca`` / ``--tls-cert`` / ``--tls-key`` (or ``--tls``) connect over TLS / mTLS;
+``--token`` (default: ``$PDSERVE_TOKEN``) is sent as ``authorization: Bearer``.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 import grpc
 
 from orchestrator.client import channel, pb, pb_grpc
+from orchestrator.security import TLSFileError
+
+TOKEN_ENV = "PDSERVE_TOKEN"
 
 
 def _apply_chat_template(prompt: str, model_dir: str | None) -> str:
@@ -23,7 +32,12 @@ async def generate(args: argparse.Namespace) -> int:
         request.sampling.max_tokens = args.max_tokens
     if args.temperature is not None:
         request.sampling.temperature = args.temperature
-    async with channel(args.address) as chan:
+    try:
+        chan = _open_channel(args)
+    except TLSFileError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    async with chan:
         stub = pb_grpc.GenerationStub(chan)
         try:
             async for response in stub.Generate(request, timeout=args.timeout):
@@ -41,5 +55,30 @@ async def generate(args: argparse.Namespace) -> int:
                     )
         except grpc.aio.AioRpcError as error:
             print(f"\nerror: {error.code().name}: {error.details()}", file=sys.stderr)
+            if error.code() == grpc.StatusCode.UNAUTHENTICATED:
+                print(
+                    f"the router requires a token: pass --token or set {TOKEN_ENV}"
+                    if not _token(args)
+                    else "the router rejected the token given (--token / $PDSERVE_TOKEN)",
+                    file=sys.stderr,
+                )
             return 1
     return 0
+
+
+def _token(args: argparse.Namespace) -> str | None:
+    return args.token or os.environ.get(TOKEN_ENV) or None
+
+
+def _open_channel(args: argparse.Namespace) -> grpc.aio.Channel:
+    def path(value: str | None) -> Path | None:
+        return Path(value).expanduser() if value else None
+
+    return channel(
+        args.address,
+        tls_ca=path(args.tls_ca),
+        client_cert=path(args.tls_cert),
+        client_key=path(args.tls_key),
+        token=_token(args),
+        tls=args.tls,
+    )

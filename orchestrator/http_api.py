@@ -8,6 +8,7 @@ metrics); `orchestrator.openai_protocol` translates bodies and events. Errors be
 statuses only here, in OpenAI's shape ``{"error": {"message", "type", "code"}}``:
 
     InvalidRequestError (bad body, sampling, context overflow)  -> 400
+    a body over ``router.max_request_bytes``                    -> 400 (code request_too_large)
     CapacityError (the prompt never fits a KV pool)             -> 400
     missing / wrong bearer token (``router.auth.token``)        -> 401
     unknown model                                               -> 404
@@ -24,9 +25,9 @@ the stream ends without ``[DONE]``. A client that leaves closes the router's gen
 from __future__ import annotations
 
 import contextlib
-import hmac
 import json
 import logging
+import ssl
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ from orchestrator.openai_protocol import (
     usage_chunk,
 )
 from orchestrator.router import Router, StreamEvent
+from orchestrator.security import bearer_matches
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +95,14 @@ def _error_response(error: BaseException) -> web.Response:
     return web.json_response(body, status=status)
 
 
+def _too_large(limit: int) -> web.Response:
+    """400 rather than aiohttp's plain-text 413: every bad input is a 400 in OpenAI's shape, so
+    clients handle this one as they do the others (``openai.BadRequestError``)."""
+    message = f"the request body exceeds the router's limit of {limit} bytes"
+    body = error_body(400, message, "invalid_request_error", "request_too_large")
+    return web.json_response(body, status=400)
+
+
 @dataclass(frozen=True)
 class HttpSettings:
     model_name: str
@@ -106,7 +116,9 @@ class OpenAIHttpApi:
         self.router = router
         self.settings = settings
         self.created = int(time.time())
-        self.app = web.Application(middlewares=[self._auth])
+        self.app = web.Application(
+            middlewares=[self._auth], client_max_size=router.settings.max_request_bytes
+        )
         self.app.router.add_post("/v1/completions", self._completions)
         self.app.router.add_post("/v1/chat/completions", self._chat)
         self.app.router.add_get("/v1/models", self._models)
@@ -114,11 +126,12 @@ class OpenAIHttpApi:
         self._runner: web.AppRunner | None = None
         self.address = ""
 
-    async def start(self, host: str, port: int) -> str:
-        """Listen on ``host:port`` (0: any free port); returns the bound ``host:port``."""
+    async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> str:
+        """Listen on ``host:port`` (0: any free port), over HTTPS with ``ssl_context``
+        (`orchestrator.security.ServerTLS`); returns the bound ``host:port``."""
         self._runner = runner = web.AppRunner(self.app, access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, host, port)
+        site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
         await site.start()
         bound = runner.addresses[0]
         self.address = f"{host}:{bound[1]}"
@@ -136,11 +149,7 @@ class OpenAIHttpApi:
         token = self.settings.auth_token
         if token is None or request.path == "/health":
             return await handler(request)
-        given = request.headers.get("Authorization", "")
-        scheme, _, value = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            value.strip().encode(), token.encode()
-        ):
+        if not bearer_matches(request.headers.get("Authorization", ""), token):
             body = error_body(401, "invalid or missing API key", "authentication_error", "")
             body["error"]["code"] = "invalid_api_key"
             return web.json_response(body, status=401)
@@ -170,6 +179,8 @@ class OpenAIHttpApi:
                 body = await request.json()
             except (json.JSONDecodeError, UnicodeDecodeError):
                 raise InvalidRequestError("the request body is not valid JSON") from None
+            except web.HTTPRequestEntityTooLarge:
+                return _too_large(self.router.settings.max_request_bytes)
             parsed = parse_request(kind, body, self.settings.model_name, self.router.tokenizer)
             if parsed.model != self.settings.model_name:
                 raise ModelNotFoundError(f"model {parsed.model!r} is not served here")

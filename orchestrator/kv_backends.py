@@ -45,6 +45,7 @@ class DecodeBackend:
             transfer_timeout_s=transfer.get("deadline_seconds", 30.0),
             drain_interval_s=transfer.get("drain_interval_seconds", 5.0),
             coalesce_pages=transfer.get("coalesce_pages", True),
+            checksum=transfer.get("checksum", False),
         )
         self.worker: DecodeWorker = DecodeWorker(
             model_dir, config, provider=provider, node=node, messenger_config=messenger

@@ -9,6 +9,11 @@ text content (a string, or ``{"type": "text"}`` parts) rendered by the tokenizer
 template; ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``stop``,
 ``seed``, ``presence_penalty``, ``frequency_penalty``, vLLM's ``top_k`` / ``min_p`` /
 ``repetition_penalty`` / ``ignore_eos``, ``logprobs`` of the chosen token only; ``n`` = 1.
+
+Other keys are ignored, as OpenAI clients send many optional ones (``user``, ``logit_bias``,
+...), except `TRANSFER_KEYS`: fields that would steer where a request's KV comes from or goes
+to. Only the router decides that, so a body naming one is refused rather than served as if the
+key were not there.
 """
 
 from __future__ import annotations
@@ -32,6 +37,18 @@ _NUMBERS = {
     "repetition_penalty": "repetition_penalty",
 }
 _INTS = {"seed": "seed", "top_k": "top_k"}
+# vLLM's disaggregated-serving key (``kv_transfer_params``) and the parts it is made of, and
+# the internal API's field (worker.proto's ``prefill_endpoint``).
+TRANSFER_KEYS = (
+    "kv_transfer_params",
+    "prefill_endpoint",
+    "do_remote_prefill",
+    "do_remote_decode",
+    "remote_engine_id",
+    "remote_block_ids",
+    "remote_host",
+    "remote_port",
+)
 
 
 @dataclass(frozen=True)
@@ -118,6 +135,10 @@ def _message_text(message: object) -> dict[str, str]:
         content = ""
     if not isinstance(content, str):
         raise InvalidRequestError(f"message content must be text, got {content!r}")
+    try:  # JSON may carry a lone surrogate ("\ud800"), which no tokenizer takes
+        content.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequestError("message content is not valid Unicode text") from None
     return {"role": message["role"], "content": content}
 
 
@@ -143,6 +164,12 @@ def parse_request(
 ) -> ParsedRequest:
     if not isinstance(body, dict):
         raise InvalidRequestError("the request body must be a JSON object")
+    transfer = [key for key in TRANSFER_KEYS if key in body]
+    if transfer:
+        raise InvalidRequestError(
+            f"{', '.join(transfer)}: KV transfers are the router's to arrange; "
+            "a client cannot set them"
+        )
     n = _field(body, "n", (int,), "an integer")
     if n not in (None, 1):
         raise InvalidRequestError(f"n must be 1, got {n}")

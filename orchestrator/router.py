@@ -11,6 +11,11 @@ Request path (one asyncio task per request, the servicer's)::
       ─▶ finally: unless it finished, an ``abort`` message (the worker aborts the request and
          frees its pages); the worker's slot is released, the queue is woken.
 
+A broken stream (the worker died) ends the worker's requests with `WorkerFailedError` and makes
+it *suspect*: not chosen again until the controller replaced it (new generation) or
+``suspect_hold_seconds`` passed, so no request is sent to a dead worker while the controller's
+health check has not yet noticed.
+
 Errors are typed (`orchestrator.errors`); the servicer maps them to status codes.
 """
 
@@ -28,6 +33,7 @@ from typing import Any
 
 import grpc
 
+from orchestrator.config_sections import DEFAULT_MAX_REQUEST_BYTES
 from orchestrator.errors import (
     CapacityError,
     DuplicateRequestError,
@@ -64,6 +70,10 @@ class RouterSettings:
     default_max_tokens: int
     policy: str = "least_outstanding"
     seed: int | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # also bounds a prompt's UTF-8 bytes
+    # A worker whose link broke is not chosen again until the controller replaced it (new
+    # generation or address) or this long passed (a break that was not the worker's death).
+    suspect_hold_seconds: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -142,6 +152,8 @@ class Router:
         self._num_queued = 0
         self._room = asyncio.Condition()
         self._links: dict[str, WorkerLink] = {}
+        # worker id -> (generation, address, until): its link broke (see `_suspect`).
+        self._suspects: dict[str, tuple[int, str, float]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.draining = False
         registry.on_worker_down(self._worker_down)
@@ -198,7 +210,20 @@ class Router:
             return list(request.prompt_token_ids or [])
         if self.tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer: give prompt_token_ids")
-        return self.tokenizer.encode(request.prompt or "")
+        text = request.prompt or ""
+        # Checked before tokenizing: the tokenizer's time grows with the text, and a lone
+        # surrogate (JSON can carry one) is no text a tokenizer can take.
+        try:
+            size = len(text.encode("utf-8"))
+        except UnicodeEncodeError:
+            raise InvalidRequestError("the prompt is not valid Unicode text") from None
+        limit = self.settings.max_request_bytes
+        if size > limit:
+            raise InvalidRequestError(
+                f"prompt of {size} bytes exceeds the router's limit of {limit} bytes "
+                "(router.max_request_bytes)"
+            )
+        return self.tokenizer.encode(text)
 
     def _sampling(
         self, request: GenerationInput, request_id: str, prompt: list[int]
@@ -208,6 +233,12 @@ class Router:
         max_tokens = request.max_tokens
         if max_tokens is None:
             max_tokens = min(settings.default_max_tokens, room)
+        elif max_tokens > settings.max_model_len:
+            # No request can ever generate that many; a smaller excess over what the prompt
+            # leaves is served and ends with "length" at max_model_len.
+            raise InvalidRequestError(
+                f"max_tokens {max_tokens} exceeds max_model_len={settings.max_model_len}"
+            )
         params = SamplingParams(
             **request.sampling, max_tokens=max_tokens, logprobs=request.return_logprobs
         )
@@ -230,7 +261,11 @@ class Router:
                 while True:
                     if self.draining:
                         raise UnavailableError("the router is draining")
-                    ready = self.registry.ready(settings.serving_role)
+                    ready = [
+                        w
+                        for w in self.registry.ready(settings.serving_role)
+                        if not self._is_suspect(w)
+                    ]
                     if not ready:
                         raise UnavailableError(f"no ready {settings.serving_role} worker")
                     if settings.is_disaggregated and not self.registry.ready("prefill"):
@@ -307,12 +342,14 @@ class Router:
         try:
             deltas = await link.start(message)
         except LinkBroken as error:
+            self._suspect(worker, link)
             raise WorkerFailedError(str(error)) from None
         num_tokens = 0
         first = last = 0.0
         while True:
             delta = await deltas.get()
             if isinstance(delta, LinkBroken):
+                self._suspect(worker, link)
                 raise WorkerFailedError(f"{worker.worker_id}: {delta}")
             now = time.perf_counter()
             if delta.token_ids:
@@ -351,6 +388,30 @@ class Router:
                 return
 
     # --- failures and drain ------------------------------------------------------------------
+
+    def _suspect(self, worker: WorkerRecord, link: WorkerLink) -> None:
+        """The stream to ``worker`` broke (it died, or its host is unreachable): stop choosing
+        it now rather than after the controller's next health check. Not for a link the router
+        itself replaced or closed (`_link`, `_worker_down`): that one is no longer current."""
+        if self._links.get(worker.worker_id) is not link:
+            return
+        until = time.monotonic() + self.settings.suspect_hold_seconds
+        self._suspects[worker.worker_id] = (worker.generation, worker.address, until)
+        logger.warning("%s: link broke; not routing to it until it is replaced", worker.worker_id)
+
+    def _is_suspect(self, worker: WorkerRecord) -> bool:
+        """Cleared by a replacement (the controller bumps the generation and the worker has a
+        new address) or when the hold time passed."""
+        mark = self._suspects.get(worker.worker_id)
+        if mark is None:
+            return False
+        generation, address, until = mark
+        if (worker.generation, worker.address) != (generation, address) or (
+            time.monotonic() >= until
+        ):
+            del self._suspects[worker.worker_id]
+            return False
+        return True
 
     def _worker_down(self, record: WorkerRecord) -> None:
         """The controller took ``record`` out of service: end its requests with an error."""

@@ -81,7 +81,12 @@ class WorkerLink:
         try:
             async with self._write_lock:
                 await call.write(wpb.ConnectRequest(abort_request_id=request_id))
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.CancelledError):
+        except (
+            grpc.aio.AioRpcError,
+            grpc.aio.UsageError,
+            asyncio.InvalidStateError,  # the call already finished (its worker died)
+            asyncio.CancelledError,
+        ):
             pass  # the stream is gone: the worker aborts everything it carried
 
     async def _read(self, call: grpc.aio.StreamStreamCall) -> None:

@@ -5,6 +5,7 @@ backend when Prometheus scrapes (no polling thread).
     kv_pages_pinned_for_transfer, kv_messenger_queue_depth        decode / prefill (messenger)
     kv_transfer_seconds / bytes / exposed_seconds                 prefill (it pushes the KV)
     kv_transfer_failures_total                                    decode / prefill
+    kv_checksum_failures_total                                    decode (checksum mode)
 
 Transfer histograms observe each ended transfer once: the messenger keeps a bounded record of
 recent ones (`finished_transfers`), and a scrape observes those it has not seen. Transfers that
@@ -111,6 +112,8 @@ class WorkerMetricsExporter:
         metrics = self.metrics
         if record.get("state") == "failed":
             metrics.count_transfer_failure(failure_label(str(record.get("reason") or "")))
+            if record.get("checksum_mismatch"):  # a decoder in checksum mode caught corrupt KV
+                metrics.kv_checksum_failures.inc()
             return
         if "num_bytes" not in record:  # a decoder's record: the prefill side measures
             return

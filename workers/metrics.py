@@ -172,6 +172,11 @@ METRIC_SPECS: tuple[MetricSpec, ...] = (
         "Transfers in each of the KV messenger's queues.",
         labels=("queue",),
     ),
+    MetricSpec(
+        "pdserve_kv_checksum_failures_total",
+        "counter",
+        "KV transfers whose received KV did not match the prefill's checksums (checksum mode).",
+    ),
     # --- router -------------------------------------------------------------------------------
     MetricSpec(
         "pdserve_router_decisions_total",
@@ -220,6 +225,7 @@ class Metrics:
         self.kv_transfer_exposed_seconds = self._bound_histogram(
             "pdserve_kv_transfer_exposed_seconds"
         )
+        self.kv_checksum_failures = self._bound_counter("pdserve_kv_checksum_failures_total")
         # Zero-valued series for every closed-vocabulary value (see LABEL_VALUES).
         for spec in METRIC_SPECS:
             for label in spec.labels:

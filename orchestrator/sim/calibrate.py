@@ -4,7 +4,8 @@ write the JSON that `calibrated.fit` reads.
 The engine runs the ``small`` preset (random weights; only shapes matter for time) in mixed
 role, one process, one rank. Prefill points: one-shot prompts up to the token budget, then
 one long prompt in budget-sized chunks (so that the attention term sees context). Decode
-points: batches of short prompts, timing only steps that run after every sequence has its
+points: batches of short prompts (and, with ``decode_contexts``, of longer ones, so that the
+fit sees the per-KV-token cost), timing only steps that run after every sequence has its
 first token and before any finishes (pure decode steps of the whole batch). Each point is the median of its repeats, after a warm-up.
 Fabric points: one write of each size between two transfer engines in this process over
 ``tcp;ofi_rxm`` on loopback, submit to the target's counter firing.
@@ -24,11 +25,11 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-PROMPT_LEN = 32  # decode points: prompt tokens per sequence
+PROMPT_LEN = 32  # decode points: prompt tokens per sequence (default; see decode_contexts)
 DECODE_STEPS = 4  # timed decode steps per batch size
 
 
-def _engine(model_dir: Path, max_batch: int, budget: int) -> Any:
+def _engine(model_dir: Path, max_batch: int, budget: int, num_pages: int = 256) -> Any:
     from workers.engine.config import EngineConfig
     from workers.engine.engine_core import EngineCore
 
@@ -36,7 +37,7 @@ def _engine(model_dir: Path, max_batch: int, budget: int) -> Any:
         role="mixed",
         max_num_seqs=max_batch,
         max_num_batched_tokens=budget,
-        num_pages=max(256, max_batch * 4),
+        num_pages=max(num_pages, max_batch * 4),
     )
     return EngineCore(model_dir, config, detokenize=False)
 
@@ -76,13 +77,15 @@ def _prefill_points(engine: Any, sizes: Sequence[int], repeats: int) -> list[dic
     ]
 
 
-def _decode_points(engine: Any, batches: Sequence[int], repeats: int) -> list[dict[str, float]]:
+def _decode_points(
+    engine: Any, batches: Sequence[int], repeats: int, prompt_len: int = PROMPT_LEN
+) -> list[dict[str, float]]:
     points = []
     for batch in [batches[0], *batches]:  # the first, repeated, warms up
         samples: list[list[float]] = [[] for _ in range(DECODE_STEPS)]
         kv_tokens = [0] * DECODE_STEPS
         for repeat in range(repeats):
-            timed = _decode_run(engine, batch, f"d{batch}-{repeat}")
+            timed = _decode_run(engine, batch, f"d{prompt_len}-{batch}-{repeat}", prompt_len)
             for k, (seconds, kv) in enumerate(timed):
                 samples[k].append(seconds)
                 kv_tokens[k] = kv
@@ -94,24 +97,31 @@ def _decode_points(engine: Any, batches: Sequence[int], repeats: int) -> list[di
     return points[DECODE_STEPS:]
 
 
-def _decode_run(engine: Any, batch: int, prefix: str) -> list[tuple[float, int]]:
-    """(seconds, KV tokens read) of the first DECODE_STEPS steps after every sequence has its
-    first token: pure decode steps of exactly ``batch`` sequences."""
-    from workers.engine.sampling_params import SamplingParams
-
+def _decode_max_tokens(batch: int, prompt_len: int, budget: int) -> int:
     # Early sequences decode while later ones prefill: enough tokens that none finishes
     # before the timed steps end.
+    return 2 * (batch * prompt_len // max(1, budget - batch) + 2) + DECODE_STEPS
+
+
+def _decode_run(
+    engine: Any, batch: int, prefix: str, prompt_len: int = PROMPT_LEN
+) -> list[tuple[float, int]]:
+    """(seconds, KV tokens read) of the first DECODE_STEPS steps after every sequence has its
+    first token: pure decode steps of exactly ``batch`` sequences of ``prompt_len``-token
+    prompts."""
+    from workers.engine.sampling_params import SamplingParams
+
     budget = engine.config.max_num_batched_tokens
-    max_tokens = 2 * (batch * PROMPT_LEN // max(1, budget - batch) + 2) + DECODE_STEPS
+    max_tokens = _decode_max_tokens(batch, prompt_len, budget)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     generated: dict[str, int] = {}
     for i in range(batch):
-        engine.add_request(f"{prefix}-{i}", [9] * PROMPT_LEN, params)
+        engine.add_request(f"{prefix}-{i}", [9] * prompt_len, params)
     timed: list[tuple[float, int]] = []
     while engine.has_unfinished():
         is_pure_decode = len(generated) == batch and len(timed) < DECODE_STEPS
         # Each sequence feeds its last token and attends to the prompt and every output.
-        kv = sum(PROMPT_LEN + n for n in generated.values())
+        kv = sum(prompt_len + n for n in generated.values())
         start = time.perf_counter()
         outputs = engine.step()
         if is_pure_decode:
@@ -160,6 +170,7 @@ def run_calibration(
     *,
     prefill_sizes: Sequence[int] = (32, 64, 128, 256),
     decode_batches: Sequence[int] = (1, 8, 32),
+    decode_contexts: Sequence[int] = (PROMPT_LEN,),
     repeats: int = 2,
     budget: int = 256,
     fabric: bool = False,
@@ -169,7 +180,13 @@ def run_calibration(
 
     with tempfile.TemporaryDirectory(prefix="pdserve-calibrate-") as tmp:
         model_dir = write_random_checkpoint("small", Path(tmp) / "small")
-        engine = _engine(model_dir, max(decode_batches), budget)
+        # Decode points at long contexts need every sequence's pages at once (16 per page).
+        pages = max(
+            (b * (c + _decode_max_tokens(b, c, budget)) // 16 + b)
+            for b in decode_batches
+            for c in decode_contexts
+        )
+        engine = _engine(model_dir, max(decode_batches), budget, max(256, pages))
         try:
             config = engine.model_config
             element = engine.kv_cache.element_size()
@@ -183,7 +200,11 @@ def run_calibration(
                 * element,
                 "kv_capacity_tokens": engine.num_pages * engine.config.page_size,
                 "prefill": _prefill_points(engine, prefill_sizes, repeats),
-                "decode": _decode_points(engine, decode_batches, repeats),
+                "decode": [
+                    point
+                    for context in decode_contexts
+                    for point in _decode_points(engine, decode_batches, repeats, context)
+                ],
             }
         finally:
             engine.close()

@@ -49,6 +49,12 @@ def add_subcommands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--out", default="calibration.json")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per point (median)")
     p.add_argument("--fabric", action="store_true", help="also time loopback tcp writes")
+    p.add_argument(
+        "--decode-context",
+        default="32",
+        help="prompt lengths of the decode points (comma-separated): long ones let the fit "
+        "see the per-KV-token cost of long-context decode",
+    )
     p.set_defaults(func=_calibrate)
 
 
@@ -192,7 +198,10 @@ def _calibrate(args: argparse.Namespace) -> int:
     from orchestrator.sim.calibrate import run_calibration
     from orchestrator.sim.calibrated import fit
 
-    data = run_calibration(args.out, repeats=args.repeats, fabric=args.fabric)
+    contexts = tuple(int(c) for c in args.decode_context.split(","))
+    data = run_calibration(
+        args.out, repeats=args.repeats, fabric=args.fabric, decode_contexts=contexts
+    )
     model = fit(data)
     print(
         f"wrote {len(data['prefill'])} prefill, {len(data['decode'])} decode and "

@@ -32,9 +32,11 @@ class RemotePrefill:
         num_threads: int | None = None,
         daemon: bool = True,
         wait: bool = True,
+        env: dict[str, str] | None = None,
     ) -> None:
         """``daemon=False`` for a TP prefill worker: a daemonic process cannot spawn its ranks
-        (then `close` / `kill` must run, e.g. from a fixture's teardown)."""
+        (then `close` / `kill` must run, e.g. from a fixture's teardown). ``env``: variables
+        set for the child only (e.g. libfabric's ``FI_TCP_PORT_*`` to pin its address)."""
         options = {
             "model_dir": str(model_dir),
             "provider": provider,
@@ -46,7 +48,16 @@ class RemotePrefill:
         self.process = SPAWN.Process(
             target=prefill_process_main, args=(child, json.dumps(options).encode()), daemon=daemon
         )
-        self.process.start()
+        saved = {name: os.environ.get(name) for name in env or {}}
+        os.environ.update(env or {})  # a spawned child copies the environment at start
+        try:
+            self.process.start()
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
         child.close()
         self.killed = False
         self.endpoint: PrefillEndpoint

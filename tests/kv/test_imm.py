@@ -4,7 +4,6 @@ import pytest
 
 from workers.kv.errors import ImmError, SlotsExhaustedError
 from workers.kv.imm import ImmLayout, SlotTable
-from workers.kv.quarantine import PageQuarantine, QuarantinedPages
 
 
 def test_layout_encodes_slot_low_and_generation_high() -> None:
@@ -103,52 +102,3 @@ def test_garbage_imms_resolve_to_nothing() -> None:
     assert table.resolve(-1) is None
     assert table.resolve(1 << 8) is None
     assert table.resolve(3) is None  # slot beyond capacity
-
-
-def pages(imm: int, *ids: int) -> QuarantinedPages:
-    return QuarantinedPages(imm, f"req-{imm}", ids)
-
-
-def test_quarantine_releases_when_all_expected_writes_arrived() -> None:
-    q = PageQuarantine(drain_interval_s=5.0)
-    assert (
-        q.hold(pages(1, 4, 5), num_writes_expected=10, num_writes_seen=7, now_s=0, deadline_s=2)
-        == []
-    )
-    assert q.num_pages == 2 and 1 in q
-    assert q.record_writes(1, 2, now_s=1) == []
-    assert q.record_writes(1, 1, now_s=1) == [pages(1, 4, 5)]
-    assert len(q) == 0 and q.record_writes(1, 1, now_s=1) == []
-
-
-def test_quarantine_releases_on_acknowledged_abort_once_submitted_writes_landed() -> None:
-    q = PageQuarantine(drain_interval_s=5.0)
-    q.hold(pages(1, 7), num_writes_expected=10, num_writes_seen=2, now_s=0, deadline_s=2)
-    assert q.acknowledge_abort(1, 3, now_s=1) == []
-    assert q.record_writes(1, 1, now_s=1) == [pages(1, 7)]
-    # An acknowledgement for writes that all arrived already releases immediately.
-    q.hold(pages(2, 8), num_writes_expected=10, num_writes_seen=4, now_s=0, deadline_s=2)
-    assert q.acknowledge_abort(2, 4, now_s=1) == [pages(2, 8)]
-    assert q.acknowledge_abort(3, 0, now_s=1) == []
-
-
-def test_quarantine_drains_by_time_after_deadline() -> None:
-    q = PageQuarantine(drain_interval_s=5.0)
-    q.hold(pages(1, 1), num_writes_expected=4, num_writes_seen=0, now_s=0, deadline_s=10)
-    q.hold(pages(2, 2), num_writes_expected=4, num_writes_seen=0, now_s=3, deadline_s=1)
-    assert q.expire(now_s=7.9) == []
-    assert q.expire(now_s=8.0) == [pages(2, 2)]  # aborted at 3 after its deadline: 3 + 5
-    assert q.expire(now_s=14.9) == []
-    assert q.expire(now_s=15.0) == [pages(1, 1)]  # deadline 10 + 5
-    with pytest.raises(ValueError):
-        PageQuarantine(-1)
-
-
-def test_quarantine_rejects_double_hold_and_releases_complete_transfers_at_once() -> None:
-    q = PageQuarantine(drain_interval_s=1.0)
-    assert q.hold(pages(1, 1), num_writes_expected=2, num_writes_seen=2, now_s=0, deadline_s=0) == [
-        pages(1, 1)
-    ]
-    q.hold(pages(2, 2), num_writes_expected=2, num_writes_seen=0, now_s=0, deadline_s=0)
-    with pytest.raises(ValueError, match="already"):
-        q.hold(pages(2, 3), num_writes_expected=2, num_writes_seen=0, now_s=0, deadline_s=0)

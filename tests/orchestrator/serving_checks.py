@@ -10,11 +10,14 @@ import grpc
 import pytest
 
 from orchestrator.client import pb, pb_grpc
+from orchestrator.config_sections import DEFAULT_MAX_REQUEST_BYTES
+from protos.pdserve.v1 import worker_pb2 as wpb
 from tests.orchestrator.cluster_helpers import free_pages, pools_full, wait_until
 from workers.engine.config import EngineConfig
 from workers.engine.engine_core import EngineCore
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.tokenizer import load_tokenizer
+from workers.kv.endpoint import PrefillEndpoint
 
 PROMPTS = [
     "The quick brown fox",
@@ -108,10 +111,63 @@ BAD_REQUESTS = {
     "stop token outside vocab": pb.GenerateRequest(
         prompt="x", sampling=pb.SamplingParams(stop_token_ids=[10**6])
     ),
+    "max_tokens negative": pb.GenerateRequest(
+        prompt="x", sampling=pb.SamplingParams(max_tokens=-5)
+    ),
+    "max_tokens above max_model_len": pb.GenerateRequest(
+        prompt="x", sampling=pb.SamplingParams(max_tokens=257)
+    ),
+    "max_tokens huge": pb.GenerateRequest(
+        prompt="x", sampling=pb.SamplingParams(max_tokens=2**31 - 1)
+    ),
+    "too many stop strings": pb.GenerateRequest(
+        prompt="x", sampling=pb.SamplingParams(stop=[f"s{i}" for i in range(17)])
+    ),
+    "stop string too long": pb.GenerateRequest(
+        prompt="x", sampling=pb.SamplingParams(stop=["s" * 257])
+    ),
+    "too many stop token ids": pb.GenerateRequest(
+        prompt="x", sampling=pb.SamplingParams(stop_token_ids=[1] * 257)
+    ),
 }
 
+_GOOD = pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(max_tokens=2))
+_ENDPOINT = PrefillEndpoint(b"\x01" * 16, "tcp;ofi_rxm", 1, 3, False, 8, 16).to_bytes()
 
-def check_bad_requests(address: str) -> None:
+
+def _length_delimited(number: int, payload: bytes) -> bytes:
+    assert number < 16 and len(payload) < 128
+    return bytes([number << 3 | 2, len(payload)]) + payload
+
+
+def raw_bad_requests(max_request_bytes: int) -> dict[str, bytes]:
+    """Bytes no client built against generation.proto sends (see orchestrator.request_checks)."""
+    good = _GOOD.SerializeToString()
+    worker_sampling = wpb.WorkerSamplingParams(logprobs=True).SerializeToString()
+    return {
+        "invalid UTF-8 in the prompt": _length_delimited(2, b"\xff\xfe"),
+        "prompt sent as a varint": b"\x10\x05",
+        "unknown field 99": good + b"\x98\x06\x01",
+        "worker-only sampling field": good + _length_delimited(4, worker_sampling),
+        "prefill endpoint of the internal API": good
+        + wpb.WorkerGenerateRequest(prefill_endpoint=_ENDPOINT).SerializeToString(),
+        "over max_request_bytes": pb.GenerateRequest(
+            prompt="x" * max_request_bytes
+        ).SerializeToString(),
+    }
+
+
+def _raw_code(generate: Any, data: bytes) -> grpc.StatusCode:
+    try:
+        list(generate(data, timeout=60))
+    except grpc.RpcError as error:
+        return error.code()
+    return grpc.StatusCode.OK
+
+
+def check_bad_requests(address: str, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+    """Every bad request is refused with its status, allocates nothing, and the router serves a
+    good request afterwards (``max_request_bytes``: the cluster's router.max_request_bytes)."""
     with grpc.insecure_channel(address) as channel:
         stub = pb_grpc.GenerationStub(channel)
         before = free_pages(stub, pb)
@@ -119,8 +175,41 @@ def check_bad_requests(address: str) -> None:
             with pytest.raises(grpc.RpcError) as info:
                 list(stub.Generate(request, timeout=30))
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+        # Hand-made bytes: what a stub built from generation.proto cannot send.
+        generate = channel.unary_stream(
+            "/pdserve.v1.Generation/Generate",
+            request_serializer=None,
+            response_deserializer=pb.GenerateResponse.FromString,
+        )
+        for name, data in raw_bad_requests(max_request_bytes).items():
+            assert _raw_code(generate, data) == grpc.StatusCode.INVALID_ARGUMENT, name
+        # Beyond the transport limit (twice max_request_bytes) gRPC itself refuses it.
+        beyond = pb.GenerateRequest(prompt="x" * (2 * max_request_bytes)).SerializeToString()
+        assert _raw_code(generate, beyond) == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert free_pages(stub, pb) == before  # nothing was allocated
         assert stub.GetClusterState(pb.GetClusterStateRequest()).num_outstanding_requests == 0
+        check_duplicate_request_id(stub)
+        wait_until(lambda: free_pages(stub, pb) == before, what="pages of the first request freed")
+        answer = list(stub.Generate(_GOOD, timeout=60))  # still healthy
+        assert answer[-1].finish_reason in ("length", "stop")
+
+
+def check_duplicate_request_id(stub: Any) -> None:
+    """A second request with the id of one in flight: ALREADY_EXISTS, and the first completes."""
+    request = pb.GenerateRequest(
+        request_id="dup",
+        prompt="count with me:",
+        sampling=pb.SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True),
+    )
+    first = stub.Generate(request, timeout=120)
+    responses = [next(first)]  # the router holds "dup" from before its first token
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(request, timeout=30))
+    assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert stub.GetClusterState(pb.GetClusterStateRequest()).num_outstanding_requests == 1
+    responses.extend(first)
+    assert responses[-1].finish_reason == "length"
+    assert responses[-1].usage.completion_tokens == 200
 
 
 def long_request(request_id: str = "") -> pb.GenerateRequest:

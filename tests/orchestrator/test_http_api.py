@@ -16,7 +16,12 @@ import pytest
 
 from orchestrator.client import pb, pb_grpc
 from orchestrator.http_api import HttpSettings, OpenAIHttpApi
-from tests.orchestrator.cluster_helpers import ServedCluster, cluster_config, mixed_groups
+from tests.orchestrator.cluster_helpers import (
+    ServedCluster,
+    cluster_config,
+    mixed_groups,
+    pools_full,
+)
 from workers.engine.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -158,6 +163,15 @@ def test_logprobs_of_the_chosen_tokens(client: openai.OpenAI, model: str) -> Non
         {"prompt": "hi", "max_tokens": 0},
         {"prompt": "hi", "stop": 3},
         {"prompt": ["a", "b"]},
+        {"prompt": [1, 10**6]},  # a token id outside the vocabulary
+        {"prompt": "hi", "top_p": 1.5},
+        {"prompt": "hi", "max_tokens": 10**9},  # more than max_model_len
+        {"prompt": "hi", "stop": [f"s{i}" for i in range(17)]},
+        {"prompt": "hi", "stop": "s" * 257},
+        {"prompt": "hi", "seed": -1},
+        {"prompt": "hi", "top_k": 2**40},
+        {"prompt": "hi", "kv_transfer_params": {"do_remote_prefill": True}},
+        {"prompt": "hi", "prefill_endpoint": "10.0.0.1:5000"},
     ],
 )
 def test_bad_requests_are_400(client: openai.OpenAI, model: str, fields: dict[str, Any]) -> None:
@@ -198,3 +212,46 @@ def test_bearer_token(cluster: ServedCluster, model: str) -> None:
             assert reply.status == 200
     finally:
         cluster.run(api.stop())
+
+
+def post_raw(url: str, data: bytes) -> tuple[int, dict[str, Any]]:
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            return reply.status, json.load(reply)
+    except urllib.error.HTTPError as error:
+        return error.code, json.load(error)
+
+
+def test_bad_bytes_and_sizes_are_400_and_allocate_nothing(
+    cluster: ServedCluster, model: str
+) -> None:
+    url = f"http://{cluster.app.http_address}/v1/completions"
+    chat_url = f"http://{cluster.app.http_address}/v1/chat/completions"
+    limit = cluster.app.router.settings.max_request_bytes
+    cases = {
+        "invalid UTF-8": (url, b'{"prompt": "\xff\xfe", "max_tokens": 2}'),
+        "lone surrogate in the prompt": (url, b'{"prompt": "a\\ud800b", "max_tokens": 2}'),
+        "lone surrogate in a message": (
+            chat_url,
+            b'{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 2}',
+        ),
+        "body over max_request_bytes": (
+            url,
+            json.dumps({"model": model, "prompt": "x" * limit}).encode(),
+        ),
+    }
+    for name, (where, data) in cases.items():
+        status, body = post_raw(where, data)
+        assert status == 400, name
+        assert body["error"]["type"] == "invalid_request_error", name
+    status, body = post_raw(url, cases["body over max_request_bytes"][1])
+    assert body["error"]["code"] == "request_too_large" and str(limit) in body["error"]["message"]
+    with grpc.insecure_channel(cluster.address) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        assert pools_full(stub, pb)
+        assert stub.GetClusterState(pb.GetClusterStateRequest()).num_outstanding_requests == 0
+    # Optional OpenAI keys this server does not use are ignored, not refused.
+    extra = {"user": "u1", "logit_bias": {}, "stream_options": None, "max_tokens": 2}
+    status, body = post_raw(url, json.dumps({"model": model, "prompt": "hi", **extra}).encode())
+    assert status == 200 and body["choices"][0]["finish_reason"] in ("length", "stop")

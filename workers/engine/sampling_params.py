@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from workers.engine.errors import InvalidRequestError
 
 # Temperatures below this are greedy (argmax), as in vLLM.
 GREEDY_TEMPERATURE_EPS = 1e-5
+# Stop conditions one request may carry. Every stop string is matched against the text after
+# every token, and the router holds back as many characters as the longest one, so both the
+# count and the length bound per-token work; OpenAI allows 4 stop strings, these leave room for
+# templates that need a few more. Stop token ids are a set lookup: the bound only caps memory.
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_BYTES = 256
+MAX_STOP_TOKEN_IDS = 256
+# Integer fields travel as protobuf int32 / uint64 on the router's path to a worker.
+_INT32_MAX = 2**31 - 1
+_UINT64_MAX = 2**64 - 1
 
 
 @dataclass(frozen=True)
@@ -21,7 +32,10 @@ class SamplingParams:
         logits divided, negative multiplied); 1 disables it.
     presence_penalty / frequency_penalty: subtracted once per token present in the output /
         once per occurrence in the output; 0 disables them.
-    stop: strings that end the output (the stop string itself is not part of the text).
+    stop: strings that end the output (the stop string itself is not part of the text); at
+        most ``MAX_STOP_STRINGS``, each non-empty and at most ``MAX_STOP_STRING_BYTES`` in UTF-8.
+    stop_token_ids: at most ``MAX_STOP_TOKEN_IDS``.
+    seed: in [0, 2**64); top_k and max_tokens: at most 2**31 - 1.
     logprobs: report the log-probability of each chosen token (from the model's raw logits).
     """
 
@@ -58,8 +72,8 @@ class SamplingParams:
             raise bad(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise bad(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise bad(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k!r}")
+        if not isinstance(self.top_k, int) or not -1 <= self.top_k <= _INT32_MAX:
+            raise bad(f"top_k must be -1, 0 (disabled) or in [1, 2**31), got {self.top_k!r}")
         if not 0 <= self.min_p <= 1:
             raise bad(f"min_p must be in [0, 1], got {self.min_p}")
         if self.repetition_penalty <= 0:
@@ -68,16 +82,36 @@ class SamplingParams:
             raise bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2 <= self.frequency_penalty <= 2:
             raise bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+        if not isinstance(self.max_tokens, int) or not 0 < self.max_tokens <= _INT32_MAX:
             raise bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        self._check_stop(bad)
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or not 0 <= self.seed <= _UINT64_MAX
+        ):
+            raise bad(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
+
+    def _check_stop(self, bad: Callable[[str], InvalidRequestError]) -> None:
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop must be a list of non-empty strings")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise bad(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        for stop in self.stop:
+            try:
+                size = len(stop.encode("utf-8"))
+            except UnicodeEncodeError:
+                raise bad(f"stop string {stop!r} is not valid Unicode text") from None
+            if size > MAX_STOP_STRING_BYTES:
+                raise bad(
+                    f"a stop string is at most {MAX_STOP_STRING_BYTES} bytes, got one of {size}"
+                )
         if not isinstance(self.stop_token_ids, list) or not all(
-            isinstance(t, int) and t >= 0 for t in self.stop_token_ids
+            isinstance(t, int) and 0 <= t <= _INT32_MAX for t in self.stop_token_ids
         ):
             raise bad("stop_token_ids must be a list of non-negative integers")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad(f"seed must be an integer, got {self.seed!r}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise bad(
+                f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(self.stop_token_ids)}"
+            )
 
     @property
     def is_greedy(self) -> bool:

@@ -14,7 +14,7 @@ raises at once). Submitting never spins.
 Failures. Every operation has a deadline (`op_timeout`); a connection error completion or a
 missed deadline marks the peer failed: its unfinished operations end in `on_error`
 (`PeerFailedError` / `OperationTimeoutError`) and later submissions to it raise
-`PeerFailedError`. Other peers are unaffected.
+`PeerFailedError`. Other peers are unaffected; `peer_failure` tells why a peer failed.
 """
 
 from __future__ import annotations
@@ -231,6 +231,27 @@ class TransferEngine:
         self._peers[address] = peer
         return peer
 
+    def forget_peer(self, address: bytes) -> None:
+        """Forget what is cached of ``address`` (its failed state): its process was replaced
+        by a new one at the same address. The next `add_peer` resolves it afresh."""
+        self._check_open()
+        peer = self._peers.pop(bytes(address), None)
+        if peer is not None:
+            self._loop.call(lambda: self._clear_failure(peer.fi_addr))
+
+    def peer_failure(self, address: bytes) -> FabricError | None:
+        """Why the peer at ``address`` failed (None: it has not): `PeerFailedError` for a
+        dropped connection or an exited process, `OperationTimeoutError` when an operation only
+        missed its deadline (the peer may still be alive, e.g. stopped or slow)."""
+        peer = self._peers.get(bytes(address))
+        if peer is None or peer.fi_addr not in self._loop.failed_peers:
+            return None
+        return self._loop.peer_failures.get(peer.fi_addr)
+
+    def _clear_failure(self, fi_addr: int) -> None:
+        self._loop.failed_peers.discard(fi_addr)
+        self._loop.peer_failures.pop(fi_addr, None)
+
     def _check_address(self, address: bytes) -> None:
         own = self.address
         if not address or len(address) > MAX_ADDRESS_BYTES:
@@ -266,7 +287,7 @@ class TransferEngine:
                 # The provider reused the slot of an entry it never really kept.
                 log.warning("peer %s replaced stale AV entry of %s", name, other.name)
                 del self._peers[other.address]
-                self._loop.failed_peers.discard(other.fi_addr)
+                self._clear_failure(other.fi_addr)
         return PeerHandle(address, int(fi_addr[0]), name)
 
     # -- one-sided writes -----------------------------------------------------------------------

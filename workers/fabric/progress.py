@@ -144,6 +144,8 @@ class ProgressLoop:
         self.pending: dict[int, collections.deque[Job]] = {}
         self._num_queued = 0
         self.failed_peers: set[int] = set()
+        # Why each failed peer failed (a later definite cause replaces a missed deadline).
+        self.peer_failures: dict[int, FabricError] = {}
         self._commands: collections.deque[tuple[Callable[[], Any], Future[Any]]] = (
             collections.deque()
         )
@@ -509,6 +511,9 @@ class ProgressLoop:
         if peer.fi_addr not in self.failed_peers:
             log.warning("peer %s failed: %s", peer.name, error)
         with self._lock:
+            known = self.peer_failures.get(peer.fi_addr)
+            if known is None or isinstance(known, OperationTimeoutError):
+                self.peer_failures[peer.fi_addr] = error  # before the mark: readers take no lock
             self.failed_peers.add(peer.fi_addr)
             jobs = [j for j in self.jobs.values() if j.peer.fi_addr == peer.fi_addr]
         for job in jobs:

@@ -5,9 +5,9 @@ Queues and life cycle (keyed by request id)::
     start() ──▶ pending (no pages / slot yet) ──▶ ALLOCATED (pinned pages, imm slot, context row)
       ──PrefillRequest──▶ REQUESTED ──PrefillAccepted(count): arm counter──▶ counter fires
       ──▶ READY: slot released, engine.add_prefilled_request (the last prompt token runs first)
-    deadline / PrefillRejected / PrefillFailed / abort ──▶ FAILED: counter cancelled,
-      AbortPrefill sent (not after PrefillRejected / PrefillFailed), pages + slot ──▶
-      quarantine ──(all writes landed | acknowledged count landed | time)──▶ free
+    deadline / PrefillRejected / PrefillFailed / abort ──▶ FAILED: counter cancelled, pages +
+      slot ──▶ quarantine (AbortPrefill re-sent every drain interval)
+      ──(all writes landed | acknowledged count landed | prefill process gone)──▶ free
 
 - A one-token prompt has no KV to prefill: it goes to the engine at once.
 - A pending request waits at most ``admission_timeout_s`` (default: the transfer deadline) for
@@ -15,7 +15,17 @@ Queues and life cycle (keyed by request id)::
   nothing is freed.
 - A prefill worker that fails a transfer it accepted sends `PrefillFailed` (reason and the
   number of writes it submitted): the request fails at once and its pages are quarantined as
-  on an abort, released when that many writes landed (or after the drain time).
+  on an abort, released when that many writes landed (or the prefill process is gone).
+- **Quarantine** (`workers.kv.quarantine`): time never frees pages, since a paused prefill
+  process can post a write long after any deadline. Every ``drain_interval_s`` the decoder
+  re-sends `AbortPrefill` for each quarantined transfer; the prefill worker answers with its
+  submitted count (`AbortAcknowledged`), also for a transfer it ended or never saw (0). Its
+  process counts as gone (pages freed) when the fabric reports its connection failed or its
+  process exited (`TransferEngine.peer_failure`; a missed deadline is no proof), when an abort
+  stays uncompleted for an interval (or misses its deadline) and nothing listens at its ``tcp``
+  address any more (`workers.kv.peer_liveness`; a stopped process's kernel still accepts), or
+  when a newer incarnation of it serves at its address. A paused prefill process keeps its
+  pages quarantined (capacity, never corruption) until it answers or is replaced.
 - The request stays out of decode scheduling (its pages are pinned, the engine does not know
   it) until the counter reached the expected count.
 - The expected count is the plan's (`workers.kv.writes`): with coalescing it depends on the
@@ -23,8 +33,14 @@ Queues and life cycle (keyed by request id)::
   counter); without, the decoder computes it and the prefill side cross-checks it.
 - Late writes of a failed transfer cannot count for a newer one: the imm carries generation
   bits, the slot is parked and the pages quarantined until the old writes drained.
+- **Checksum mode** (``checksum=True``, `workers.kv.checksum`): the `PrefillRequest` asks for
+  it and each context row has room for the sums after the hidden state. When the counter fires
+  (so the sums have landed) the decoder recomputes them over the pages it received; a mismatch
+  fails the request (`KVChecksumError`'s message, never tokens), frees its pages at once (every
+  write landed) and counts in ``num_checksum_failures``.
 
-Threads: `start`, `abort`, `poll` run on the worker's step thread; fabric callbacks only enqueue.
+Threads: `start`, `abort`, `poll` run on the worker's step thread; fabric callbacks only enqueue,
+and so does a liveness probe (a short-lived thread: a connect may take up to its timeout).
 """
 
 from __future__ import annotations
@@ -32,6 +48,7 @@ from __future__ import annotations
 import logging
 import queue
 import random
+import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
@@ -43,10 +60,25 @@ import torch
 
 from workers.engine.engine_core import EngineCore
 from workers.engine.sampling_params import SamplingParams
-from workers.fabric import FabricError, Message, PeerHandle, TransferEngine
+from workers.fabric import (
+    AddressError,
+    FabricError,
+    Message,
+    OperationTimeoutError,
+    PeerFailedError,
+    PeerHandle,
+    TransferEngine,
+)
+from workers.kv.checksum import area_bytes, byte_view, max_shards, verify
 from workers.kv.endpoint import PrefillEndpoint
-from workers.kv.errors import AdmissionTimeoutError, KvTransferError, ProtocolError
+from workers.kv.errors import (
+    AdmissionTimeoutError,
+    KVChecksumError,
+    KvTransferError,
+    ProtocolError,
+)
 from workers.kv.imm import ImmLayout, SlotTable
+from workers.kv.peer_liveness import listener_refuses, tcp_address
 from workers.kv.pools import register_engine_pools
 from workers.kv.protocol import (
     AbortAcknowledged,
@@ -59,13 +91,17 @@ from workers.kv.protocol import (
     encode_message,
 )
 from workers.kv.quarantine import PageQuarantine, QuarantinedPages
-from workers.kv.sharding import GroupSharding, make_transfer_plan
+from workers.kv.sharding import GroupSharding, TransferPlan, make_transfer_plan
 from workers.kv.transfer_state import DecodeState, DecodeTransfer
 from workers.kv.writes import expected_write_count_from_dst
 
 log = logging.getLogger(__name__)
 
 _UNKNOWN_COUNT = 1 << 62  # quarantine bound while the prefill side never told its count
+# Floor of the AbortPrefill re-send interval (drain_interval_s may be 0: no message storm).
+_MIN_RESEND_S = 0.05
+# An AbortPrefill not completed after max(interval, this) means the peer takes no messages.
+_MIN_STALL_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -74,11 +110,16 @@ class DecodeMessengerConfig:
     # How long a request may wait for decode pages / an imm slot before its PrefillRequest is
     # sent; None: transfer_timeout_s.
     admission_timeout_s: float | None = None
+    # How often AbortPrefill is re-sent for a quarantined transfer (and the liveness of its
+    # prefill worker checked); never a time after which pages are freed.
     drain_interval_s: float = 5.0
     max_transfers: int = 256  # imm slots and rows of the context buffer
     coalesce_pages: bool = True
     finished_memory: int = 4096
     seed: int = 0
+    # Checksum mode: verify every transfer's KV against the prefill's sums (costs one read of
+    # the received KV on the step thread per request, and CRC-32 on the prefill's push thread).
+    checksum: bool = False
 
 
 @dataclass
@@ -90,10 +131,16 @@ class _Incoming:
     transfer: DecodeTransfer | None = None
     peer: PeerHandle | None = None
     armed: bool = False
+    checksum_plan: TransferPlan | None = None  # checksum mode: the plan's destination side
 
 
-def _send_failed(request_id: str, error: FabricError) -> None:
-    log.info("AbortPrefill of %s not delivered (prefill worker gone?): %s", request_id, error)
+@dataclass
+class _PeerWatch:
+    """The AbortPrefill sends to one prefill address and whether its liveness is probed."""
+
+    name: str
+    sent_s: deque[float]  # send times of the aborts not completed yet, oldest first
+    probing: bool = False
 
 
 class DecodeMessenger:
@@ -114,14 +161,33 @@ class DecodeMessenger:
         self.sharding, self.geometry, self.pools = register_engine_pools(
             fabric, engine, rank_pools, sharding
         )
-        self.context = torch.zeros(config.max_transfers, model.hidden_size, dtype=engine.dtype)
-        self._row_bytes = model.hidden_size * self.context.element_size()
+        # Context rows of bytes: the hidden state, then (checksum mode only) the checksum area.
+        self._hidden_bytes = model.hidden_size * torch.empty((), dtype=engine.dtype).element_size()
+        self._row_bytes = self._hidden_bytes
+        self._pool_views: list[Any] = []
+        if config.checksum:
+            self._row_bytes += area_bytes(max_shards(self.sharding))
+            self._row_bytes = -(-self._row_bytes // 8) * 8
+            self._pool_views = [byte_view(pool) for pool in rank_pools or [engine.kv_cache]]
+        self.context = torch.zeros(config.max_transfers, self._row_bytes, dtype=torch.uint8)
         _, self._context_descriptor = fabric.register(self.context)
+        self.num_checksum_failures = 0
         self.imm_layout = ImmLayout()
         self.imm_layout.check_provider(fabric.imm_bits // 8)
         self.slots = SlotTable(self.imm_layout, config.max_transfers)
-        self.quarantine = PageQuarantine(config.drain_interval_s)
+        self.quarantine = PageQuarantine(max(config.drain_interval_s, _MIN_RESEND_S))
+        self._stall_s = max(config.drain_interval_s, _MIN_STALL_S)
+        self._watches: dict[bytes, _PeerWatch] = {}
+        # (address, error or None) of each AbortPrefill send; (address, gone) of each probe.
+        self._abort_outcomes: queue.SimpleQueue[tuple[bytes, FabricError | None]] = (
+            queue.SimpleQueue()
+        )
+        self._probe_results: queue.SimpleQueue[tuple[bytes, bool]] = queue.SimpleQueue()
         self._rng = random.Random(config.seed)
+        # This registration's id, sent in each PrefillRequest (a restart draws anew), and the
+        # incarnation of each prefill address last used (see `_peer`).
+        self.incarnation = random.SystemRandom().getrandbits(64) or 1
+        self.peer_incarnations: dict[bytes, int] = {}
         self._inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         # (imm, when its counter fired): the fire time is the KV-ready time of the measurements.
         self._fired: queue.SimpleQueue[tuple[int, float]] = queue.SimpleQueue()
@@ -196,18 +262,27 @@ class DecodeMessenger:
         incoming.transfer = DecodeTransfer(
             request_id, imm, tuple(pages), None, now + self.config.transfer_timeout_s, now
         )
-        incoming.peer = self.fabric.add_peer(endpoint.address)
+        incoming.peer = self._peer(endpoint)
         coalesce = self.config.coalesce_pages
         source_sets: tuple[int, ...] = ()
         expected = 0
+        src = GroupSharding(endpoint.tp_size, endpoint.num_kv_heads, endpoint.is_mla)
         if not coalesce:
-            src = GroupSharding(endpoint.tp_size, endpoint.num_kv_heads, endpoint.is_mla)
             plan = make_transfer_plan(
                 src, self.sharding, self.geometry, rng=self._rng, coalesce_pages=False
             )
             source_sets = plan.source_sets
             expected = expected_write_count_from_dst(plan, pages, self.geometry.num_layers, 1)
             incoming.transfer.set_expected(expected)
+            if self.config.checksum:
+                incoming.checksum_plan = plan
+        elif self.config.checksum:
+            # Only the destination side is used; it is the same whichever source replica set
+            # the prefill worker picks, so any choice (the first) stands in for its.
+            num_picks = 1 if src.is_mla else self.sharding.num_replica_sets
+            incoming.checksum_plan = make_transfer_plan(
+                src, self.sharding, self.geometry, source_sets=(0,) * num_picks
+            )
         max_run = self.fabric.max_pages_per_run(self.pools.layout.page_bytes) or 0
         request = PrefillRequest(
             request_id,
@@ -227,11 +302,27 @@ class DecodeMessenger:
             slot * self._row_bytes,
             expected,
             max(1, int(self.config.transfer_timeout_s * 1000)),
+            self.config.checksum,
+            prefill_incarnation=endpoint.incarnation,
+            decode_incarnation=self.incarnation,
         )
         if expected:
             self._arm(incoming, expected)
         self.fabric.submit_send(incoming.peer, encode_message(request))
         incoming.transfer.advance(DecodeState.REQUESTED, now)
+
+    def _peer(self, endpoint: PrefillEndpoint) -> PeerHandle:
+        """The fabric peer of an endpoint, re-resolved when its incarnation changed: a prefill
+        worker restarted at the same address is a new peer (nothing cached of the old one, e.g.
+        its failed state, applies to it)."""
+        known = self.peer_incarnations.get(endpoint.address)
+        if known is not None and known != endpoint.incarnation:
+            # The process that could still write into quarantined pages is gone.
+            self._release(self.quarantine.peer_gone(endpoint.address), "peer_gone")
+            self._watches.pop(endpoint.address, None)
+            self.fabric.forget_peer(endpoint.address)
+        self.peer_incarnations[endpoint.address] = endpoint.incarnation
+        return self.fabric.add_peer(endpoint.address)
 
     def _arm(self, incoming: _Incoming, count: int) -> None:
         assert incoming.transfer is not None
@@ -277,7 +368,7 @@ class DecodeMessenger:
                     f"{seen} of {expected if expected is not None else 'an unknown number of'} "
                     "writes landed (prefill worker dead or overloaded?)",
                 )
-        self._drain_quarantine(now)
+        self._tend_quarantine(now)
         self._start_pending()
         failures, self._failures = self._failures, []
         return failures
@@ -302,7 +393,7 @@ class DecodeMessenger:
             return
         if isinstance(decoded, AbortAcknowledged):
             released = self.quarantine.acknowledge_abort(
-                decoded.transfer_id, decoded.num_writes_submitted, time.monotonic()
+                decoded.transfer_id, decoded.num_writes_submitted
             )
             self._release(released)
             return
@@ -313,10 +404,10 @@ class DecodeMessenger:
         transfer = incoming.transfer if incoming is not None else None
         if incoming is None or transfer is None or transfer.imm != decoded.transfer_id:
             if isinstance(decoded, PrefillRejected):  # nothing was or will be written
-                self._release(self.quarantine.acknowledge_abort(decoded.transfer_id, 0, 0.0))
+                self._release(self.quarantine.acknowledge_abort(decoded.transfer_id, 0))
             elif isinstance(decoded, PrefillFailed):  # no write after this: as an ack
                 released = self.quarantine.acknowledge_abort(
-                    decoded.transfer_id, decoded.num_writes_submitted, time.monotonic()
+                    decoded.transfer_id, decoded.num_writes_submitted
                 )
                 self._release(released)
             return
@@ -349,10 +440,21 @@ class DecodeMessenger:
         if request_id is None or incoming is None or incoming.transfer is None:
             return  # failed meanwhile; the quarantine counts it
         transfer = incoming.transfer
+        slot, _ = self.imm_layout.decode(imm)
+        if incoming.checksum_plan is not None:
+            try:
+                self._verify(incoming.checksum_plan, transfer.page_ids, slot)
+            except KVChecksumError as error:
+                # Every write landed (the counter fired): _fail frees the pages at once.
+                self.num_checksum_failures += 1
+                self._fail(request_id, str(error))
+                self.finished[request_id]["checksum_mismatch"] = True
+                return
+            fired_s = time.monotonic()  # KV ready (usable) once verified: the cost shows
         transfer.count_reached(fired_s)
         self.slots.release(imm)
-        slot, _ = self.imm_layout.decode(imm)
-        self.context_states[request_id] = self.context[slot].clone()
+        row = self.context[slot, : self._hidden_bytes].clone()
+        self.context_states[request_id] = row.view(self.engine.dtype)
         while len(self.context_states) > self.config.finished_memory:
             self.context_states.popitem(last=False)
         del self._by_id[request_id]
@@ -365,6 +467,17 @@ class DecodeMessenger:
             self.engine.free_pinned(transfer.page_ids)
             self._failures.append((request_id, f"engine refused the prefilled request: {error}"))
 
+    def _verify(self, plan: TransferPlan, page_ids: tuple[int, ...], slot: int) -> None:
+        row = self.context[slot].numpy()
+        verify(
+            plan,
+            list(page_ids),
+            self._pool_views,
+            self.pools.layout,
+            row[: self._hidden_bytes],
+            row[self._hidden_bytes :],
+        )
+
     def _fail(
         self,
         request_id: str,
@@ -376,7 +489,8 @@ class DecodeMessenger:
     ) -> None:
         """End a request: FAILED, counter cancelled, pages + slot quarantined. ``rejected``:
         nothing was written (free at once); ``prefill_writes``: the prefill side stopped after
-        submitting that many writes (`PrefillFailed`, no AbortPrefill needed)."""
+        submitting that many writes (`PrefillFailed`: acknowledged; the AbortPrefill re-sends
+        still watch the peer, whose death would leave that count unreachable)."""
         incoming = self._by_id.pop(request_id)
         transfer = incoming.transfer
         if transfer is None:  # still pending (or its allocation failed): nothing to free
@@ -392,48 +506,157 @@ class DecodeMessenger:
         if not incoming.armed:
             self.fabric.cancel_imm(imm)
         transfer.fail(reason, now)
+        self._remember(request_id, transfer)  # before any release, which it records
         self.slots.release(imm, drained=False)
         expected = transfer.num_writes_expected
         seen = expected if fired and expected else self.fabric.imm_arrivals(imm)
         self._quarantined[imm] = seen
         released = self.quarantine.hold(
-            QuarantinedPages(imm, request_id, transfer.page_ids),
+            QuarantinedPages(imm, request_id, transfer.page_ids, incoming.endpoint.address),
             num_writes_expected=expected or _UNKNOWN_COUNT,
             num_writes_seen=seen,
             now_s=now,
-            deadline_s=transfer.deadline_s,
         )
-        if rejected or never_sent:
-            released += self.quarantine.acknowledge_abort(imm, 0, now)
+        if rejected or never_sent:  # the request never reached the prefill worker's engine
+            released += self.quarantine.acknowledge_abort(imm, 0)
         elif prefill_writes is not None:
-            released += self.quarantine.acknowledge_abort(imm, prefill_writes, now)
-        elif not fired and incoming.peer is not None:
-            try:
-                self.fabric.submit_send(
-                    incoming.peer,
-                    encode_message(AbortPrefill(request_id, imm)),
-                    on_error=partial(_send_failed, request_id),
-                )
-            except FabricError as error:
-                log.warning("could not send AbortPrefill for %s: %s", request_id, error)
+            released += self.quarantine.acknowledge_abort(imm, prefill_writes)
         self._release(released)
-        self._remember(request_id, transfer)
+        self._send_aborts(now)  # the first AbortPrefill goes at once
         if not aborted:
             log.warning("request %s failed: %s", request_id, reason)
             self._failures.append((request_id, reason))
 
-    def _drain_quarantine(self, now: float) -> None:
+    def _tend_quarantine(self, now: float) -> None:
+        """Count late arrivals, judge the prefill peers, re-send the aborts that are due."""
         released: list[QuarantinedPages] = []
         for imm, told in list(self._quarantined.items()):
             seen = self.fabric.imm_arrivals(imm)
             if seen > told:
                 self._quarantined[imm] = seen
-                released += self.quarantine.record_writes(imm, seen - told, now)
-        self._release(released + self.quarantine.expire(now))
+                released += self.quarantine.record_writes(imm, seen - told)
+        self._release(released)
+        while True:
+            try:
+                address, error = self._abort_outcomes.get_nowait()
+            except queue.Empty:
+                break
+            watch = self._watches.get(address)
+            if watch is not None and watch.sent_s:
+                watch.sent_s.popleft()
+            if error is not None:
+                self._judge(address, error)
+        while True:
+            try:
+                address, gone = self._probe_results.get_nowait()
+            except queue.Empty:
+                break
+            self._probed(address, gone)
+        self._send_aborts(now)
+        held = self.quarantine.peers()
+        for address, watch in list(self._watches.items()):
+            if address not in held and not watch.sent_s and not watch.probing:
+                del self._watches[address]
 
-    def _release(self, released: list[QuarantinedPages]) -> None:
+    def _send_aborts(self, now: float) -> None:
+        """(Re-)send AbortPrefill for each quarantined transfer that is due, unless its prefill
+        process is known gone (then its pages are freed) or not taking messages (probed)."""
+        for pages in self.quarantine.aborts_due(now):
+            if pages.imm not in self.quarantine:
+                continue  # freed by the judgement of an earlier one to the same address
+            address = pages.peer
+            try:
+                watch = self._watch(address)
+            except AddressError as error:  # resolved when the request went: nobody there now
+                self._gone(address, error)
+                continue
+            except FabricError as error:
+                log.warning("AbortPrefill for %s not sent: %s", pages.request_id, error)
+                continue
+            failure = self.fabric.peer_failure(address)
+            if failure is not None:
+                self._judge(address, failure)
+                continue
+            if watch.sent_s and now - watch.sent_s[0] >= self._stall_s:
+                self._probe(address, watch)  # an earlier abort neither completed nor failed
+                continue
+            try:
+                self.fabric.submit_send(
+                    self.fabric.add_peer(address),
+                    encode_message(AbortPrefill(pages.request_id, pages.imm)),
+                    on_done=partial(self._on_abort_sent, address, None),
+                    on_error=partial(self._on_abort_sent, address),
+                )
+            except PeerFailedError as error:  # failed meanwhile: judged by the recorded cause
+                cause = self.fabric.peer_failure(address)
+                self._judge(address, cause or OperationTimeoutError(f"cause unknown: {error}"))
+            except FabricError as error:
+                self._judge(address, error)
+            else:
+                watch.sent_s.append(now)
+
+    def _watch(self, address: bytes) -> _PeerWatch:
+        watch = self._watches.get(address)
+        if watch is None:
+            watch = _PeerWatch(self.fabric.add_peer(address).name, deque())
+            self._watches[address] = watch
+        return watch
+
+    def _gone(self, address: bytes, why: object) -> None:
+        watch = self._watches.get(address)
+        name = watch.name if watch is not None else address.hex()
+        log.info("prefill worker %s gone (%s): its quarantined pages are freed", name, why)
+        self._release(self.quarantine.peer_gone(address), "peer_gone")
+
+    def _on_abort_sent(self, address: bytes, error: FabricError | None) -> None:
+        self._abort_outcomes.put((address, error))  # fabric callback thread: enqueue only
+        self._wake()
+
+    def _judge(self, address: bytes, error: FabricError) -> None:
+        """Free the address's quarantined pages if ``error`` proves its process gone."""
+        if isinstance(error, OperationTimeoutError):
+            watch = self._watches.get(address)
+            if watch is not None:
+                self._probe(address, watch)  # stopped and dead peers both miss deadlines
+        elif isinstance(error, PeerFailedError):  # connection failed or process exited
+            self._gone(address, error)
+        else:
+            log.info("AbortPrefill not sent: %s", error)
+
+    def _probe(self, address: bytes, watch: _PeerWatch) -> None:
+        """Ask (off the step thread) whether anything still listens at the peer's address."""
+        if watch.probing or tcp_address(watch.name) is None:
+            return
+        watch.probing = True
+
+        def probe() -> None:
+            self._probe_results.put((address, listener_refuses(watch.name)))
+            self._wake()
+
+        threading.Thread(target=probe, name="kv-peer-probe", daemon=True).start()
+
+    def _probed(self, address: bytes, gone: bool) -> None:
+        watch = self._watches.get(address)
+        if watch is not None:
+            watch.probing = False
+        if gone:
+            self._gone(address, "nothing listens at its address")
+            return
+        if isinstance(self.fabric.peer_failure(address), OperationTimeoutError):
+            # Alive but missed a deadline (stopped, slow): send to it afresh next time.
+            self.fabric.forget_peer(address)
+            if watch is not None:
+                watch.sent_s.clear()
+
+    def _release(self, released: list[QuarantinedPages], how: str = "drained") -> None:
+        """Free quarantined pages; ``how``: every write that can land did (``drained``), or
+        the prefill process is gone (``peer_gone``), recorded in the transfer's record."""
         for pages in released:
             self._quarantined.pop(pages.imm, None)
+            record = self.finished.get(pages.request_id)
+            if record is not None and record["imm"] == pages.imm:
+                record["quarantine_release"] = how
+                record["num_writes_landed"] = self.fabric.imm_arrivals(pages.imm)
             self.engine.free_pinned(pages.page_ids)
             self.slots.recycle(pages.imm)
 
@@ -468,6 +691,7 @@ class DecodeMessenger:
             "transfers_by_state": by_state,
             "num_quarantined_pages": self.quarantine.num_pages,
             "num_parked_slots": self.slots.num_parked,
+            "num_checksum_failures": self.num_checksum_failures,
         }
 
     def close(self) -> None:

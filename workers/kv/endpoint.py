@@ -1,7 +1,14 @@
 """What a prefill worker publishes (through the control plane's registry) so decoders can use it.
 
 Wire: msgpack array ``[version, address, provider, tp_size, num_kv_heads, is_mla,
-segment_pages, page_size]``; never pickle.
+segment_pages, page_size, incarnation]``; never pickle.
+
+``incarnation`` versions the endpoint: a random id the prefill worker draws when it registers
+its memory (`PrefillMessenger.incarnation`), so a restarted worker, with new registrations and
+possibly the same fabric address, publishes a different one. A decoder keys what it caches of a
+prefill peer by it and names it in each `PrefillRequest`; a prefill worker rejects a request
+meant for another incarnation (`workers.kv.prefill_checks`). 0 means unversioned (an endpoint
+built by hand, e.g. a test's fake): never rejected for its incarnation.
 """
 
 from __future__ import annotations
@@ -12,7 +19,8 @@ import msgpack
 
 from workers.kv.errors import ProtocolError
 
-ENDPOINT_VERSION = 1
+ENDPOINT_VERSION = 2
+U64_MAX = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
@@ -27,6 +35,7 @@ class PrefillEndpoint:
     is_mla: bool
     segment_pages: int
     page_size: int
+    incarnation: int = 0
 
     def to_bytes(self) -> bytes:
         packed: bytes = msgpack.packb(
@@ -39,6 +48,7 @@ class PrefillEndpoint:
                 self.is_mla,
                 self.segment_pages,
                 self.page_size,
+                self.incarnation,
             ],
             use_bin_type=True,
         )
@@ -50,15 +60,16 @@ class PrefillEndpoint:
             raw = msgpack.unpackb(data, raw=False, max_map_len=0, max_ext_len=0)
         except (ValueError, TypeError, msgpack.UnpackException) as error:
             raise ProtocolError(f"not a prefill endpoint: {error}") from error
-        if type(raw) is not list or len(raw) != 8 or raw[0] != ENDPOINT_VERSION:
-            raise ProtocolError("not a version-1 prefill endpoint")
-        _, address, provider, tp_size, heads, is_mla, segment_pages, page_size = raw
+        if type(raw) is not list or len(raw) != 9 or raw[0] != ENDPOINT_VERSION:
+            raise ProtocolError(f"not a version-{ENDPOINT_VERSION} prefill endpoint")
+        _, address, provider, tp_size, heads, is_mla, segment_pages, page_size, incarnation = raw
+        counts = (tp_size, heads, segment_pages, page_size, incarnation)
         types_ok = (
             type(address) is bytes
             and type(provider) is str
-            and all(type(v) is int and v >= 0 for v in (tp_size, heads, segment_pages, page_size))
+            and all(type(v) is int and v >= 0 for v in counts)
             and type(is_mla) is bool
         )
-        if not types_ok or tp_size < 1 or heads < 1 or page_size < 1:
+        if not types_ok or tp_size < 1 or heads < 1 or page_size < 1 or incarnation > U64_MAX:
             raise ProtocolError("malformed prefill endpoint")
-        return cls(address, provider, tp_size, heads, is_mla, segment_pages, page_size)
+        return cls(address, provider, tp_size, heads, is_mla, segment_pages, page_size, incarnation)

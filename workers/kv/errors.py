@@ -33,3 +33,8 @@ class IllegalTransitionError(KvTransferError):
 
 class AdmissionTimeoutError(KvTransferError):
     """A decode request waited longer than its admission deadline for pages / a transfer slot."""
+
+
+class KVChecksumError(KvTransferError):
+    """Checksum mode: the KV that landed on the decoder differs from what the prefill summed
+    (`workers.kv.checksum`); the request fails instead of decoding from corrupt KV."""

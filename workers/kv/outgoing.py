@@ -13,6 +13,7 @@ from typing import Any
 
 from workers.engine.scheduler import ScheduledChunk
 from workers.fabric import PeerHandle
+from workers.kv.checksum import ChecksumAccumulator
 from workers.kv.pages import num_pages_for_tokens, sendable_pages
 from workers.kv.prefill_checks import CheckedRequest
 from workers.kv.protocol import PrefillAccepted, PrefillRequest
@@ -33,6 +34,10 @@ class Outgoing:
     num_pages_sent: int = 0
     in_engine: bool = False
     prefilled: bool = False
+    # Checksum mode: the request's sums; the context write goes once both are true.
+    checksums: ChecksumAccumulator | None = None
+    context_staged: bool = False  # hidden state copied into the staging row
+    context_sent: bool = False
 
     @property
     def request(self) -> PrefillRequest:
@@ -74,6 +79,7 @@ class Outgoing:
             src_layout,
             self.checked.dst_layout,
             pages.start,
+            self.checksums,
         )
         return item, accepted
 

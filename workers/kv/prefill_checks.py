@@ -1,6 +1,7 @@
 """Everything the prefill side checks in a `PrefillRequest` before it accepts it.
 
-A request is refused (`RequestRejected` with a `RejectReason`) when the two groups cannot be
+A request is refused (`RequestRejected` with a `RejectReason`) when it names another incarnation
+of this worker (a stale endpoint: `workers.kv.endpoint`), when the two groups cannot be
 mapped (page size, heads, MLA, TP sizes), the decoder's descriptors are not for this provider or
 are too small for the page ids it names, the context buffer cannot hold a hidden state, the
 prompt can never fit, or the decoder's own write count disagrees with the plan. Nothing is
@@ -54,6 +55,13 @@ def check_request(
     geometry = messenger.geometry
     engine = messenger.engine
     incompatible = RejectReason.INCOMPATIBLE
+    meant_for = request.prefill_incarnation
+    if meant_for and meant_for != messenger.incarnation:
+        raise RequestRejected(
+            incompatible,
+            f"stale prefill endpoint: the request is for incarnation {meant_for:#x}, this worker "
+            f"is {messenger.incarnation:#x} (it restarted; use its current endpoint)",
+        )
     if request.page_size != geometry.page_size:
         raise RequestRejected(
             incompatible, f"page size {request.page_size} != {geometry.page_size}"

@@ -19,13 +19,19 @@ Queues and life cycle (all keyed by the decoder's request id)::
 - No done message: when every write completed locally the pages are released.
 - **Abort** (`AbortPrefill`): a queued request is dropped; a running one stops submitting,
   its in-flight writes drain, then the engine request is aborted (pages freed);
-  `AbortAcknowledged(num_writes_submitted)` goes back at once. **Deadline** (the request's
-  ``timeout_ms``): same as an abort, marked failed; no write is submitted after it.
+  `AbortAcknowledged(num_writes_submitted)` goes back at once. The decoder re-sends the abort
+  until its pages are freed, so every copy is answered: for a transfer that already ended with
+  its count (kept for ``finished_memory`` transfers), for one never seen (or forgotten: its
+  writes all completed long ago) with 0. **Deadline** (the request's ``timeout_ms``): same as
+  an abort, marked failed; no write is submitted after it.
 - **Giving up** (deadline, a failed write, the engine ending the request, `shutdown`): the
   transfer stops as on an abort and `PrefillFailed(reason, num_writes_submitted)` goes to the
   decoder at once, so it fails the request without waiting for its own deadline.
   `shutdown` (the worker's graceful close) also rejects new requests (DRAINING); the worker
   then waits, bounded, until in-flight writes and these messages completed (`is_drained`).
+- **Checksum mode** (the decoder's `PrefillRequest.checksum`, `workers.kv.checksum`): the push
+  thread sums the bytes of every write it posts; the context write, which carries the sums
+  after the hidden state, goes once both the forward pass ended and every layer is summed.
 
 Threads: `poll`, the engine hooks and `after_step` run on the worker's step thread (the only
 one touching the engine); the push thread calls `_gate`; fabric callbacks only enqueue. Transfer
@@ -45,6 +51,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 
 from workers.engine.engine_core import EngineCore
@@ -53,11 +60,12 @@ from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import ScheduledChunk
 from workers.fabric import FabricError, Message, PeerHandle, TransferEngine
+from workers.kv.checksum import ChecksumAccumulator, area_bytes, byte_view, shard_order
 from workers.kv.errors import KvTransferError, ProtocolError
 from workers.kv.outgoing import Outgoing, last_row_of
 from workers.kv.pages import num_pages_for_tokens
 from workers.kv.pools import register_engine_pools
-from workers.kv.prefill_checks import RequestRejected, check_request
+from workers.kv.prefill_checks import CheckedRequest, RequestRejected, check_request
 from workers.kv.protocol import (
     MAX_DETAIL_CHARS,
     AbortAcknowledged,
@@ -86,6 +94,13 @@ class PrefillMessengerConfig:
     poll_interval_s: float = 0.0001  # push thread's layer-counter poll
     layerwise: bool = True  # False: push a pass's writes only once it ended (bench baseline)
     seed: int = 0
+    # Checksum mode: room per context staging row for this many shards' sums (4 bytes each);
+    # a request whose plan has more is rejected (INCOMPATIBLE).
+    max_checksum_shards: int = 64
+    # NAMED TEST FAULT, never set in production: for these request ids (checksum mode), one
+    # source byte is flipped after it was summed and before it is posted (a byte corrupted in
+    # flight, which a loopback fabric cannot produce), so the decoder must fail the request.
+    fault_flip_after_checksum: tuple[str, ...] = ()
 
 
 def _send_failed(peer_name: str, error: FabricError) -> None:
@@ -111,10 +126,22 @@ class PrefillMessenger:
         self.sharding, self.geometry, self.pools = register_engine_pools(
             fabric, engine, rank_pools, sharding
         )
-        self._staging = torch.zeros(config.max_transfers, model.hidden_size, dtype=engine.dtype)
+        # Rows of bytes: the hidden state, then (checksum mode) the checksum area; 8-aligned.
+        self._hidden_bytes = model.hidden_size * torch.empty((), dtype=engine.dtype).element_size()
+        row_bytes = self._hidden_bytes + area_bytes(config.max_checksum_shards)
+        self._row_stride = -(-row_bytes // 8) * 8
+        self._staging = torch.zeros(config.max_transfers, self._row_stride, dtype=torch.uint8)
         self._staging_handle, _ = fabric.register(self._staging)
+        try:  # checksum mode reads the source pools as bytes (host memory only)
+            src_views = [byte_view(pool) for pool in rank_pools or [engine.kv_cache]]
+        except KvTransferError:
+            src_views = []
+        self._checksum_capable = bool(src_views)
         self._free_rows: deque[int] = deque(range(config.max_transfers))
         self._rng = random.Random(config.seed)
+        # This registration's id (`PrefillEndpoint.incarnation`): a restarted worker draws anew.
+        self.incarnation = random.SystemRandom().getrandbits(64) or 1
+        self.decoder_incarnations: dict[bytes, int] = {}  # decoder address -> its last one
         self._lock = threading.Lock()
         self._inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._events: queue.SimpleQueue[tuple[str, int, FabricError | None]] = queue.SimpleQueue()
@@ -123,6 +150,8 @@ class PrefillMessenger:
         self._queued: deque[Outgoing] = deque()
         self._reserved_pages = 0
         self.finished: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        # Writes ever submitted by each ended transfer, by (request id, imm): re-sent aborts.
+        self._ended_writes: OrderedDict[tuple[str, int], int] = OrderedDict()
         self._pass_chunks: list[ScheduledChunk] = []
         self._draining = False
         self._sends_lock = threading.Lock()
@@ -139,6 +168,8 @@ class PrefillMessenger:
             self._on_write_error,
             poll_interval_s=config.poll_interval_s,
             layerwise=config.layerwise,
+            src_views=src_views,
+            on_checksummed=self._on_checksummed,
         )
         fabric.on_message(self._on_message)
 
@@ -221,7 +252,8 @@ class PrefillMessenger:
                 if out.transfer.state is PrefillState.PREFILLING:
                     out.transfer.advance(PrefillState.WRITING, now)
                     if out.checked.context is not None:
-                        self._submit_context(out, hidden, now)
+                        self._stage_context(out, hidden)
+                        self._post_context_if_ready(out, now)
 
     def after_step(self, outputs: list[RequestOutput]) -> None:
         """After the step: requests the engine reports prefilled may be freed once drained."""
@@ -239,22 +271,53 @@ class PrefillMessenger:
                 detail = f"engine ended the request ({output.finish_reason})"
                 self._give_up(out, FailReason.ENGINE_ERROR, detail)
 
-    def _submit_context(self, out: Outgoing, hidden: torch.Tensor, now: float) -> None:
-        context = out.checked.context
-        assert context is not None
+    def _stage_context(self, out: Outgoing, hidden: torch.Tensor) -> None:
+        """Copy the hidden state of the request's last position into its staging row."""
         row = last_row_of(self._pass_chunks, out.request_id)
         with torch.no_grad():
-            self._staging[out.context_row].copy_(hidden[row])
-        row_bytes = self._staging.shape[1] * self._staging.element_size()
-        out.transfer.record_submit(row_bytes, now)
+            state = hidden[row].to(self.engine.dtype).contiguous().view(torch.uint8)
+            self._staging[out.context_row, : self._hidden_bytes].copy_(state)
+        out.context_staged = True
+
+    def _on_checksummed(self, item: PushItem) -> None:
+        """Push thread: every layer of the request is summed; the context write may go."""
+        with self._lock:
+            out = self._by_id.get(item.request_id)
+            if out is not None and out.transfer.imm == item.imm:
+                self._post_context_if_ready(out, time.monotonic())
+
+    def _post_context_if_ready(self, out: Outgoing, now: float) -> None:
+        """Under the lock: post the context write once it is staged and (checksum mode) every
+        checksum is in; the step thread and the push thread each call it when their half is
+        done, and whichever comes second posts."""
+        if out.context_sent or not out.context_staged or not out.transfer.accepts_writes:
+            return
+        if now >= out.deadline_s:
+            return  # a prefill worker never submits after the deadline
+        checksums = out.checksums
+        if checksums is not None and not checksums.complete:
+            return
+        num_bytes = self._hidden_bytes
+        if checksums is not None:
+            staged = self._staging[out.context_row].numpy()
+            area = checksums.area(staged[: self._hidden_bytes])
+            staged[num_bytes : num_bytes + len(area)] = np.frombuffer(area, dtype=np.uint8)
+            num_bytes += len(area)
+        out.context_sent = True
+        self._submit_context(out, num_bytes, now)
+
+    def _submit_context(self, out: Outgoing, num_bytes: int, now: float) -> None:
+        context = out.checked.context
+        assert context is not None
+        out.transfer.record_submit(num_bytes, now)
         try:
             self.fabric.submit_write(
                 self._staging_handle,
-                out.context_row * row_bytes,
+                out.context_row * self._row_stride,
                 out.peer,
                 context,
                 out.request.context_offset,
-                row_bytes,
+                num_bytes,
                 imm=out.transfer.imm,
                 on_done=lambda: self._on_write_done(out.request.request_id, 1),
                 on_error=lambda e: self._on_write_error(out.request.request_id, 1, e),
@@ -307,12 +370,14 @@ class PrefillMessenger:
 
         if self._draining:
             return reject(RejectReason.DRAINING, "worker is shutting down")
+        peer = self._decoder_peer(request, peer)
         if request.request_id in self._by_id:
             return reject(RejectReason.INTERNAL, "request id already in flight")
         if not self._free_rows:
             return reject(RejectReason.OVERLOADED, f"{self.config.max_transfers} transfers live")
         try:
             checked = check_request(request, self, self._rng)
+            checksums = self._checksums_for(checked)
         except RequestRejected as error:
             return reject(error.reason, str(error))
         now = time.monotonic()
@@ -324,8 +389,54 @@ class PrefillMessenger:
             num_pages_for_tokens(len(request.token_ids), self.geometry.page_size),
             self._free_rows.popleft(),
         )
+        out.checksums = checksums
         self._by_id[request.request_id] = out
         self._queued.append(out)
+
+    def _decoder_peer(self, request: PrefillRequest, peer: PeerHandle) -> PeerHandle:
+        """The sender's peer, re-resolved when its decoder incarnation is new at this address:
+        its process was replaced, so the transfers into the old one stop (their descriptors name
+        memory of a process that is gone) and nothing cached of it (a failed state) applies."""
+        new = request.decode_incarnation
+        old = self.decoder_incarnations.get(peer.address)
+        if new:
+            self.decoder_incarnations[peer.address] = new
+        if not new or old is None or old == new:
+            return peer
+        for out in list(self._by_id.values()):
+            if out.peer.address == peer.address and out.transfer.state in _ACTIVE:
+                self._stop(out, "decoder restarted: stale descriptors", failed=True)
+        self.fabric.forget_peer(peer.address)
+        return self.fabric.add_peer(peer.address)
+
+    def _checksums_for(self, checked: CheckedRequest) -> ChecksumAccumulator | None:
+        """Checksum mode's accumulator for an accepted request, None when it did not ask."""
+        request = checked.request
+        if not request.checksum:
+            return None
+        incompatible = RejectReason.INCOMPATIBLE
+        if not self._checksum_capable:
+            raise RequestRejected(incompatible, "checksum mode needs host-memory KV pools")
+        num_shards = len(checked.plan.shards)
+        if num_shards > self.config.max_checksum_shards:
+            raise RequestRejected(
+                incompatible, f"checksums of {num_shards} shards exceed the staging row"
+            )
+        try:
+            shard_order(checked.plan)
+        except KvTransferError as error:
+            raise RequestRejected(incompatible, str(error)) from error
+        context = checked.context
+        needed = self._hidden_bytes + area_bytes(num_shards)
+        if context is None or request.context_offset + needed > context.length:
+            raise RequestRejected(incompatible, "context buffer too small for the checksums")
+        checksums = ChecksumAccumulator(
+            self.geometry.num_layers,
+            num_shards,
+            num_pages_for_tokens(len(request.token_ids), self.geometry.page_size),
+        )
+        checksums.flip_pending = request.request_id in self.config.fault_flip_after_checksum
+        return checksums
 
     def _admit(self) -> None:
         while self._queued:
@@ -357,10 +468,10 @@ class PrefillMessenger:
     def _handle_abort(self, abort: AbortPrefill, peer: PeerHandle) -> None:
         out = self._by_id.get(abort.request_id)
         if out is None or out.transfer.imm != abort.transfer_id:
-            done = self.finished.get(abort.request_id)
-            if done is not None and done["imm"] == abort.transfer_id:
-                ack = AbortAcknowledged(abort.request_id, abort.transfer_id, done["num_writes"])
-                self._send(peer, ack)
+            # Ended (its count) or never seen here (0: e.g. the request was lost, or this
+            # worker restarted at the same address): either way it submits nothing more.
+            submitted = self._ended_writes.get((abort.request_id, abort.transfer_id), 0)
+            self._send(peer, AbortAcknowledged(abort.request_id, abort.transfer_id, submitted))
             return
         if out.transfer.state in _ACTIVE:
             self._stop(out, "aborted by the decoder", failed=False)
@@ -461,6 +572,10 @@ class PrefillMessenger:
         self.finished[out.request_id] = out.summary()
         while len(self.finished) > self.config.finished_memory:
             self.finished.popitem(last=False)
+        key = (out.request_id, out.transfer.imm)
+        self._ended_writes[key] = out.transfer.num_writes_submitted
+        while len(self._ended_writes) > self.config.finished_memory:
+            self._ended_writes.popitem(last=False)
 
     # -- state and teardown ---------------------------------------------------------------------
 

@@ -15,6 +15,11 @@ shutdown) sends `PrefillFailed`. KV itself moves by RDMA writes and there is no 
 `PrefillFailed` (type 6) was added to version 1 without a bump: no existing message changed,
 and a peer that predates it drops it as an unknown type (strict decoding) and falls back to its
 transfer deadline, which is what it did before.
+
+Optional trailing fields (``_OPTIONAL_TAIL``): fields appended to a version-1 message later.
+They are encoded only when they differ from their default, so a message that does not use them
+is byte-identical to what an older peer sends and expects; a message missing them decodes with
+the defaults. `PrefillRequest.checksum`, ``prefill_incarnation`` and ``decode_incarnation``.
 """
 
 from __future__ import annotations
@@ -191,6 +196,7 @@ class _Message:
 
     TYPE: ClassVar[MessageType]
     _FIELDS: ClassVar[tuple[_Field, ...]]
+    _OPTIONAL_TAIL: ClassVar[int] = 0  # trailing fields added later; omitted when default
 
     def __post_init__(self) -> None:
         for field, spec in zip(dataclasses.fields(self), self._FIELDS, strict=True):  # type: ignore[arg-type]
@@ -214,6 +220,13 @@ class PrefillRequest(_Message):
     worker whose own limit is lower rejects with INCOMPATIBLE). ``expected_write_count``
     0 means the decoder waits for the count in `PrefillAccepted` (coalescing depends on the
     prefill's page ids). ``timeout_ms`` is relative: the two hosts' clocks are not compared.
+    ``checksum`` (optional, added later, default False) asks for checksum mode
+    (`workers.kv.checksum`): the context write then carries the KV's checksums; it needs a
+    context descriptor. ``prefill_incarnation`` (optional, 0: any) is the incarnation of the
+    `PrefillEndpoint` the decoder resolved: a restarted prefill worker rejects a request meant for
+    its predecessor. ``decode_incarnation`` (optional, 0: unknown) is the decoder's own: a prefill
+    worker stops its transfers into an older incarnation at the same address (the descriptors
+    they write with belong to a process that is gone).
     """
 
     TYPE: ClassVar[MessageType] = MessageType.PREFILL_REQUEST
@@ -235,7 +248,11 @@ class PrefillRequest(_Message):
         _Int(0, U64_MAX),
         _Int(0, U64_MAX),
         _Int(1, 1 << 31),
+        _Bool(),
+        _Int(0, U64_MAX),
+        _Int(0, U64_MAX),
     )
+    _OPTIONAL_TAIL: ClassVar[int] = 3
 
     request_id: str
     transfer_id: int
@@ -254,6 +271,9 @@ class PrefillRequest(_Message):
     context_offset: int
     expected_write_count: int
     timeout_ms: int
+    checksum: bool = False
+    prefill_incarnation: int = 0
+    decode_incarnation: int = 0
 
     def _validate(self) -> None:
         try:
@@ -270,6 +290,8 @@ class PrefillRequest(_Message):
             raise ProtocolError(f"every dst page list needs {num_pages} pages")
         if len(self.dst_descriptors) != self.decode_tp_size:
             raise ProtocolError("dst_descriptors needs one descriptor per decode rank")
+        if self.checksum and not self.context_descriptor:
+            raise ProtocolError("checksum mode needs a context descriptor (it carries the sums)")
 
     @property
     def decode_sharding(self) -> GroupSharding:
@@ -343,7 +365,7 @@ class PrefillFailed(_Message):
     """Prefill -> decoder: gave up on a transfer it had accepted; it submitted
     ``num_writes_submitted`` writes in total (some may still be in flight) and submits none
     after this message. The decoder fails the request at once and quarantines its pages as on
-    an abort (released once that many writes landed, or after the drain time)."""
+    an abort (released once that many writes landed, or its process is gone)."""
 
     TYPE: ClassVar[MessageType] = MessageType.PREFILL_FAILED
     _FIELDS: ClassVar[tuple[_Field, ...]] = (
@@ -385,10 +407,12 @@ _BY_TYPE: dict[int, type[_Message]] = {
 
 def encode_message(message: Message) -> bytes:
     fields = dataclasses.fields(message)
-    wire = [
-        spec.to_wire(getattr(message, f.name))
-        for f, spec in zip(fields, message._FIELDS, strict=True)
-    ]
+    values = [getattr(message, f.name) for f in fields]
+    # Optional trailing fields at their default are left out (see the module docstring).
+    num_required = len(fields) - message._OPTIONAL_TAIL
+    while len(values) > num_required and values[-1] == fields[len(values) - 1].default:
+        values.pop()
+    wire = [spec.to_wire(value) for value, spec in zip(values, message._FIELDS, strict=False)]
     packed: bytes = msgpack.packb([PROTOCOL_VERSION, int(message.TYPE), *wire], use_bin_type=True)
     return packed
 
@@ -421,11 +445,13 @@ def decode_message(data: bytes | bytearray | memoryview) -> Message:
     if cls is None:
         raise ProtocolError(f"unknown message type {message_type!r}")
     fields = dataclasses.fields(cls)  # type: ignore[arg-type]
-    if len(values) != len(fields):
-        raise ProtocolError(f"{cls.__name__} has {len(fields)} fields, got {len(values)}")
+    num_required = len(fields) - cls._OPTIONAL_TAIL
+    if not num_required <= len(values) <= len(fields):
+        expected = f"{num_required}..{len(fields)}" if cls._OPTIONAL_TAIL else str(len(fields))
+        raise ProtocolError(f"{cls.__name__} has {expected} fields, got {len(values)}")
     decoded = [
         spec.from_wire(f.name, value)
-        for f, spec, value in zip(fields, cls._FIELDS, values, strict=True)
+        for f, spec, value in zip(fields, cls._FIELDS, values, strict=False)
     ]
     message: Message = cls(*decoded)  # type: ignore[assignment]
     return message

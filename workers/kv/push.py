@@ -18,6 +18,12 @@ the plan counts.
 layer may still go (transfer not aborted, deadline not passed) and records them as submitted
 *before* they are posted, so an abort acknowledgement never undercounts. Completions go to
 ``on_done`` / ``on_error`` on the fabric's callback thread; those only enqueue.
+
+Checksum mode (`workers.kv.checksum`): an item of a request that asked for it carries the
+request's `ChecksumAccumulator`; right after the gate let a layer go and before its writes are
+posted, the push thread streams the source bytes of each rank pair's rows into that layer's CRC
+of the pair's shard, and once every layer of every page is summed it calls ``on_checksummed``
+(the messenger then posts the context write, which carries the sums).
 """
 
 from __future__ import annotations
@@ -40,8 +46,9 @@ from workers.fabric import (
     PeerHandle,
     TransferEngine,
 )
+from workers.kv.checksum import ChecksumAccumulator, shard_order
 from workers.kv.sharding import TransferPlan
-from workers.kv.writes import PageIds, PoolLayout, plan_layer_writes
+from workers.kv.writes import PageIds, PoolLayout, pages_of_rank, plan_layer_writes
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +75,9 @@ class PushItem:
     dst_layer_bytes: int
     num_writes: int  # per layer
     num_bytes: int  # per layer
+    num_pages: int = 0  # request pages this item sends
+    checksums: ChecksumAccumulator | None = None  # checksum mode: the request's sums
+    shards: tuple[int, ...] = ()  # checksum mode: plan shard index of each of ``ops``
 
     def layer_ops(self, layer: int) -> list[tuple[int, int, np.ndarray]]:
         shift = np.array([layer * self.src_layer_bytes, layer * self.dst_layer_bytes, 0])
@@ -85,9 +95,10 @@ def build_push_item(
     src_layout: PoolLayout,
     dst_layout: PoolLayout,
     first_page_index: int,
+    checksums: ChecksumAccumulator | None = None,
 ) -> PushItem:
     """The writes of ``src_pages -> dst_pages`` (slices starting at request page
-    ``first_page_index``), range-checked against both pools."""
+    ``first_page_index``), range-checked against both pools; ``checksums``: checksum mode."""
     writes = plan_layer_writes(
         plan, 0, src_pages, dst_pages, src_layout, dst_layout, first_page_index=first_page_index
     )
@@ -98,6 +109,10 @@ def build_push_item(
     ops = tuple(
         RankOps(src, dst, np.asarray(rows, dtype=np.int64)) for (src, dst), rows in groups.items()
     )
+    shards: tuple[int, ...] = ()
+    if checksums is not None:
+        pairs = shard_order(plan)
+        shards = tuple(pairs.index((op.src_rank, op.dst_rank)) for op in ops)
     return PushItem(
         request_id,
         imm,
@@ -108,6 +123,9 @@ def build_push_item(
         dst_layout.num_pages * dst_layout.page_bytes,
         len(writes),
         sum(write.length for write in writes),
+        len(pages_of_rank(dst_pages, plan.shards[0].dst_rank)) if plan.shards else 0,
+        checksums,
+        shards,
     )
 
 
@@ -118,6 +136,7 @@ class PassPlan:
 
 
 Gate = Callable[[PushItem, int], bool]
+ChecksummedCallback = Callable[[PushItem], None]
 DoneCallback = Callable[[str, int], None]
 ErrorCallback = Callable[[str, int, FabricError], None]
 
@@ -138,9 +157,13 @@ class PushThread:
         poll_interval_s: float = 0.0001,
         layerwise: bool = True,
         name: str = "kv-push",
+        src_views: Sequence[np.ndarray] = (),
+        on_checksummed: ChecksummedCallback | None = None,
     ) -> None:
         """``layerwise=False`` holds every write until `pass_ended` reports the whole pass over
-        (the baseline that benchmarks compare the layer-wise push against)."""
+        (the baseline that benchmarks compare the layer-wise push against). ``src_views``:
+        each source pool as bytes (checksum mode reads them); ``on_checksummed(item)``: the
+        item's request has every checksum (called on this thread)."""
         self._engine = engine
         self._src_handles = tuple(src_handles)
         self._progress = progress
@@ -150,6 +173,8 @@ class PushThread:
         self._on_error = on_error
         self._poll_interval_s = poll_interval_s
         self._layerwise = layerwise
+        self._src_views = tuple(src_views)
+        self._on_checksummed = on_checksummed
         self._ended_pass_id = 0  # latest pass the step thread reported finished
         self._plans: queue.SimpleQueue[PassPlan | None] = queue.SimpleQueue()
         self._stopped = threading.Event()
@@ -204,7 +229,10 @@ class PushThread:
     def _push_item_layer(self, item: PushItem, layer: int) -> None:
         if not self._gate(item, layer):
             return
-        for src_rank, dst_rank, rows in item.layer_ops(layer):
+        layer_ops = item.layer_ops(layer)
+        if item.checksums is not None:
+            self._checksum(item, layer, layer_ops)
+        for src_rank, dst_rank, rows in layer_ops:
             count = int(rows.shape[0])
             try:
                 self._engine.submit_writes(
@@ -218,3 +246,34 @@ class PushThread:
                 )
             except FabricError as error:
                 self._on_error(item.request_id, count, error)
+
+    def _checksum(
+        self, item: PushItem, layer: int, layer_ops: list[tuple[int, int, np.ndarray]]
+    ) -> None:
+        checksums = item.checksums
+        assert checksums is not None
+        checksum_layer(item, layer, layer_ops, self._src_views)
+        if checksums.complete and self._on_checksummed is not None:
+            self._on_checksummed(item)
+
+
+def checksum_layer(
+    item: PushItem,
+    layer: int,
+    layer_ops: list[tuple[int, int, np.ndarray]],
+    src_views: Sequence[np.ndarray],
+) -> None:
+    """Checksum mode, before ``layer_ops`` (``item.layer_ops(layer)``) are posted: stream the
+    source bytes of each rank pair's rows into its shard's CRC of ``layer``."""
+    checksums = item.checksums
+    assert checksums is not None
+    for shard, (src_rank, _, rows) in zip(item.shards, layer_ops, strict=True):
+        checksums.add(layer, shard, src_views[src_rank], rows)
+    if checksums.flip_pending and layer_ops:
+        # NAMED TEST FAULT (`PrefillMessengerConfig.fault_flip_after_checksum`): a byte
+        # corrupted in flight cannot be produced on a loopback fabric, so one source byte is
+        # flipped after it was summed and before it is posted.
+        checksums.flip_pending = False
+        src_rank, _, rows = layer_ops[0]
+        src_views[src_rank][int(rows[0, 0])] ^= 0xFF
+    checksums.pages_done(item.num_pages)

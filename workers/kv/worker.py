@@ -174,6 +174,7 @@ class PrefillWorker:
             self.messenger.sharding.is_mla,
             segment_pages,
             config.page_size,
+            self.messenger.incarnation,
         )
 
     def state(self) -> dict[str, Any]:
@@ -332,6 +333,10 @@ class DecodeWorker:
     def transfer_progress(self, request_id: str) -> tuple[int, int | None] | None:
         """``(writes landed, writes expected)`` while the request waits for its KV."""
         return self._loop.call(lambda: self.messenger.progress(request_id))
+
+    def peer_incarnation(self, address: bytes) -> int | None:
+        """The incarnation of the prefill worker at ``address`` this decoder last used."""
+        return self._loop.call(lambda: self.messenger.peer_incarnations.get(address))
 
     def context_state(self, request_id: str) -> Any:
         """The hidden state of the last prefilled position the prefill worker wrote (a tensor)."""

@@ -1,0 +1,217 @@
+"""``pdserve bench run``, ``compare`` and ``validate``. Only argparse is imported here; each
+command imports what it runs, so that ``pdserve --help`` stays fast."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from orchestrator.loadgen.session import BenchOptions
+
+
+def add_subcommands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    bench = sub.add_parser("bench", help="open-loop load generator (run, compare)")
+    commands = bench.add_subparsers(dest="bench_command", required=True)
+
+    p = commands.add_parser("run", help="load a running router; report latencies and goodput")
+    p.add_argument("--address", required=True, help="router gRPC HOST:PORT")
+    p.add_argument("--http", default=None, help="router OpenAI base URL (http backend)")
+    p.add_argument("--api-key", default=None, help="bearer token of the HTTP API")
+    p.add_argument("--backend", choices=["grpc", "http"], default="grpc")
+    _add_workload_arguments(p)
+    p.set_defaults(func=_run)
+
+    p = commands.add_parser(
+        "compare",
+        help="the same workload on a disaggregated and a colocated cluster, one after the other",
+    )
+    p.add_argument("--disaggregated", required=True, help="cluster config (prefill + decode)")
+    p.add_argument("--colocated", required=True, help="cluster config (mixed)")
+    p.add_argument("--model", default=None, help="checkpoint directory (overrides the configs')")
+    p.add_argument("--backend", choices=["grpc", "http"], default="grpc")
+    p.add_argument("--num-cpus", type=int, default=None, help="embedded Ray's CPUs")
+    p.add_argument(
+        "--simulate",
+        default=None,
+        metavar="CALIBRATION.json",
+        help="also predict both runs with the calibrated simulator and print the relative error",
+    )
+    _add_workload_arguments(p)
+    p.set_defaults(func=_compare)
+
+    p = commands.add_parser(
+        "validate", help="the calibrated simulator's predictions for a saved compare result"
+    )
+    p.add_argument("result", help="JSON written by bench compare --json")
+    p.add_argument("--calibration", required=True, help="JSON written by pdserve calibrate")
+    p.set_defaults(func=_validate)
+
+
+def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rate", type=float, default=1.0, help="arrivals per second")
+    p.add_argument("--arrival", choices=["poisson", "fixed"], default="poisson")
+    p.add_argument("--num-requests", type=int, default=50, help="requests, warm-up included")
+    p.add_argument("--duration", type=float, default=None, help="seconds of arrivals, at most")
+    p.add_argument("--prompt", default="uniform:512-1024", help="fixed:N | uniform:A-B | chat:M")
+    p.add_argument("--output", default="uniform:64-128", help="fixed:N | uniform:A-B | chat:M")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=0, help="first N requests left out of stats")
+    p.add_argument("--ttft-slo", type=float, default=2.0, help="seconds")
+    p.add_argument("--tpot-slo", type=float, default=0.1, help="seconds per output token")
+    p.add_argument("--max-concurrency", type=int, default=1024, help="safety cap on streams")
+    p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--plot", default=None, help="write a PNG (ITL over time, CDFs) here")
+
+
+def _options(args: argparse.Namespace) -> BenchOptions:
+    from orchestrator.loadgen.session import BenchOptions
+    from orchestrator.loadgen.stats import SLOs
+    from orchestrator.sim.workload import LengthDist, Workload
+
+    workload = Workload(
+        rate=args.rate,
+        num_requests=args.num_requests,
+        prompt=LengthDist.parse(args.prompt),
+        output=LengthDist.parse(args.output),
+        arrival=args.arrival,
+        seed=args.seed,
+    )
+    return BenchOptions(
+        workload=workload,
+        slos=SLOs(args.ttft_slo, args.tpot_slo),
+        num_warmup=args.warmup,
+        duration_s=args.duration,
+        max_concurrency=args.max_concurrency,
+        timeout_s=args.timeout,
+        backend=args.backend,
+        api_key=getattr(args, "api_key", None),
+    )
+
+
+def _workload_json(args: argparse.Namespace) -> dict[str, Any]:
+    keys = ("rate", "arrival", "num_requests", "duration", "prompt", "output", "seed", "warmup")
+    return {key: getattr(args, key) for key in keys}
+
+
+def _run(args: argparse.Namespace) -> int:
+    from orchestrator.loadgen.report import machine_load, run_document, write_json, write_plot
+    from orchestrator.loadgen.session import measure
+    from orchestrator.loadgen.stats import format_summary
+
+    try:
+        options = _options(args)
+    except ValueError as error:
+        print(f"pdserve bench: {error}", file=sys.stderr)
+        return 2
+    import grpc
+
+    load_before = machine_load()
+    try:
+        outcome, summary = asyncio.run(measure(args.address, args.http, options))
+    except ValueError as error:  # the workload does not fit the served model
+        print(f"pdserve bench: {error}", file=sys.stderr)
+        return 2
+    except grpc.aio.AioRpcError as error:  # the model info call: no router there
+        print(
+            f"pdserve bench: {args.address}: {error.code().name}: {error.details()}",
+            file=sys.stderr,
+        )
+        return 2
+    print(format_summary(f"{args.backend} {args.address}", summary))
+    print(f"machine load: before {load_before} | after {machine_load()}")
+    if args.json:
+        document = {
+            "command": "run",
+            "argv": sys.argv,
+            "workload": _workload_json(args),
+            "machine_load": load_before,
+            "runs": [run_document(args.backend, outcome, summary)],
+        }
+        write_json(args.json, document)
+    if args.plot:
+        write_plot(args.plot, [(args.backend, outcome)])
+    return 0 if summary["errored"] == 0 else 1
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from orchestrator.loadgen.compare import format_ratios, load_config, ratios, run_cluster
+    from orchestrator.loadgen.report import run_document, write_json, write_plot
+    from orchestrator.loadgen.requests import kept_specs
+    from orchestrator.loadgen.stats import format_summary
+    from orchestrator.loadgen.validate import compare_to_measured, format_validation, predict
+
+    try:
+        options = _options(args)
+        configs = [
+            ("disaggregated", load_config(args.disaggregated, args.model)),
+            ("colocated", load_config(args.colocated, args.model)),
+        ]
+    except ValueError as error:  # ConfigError is a ValueError
+        print(f"pdserve bench compare: {error}", file=sys.stderr)
+        return 2
+    for name, config in configs:
+        wanted = name == "disaggregated"
+        if config.is_disaggregated != wanted:
+            print(f"pdserve bench compare: --{name} config is not {name}", file=sys.stderr)
+            return 2
+    runs = []
+    for name, config in configs:
+        run = asyncio.run(run_cluster(name, config, options, args.num_cpus))
+        print(format_summary(name, run.summary))
+        print(f"   machine load: before {run.load_before} | after {run.load_after}")
+        runs.append(run)
+    rows = ratios(runs[0].summary, runs[1].summary)
+    print("\n" + format_ratios(rows))
+    validation: dict[str, Any] = {}
+    if args.simulate:
+        specs = kept_specs(options.workload, options.duration_s)
+        for run in runs:
+            prediction = predict(f"calibrated:{args.simulate}", run.config, specs, args.warmup)
+            validation[run.name] = compare_to_measured(prediction, run.summary)
+            print(format_validation(run.name, validation[run.name]))
+        validation["calibration"] = args.simulate
+    if args.json:
+        document = {
+            "command": "compare",
+            "argv": sys.argv,
+            "workload": _workload_json(args),
+            "configs": {"disaggregated": args.disaggregated, "colocated": args.colocated},
+            "machine_load": {r.name: [r.load_before, r.load_after] for r in runs},
+            "runs": [run_document(r.name, r.outcome, r.summary) for r in runs],
+            "ratios": rows,
+            "simulation": validation or None,
+        }
+        write_json(args.json, document)
+    if args.plot:
+        write_plot(args.plot, [(r.name, r.outcome) for r in runs])
+    return 0 if all(r.summary["errored"] == 0 for r in runs) else 1
+
+
+def _validate(args: argparse.Namespace) -> int:
+    """Re-simulate a saved ``compare`` result (same workload, layouts, warm-up) with another
+    calibration, without running the clusters again."""
+    import json
+
+    from orchestrator.loadgen.compare import load_config
+    from orchestrator.loadgen.requests import kept_specs
+    from orchestrator.loadgen.validate import compare_to_measured, format_validation, predict
+
+    document = json.loads(Path(args.result).read_text())
+    if document.get("command") != "compare":
+        print(f"pdserve bench validate: {args.result} is not a compare result", file=sys.stderr)
+        return 2
+    workload_args = argparse.Namespace(**document["workload"], ttft_slo=1.0, tpot_slo=1.0)
+    for key, value in (("max_concurrency", 1), ("timeout", 1.0), ("backend", "grpc")):
+        setattr(workload_args, key, value)
+    options = _options(workload_args)
+    specs = kept_specs(options.workload, options.duration_s)
+    for run in document["runs"]:
+        config = load_config(document["configs"][run["name"]], None)
+        prediction = predict(f"calibrated:{args.calibration}", config, specs, options.num_warmup)
+        print(format_validation(run["name"], compare_to_measured(prediction, run["summary"])))
+    return 0

@@ -1,0 +1,108 @@
+"""``pdserve bench compare``: the same workload against a disaggregated and a colocated cluster,
+one after the other in this process (`orchestrator.app.ServingApp` on embedded Ray; the first
+is stopped, Ray included, before the second starts), then the ratios against the issue's
+targets: disaggregated p99 ITL <= 0.5x colocated, per-request decode tok/s >= 1.8x. TTFT p50
+and throughput ratios are reported without a target (disaggregation is expected to cost TTFT).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from orchestrator.config import ClusterConfig
+from orchestrator.loadgen.report import machine_load
+from orchestrator.loadgen.runner import RunOutcome
+from orchestrator.loadgen.session import BenchOptions, measure
+
+logger = logging.getLogger(__name__)
+
+# (name, path in the summary, target ratio disaggregated / colocated, "<=" or ">=" or None)
+RATIOS: tuple[tuple[str, tuple[str, ...], float | None, str | None], ...] = (
+    ("ITL p99", ("itl_s", "p99"), 0.5, "<="),
+    ("decode tok/s per request (mean)", ("decode_tokens_per_s_per_request", "mean"), 1.8, ">="),
+    ("TTFT p50", ("ttft_s", "p50"), None, None),
+    ("TTFT p99", ("ttft_s", "p99"), None, None),
+    ("output tok/s", ("output_token_throughput",), None, None),
+    ("goodput", ("goodput",), None, None),
+)
+
+
+@dataclass
+class ClusterRun:
+    name: str
+    config: ClusterConfig
+    outcome: RunOutcome
+    summary: dict[str, Any]
+    load_before: str
+    load_after: str
+
+
+def load_config(path: str | Path, model: str | Path | None) -> ClusterConfig:
+    config = ClusterConfig.from_yaml(path)
+    return config.with_overrides(model=model) if model is not None else config
+
+
+async def run_cluster(
+    name: str, config: ClusterConfig, options: BenchOptions, num_cpus: int | None = None
+) -> ClusterRun:
+    from orchestrator.app import AppOptions, ServingApp
+
+    app = ServingApp(config, AppOptions(num_cpus=num_cpus))
+    load_before = machine_load()
+    try:
+        address = await app.start()
+        http_url = f"http://{app.http_address}" if app.http_address else None
+        logger.info("%s cluster serving on %s; running the workload", name, address)
+        outcome, summary = await measure(address, http_url, options)
+    finally:
+        load_after = machine_load()
+        await app.stop()  # Ray too (embedded): nothing of this cluster outlives it
+    return ClusterRun(name, config, outcome, summary, load_before, load_after)
+
+
+def ratios(disaggregated: dict[str, Any], colocated: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for name, path, target, sense in RATIOS:
+        a, b = _get(disaggregated, path), _get(colocated, path)
+        ratio = a / b if a is not None and b else None
+        verdict = None
+        if target is not None and ratio is not None:
+            met = ratio <= target if sense == "<=" else ratio >= target
+            verdict = "PASS" if met else "MISS"
+        rows.append(
+            {
+                "metric": name,
+                "disaggregated": a,
+                "colocated": b,
+                "ratio": ratio,
+                "target": None if target is None else f"{sense} {target}",
+                "verdict": verdict,
+            }
+        )
+    return rows
+
+
+def format_ratios(rows: list[dict[str, Any]]) -> str:
+    def cell(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:.4g}"
+
+    lines = [
+        f"{'metric':<33} {'disagg':>10} {'coloc':>10} {'ratio':>7}  target",
+    ]
+    for row in rows:
+        target = f"{row['target']}: {row['verdict']}" if row["target"] else "(reported)"
+        lines.append(
+            f"{row['metric']:<33} {cell(row['disaggregated']):>10} {cell(row['colocated']):>10} "
+            f"{cell(row['ratio']):>7}  {target}"
+        )
+    return "\n".join(lines)
+
+
+def _get(summary: dict[str, Any], path: tuple[str, ...]) -> float | None:
+    value: Any = summary
+    for part in path:
+        value = value[part]
+    return None if value is None else float(value)

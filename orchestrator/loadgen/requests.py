@@ -1,0 +1,75 @@
+"""A `Workload` → the timed requests the load generator sends.
+
+Lengths and arrival times come from `orchestrator.sim.workload.Workload.requests()`, so the
+load generator and the simulator run the very same request list for a seed. Prompts are token
+ids (exact lengths, no tokenizer round trip), drawn with the workload's seed from the model's
+vocabulary minus its EOS / special ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from orchestrator.sim.workload import RequestSpec, Workload
+
+
+@dataclass(frozen=True)
+class TimedRequest:
+    index: int
+    arrival_s: float  # scheduled send time, seconds from the run's start
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int
+    warmup: bool  # sent like any other, left out of the statistics
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+def build_requests(
+    workload: Workload,
+    vocab_size: int,
+    *,
+    excluded_ids: Iterable[int] = (),
+    num_warmup: int = 0,
+    duration_s: float | None = None,
+) -> list[TimedRequest]:
+    """The workload's requests with prompts; arrivals after ``duration_s`` are dropped (a bound
+    on the run, not a rate change). The first ``num_warmup`` are marked warm-up."""
+    if num_warmup < 0 or num_warmup >= workload.num_requests:
+        raise ValueError(
+            f"warm-up must be in [0, num_requests={workload.num_requests}), got {num_warmup}"
+        )
+    if duration_s is not None and duration_s <= 0:
+        raise ValueError(f"duration must be positive, got {duration_s}")
+    excluded = set(excluded_ids)
+    allowed = np.array([t for t in range(vocab_size) if t not in excluded], dtype=np.int64)
+    if not len(allowed):
+        raise ValueError(f"no token ids left to draw prompts from (vocab {vocab_size})")
+    specs = kept_specs(workload, duration_s)
+    # Its own stream (index 3): workload.py uses [seed, 1] and [seed, 2].
+    rng = np.random.default_rng([workload.seed, 3])
+    out = []
+    for spec in specs:
+        ids = rng.choice(allowed, size=spec.num_prompt_tokens)
+        out.append(
+            TimedRequest(
+                index=spec.request_id,
+                arrival_s=spec.arrival_time,
+                prompt_token_ids=tuple(int(t) for t in ids),
+                max_tokens=spec.num_output_tokens,
+                warmup=spec.request_id < num_warmup,
+            )
+        )
+    return out
+
+
+def kept_specs(workload: Workload, duration_s: float | None) -> list[RequestSpec]:
+    """The workload's specs that arrive within ``duration_s`` (all when None)."""
+    specs = workload.requests()
+    if duration_s is None:
+        return specs
+    return [s for s in specs if s.arrival_time <= duration_s]

@@ -1,0 +1,118 @@
+"""Open-loop arrivals: each request is sent at its scheduled time whether or not earlier ones
+have finished (the arrival loop never awaits a completion).
+
+``max_concurrency`` is a safety cap on streams in flight, not a load shape: a request that
+arrives while the cap is full waits for a slot, and each such wait is counted (``cap_hits``)
+and reported, since it means the run was no longer open-loop. Progress goes to stderr as one
+rewritten line (a new line every 10 s when stderr is not a terminal): done/total, errors, elapsed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TextIO
+
+from orchestrator.loadgen.clients import Client, Clock
+from orchestrator.loadgen.records import RequestResult
+from orchestrator.loadgen.requests import TimedRequest
+
+
+@dataclass
+class RunOutcome:
+    backend: str
+    results: list[RequestResult]
+    cap_hits: int
+    max_concurrency: int
+    wall_s: float
+
+
+async def run_open_loop(
+    client: Client,
+    requests: Sequence[TimedRequest],
+    *,
+    max_concurrency: int = 1024,
+    progress: TextIO | None = sys.stderr,
+) -> RunOutcome:
+    if max_concurrency < 1:
+        raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+    start = time.perf_counter()
+
+    def now() -> float:
+        return time.perf_counter() - start
+
+    slots = asyncio.Semaphore(max_concurrency)
+    results: list[RequestResult] = []
+    tasks: list[asyncio.Task[None]] = []
+    cap_hits = 0
+
+    async def one(request: TimedRequest, result: RequestResult) -> None:
+        async with slots:
+            await client.send(request, result, now)
+
+    reporter = (
+        asyncio.create_task(_report(progress, client.name, results, len(requests), now))
+        if progress is not None
+        else None
+    )
+    try:
+        for request in requests:
+            delay = request.arrival_s - now()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            result = RequestResult(
+                index=request.index,
+                warmup=request.warmup,
+                scheduled_s=request.arrival_s,
+                prompt_tokens=request.num_prompt_tokens,
+                max_tokens=request.max_tokens,
+            )
+            if slots.locked():
+                cap_hits += 1
+            results.append(result)
+            tasks.append(asyncio.create_task(one(request, result)))
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        if reporter is not None:
+            reporter.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reporter
+            _line(progress, client.name, results, len(requests), now(), final=True)
+    return RunOutcome(client.name, results, cap_hits, max_concurrency, now())
+
+
+def _done(results: list[RequestResult]) -> tuple[int, int]:
+    errors = sum(1 for r in results if r.error is not None)
+    return sum(1 for r in results if r.ok) + errors, errors
+
+
+async def _report(
+    out: TextIO | None, name: str, results: list[RequestResult], total: int, now: Clock
+) -> None:
+    # A terminal gets one line rewritten every second; a log file a new line every 10 s.
+    tty = out is not None and out.isatty()
+    while True:
+        await asyncio.sleep(1.0 if tty else 10.0)
+        _line(out, name, results, total, now(), final=not tty)
+
+
+def _line(
+    out: TextIO | None,
+    name: str,
+    results: list[RequestResult],
+    total: int,
+    elapsed: float,
+    final: bool = False,
+) -> None:
+    if out is None:
+        return
+    done, errors = _done(results)
+    out.write(f"\r[bench {name}] {done}/{total} done, {errors} errors, {elapsed:6.1f} s")
+    out.write("\n" if final else "")
+    out.flush()

@@ -1,0 +1,65 @@
+"""One measured run against a running router: ask it for the model (vocabulary, EOS ids),
+build the request list, stream it open-loop over the chosen API, summarize."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Literal, TextIO
+
+from orchestrator.loadgen.clients import Client, GrpcClient, HttpClient, model_info
+from orchestrator.loadgen.requests import build_requests
+from orchestrator.loadgen.runner import RunOutcome, run_open_loop
+from orchestrator.loadgen.stats import SLOs, summarize
+from orchestrator.sim.workload import Workload
+
+Backend = Literal["grpc", "http"]
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    workload: Workload
+    slos: SLOs
+    num_warmup: int = 0
+    duration_s: float | None = None
+    max_concurrency: int = 1024
+    timeout_s: float = 600.0  # per request
+    backend: Backend = "grpc"
+    api_key: str | None = None
+
+
+async def measure(
+    address: str,
+    http_url: str | None,
+    options: BenchOptions,
+    progress: TextIO | None = sys.stderr,
+) -> tuple[RunOutcome, dict[str, Any]]:
+    """``address``: the router's gRPC ``host:port`` (also asked for the model);
+    ``http_url``: its OpenAI base URL, needed for the ``http`` backend."""
+    info = await model_info(address)
+    requests = build_requests(
+        options.workload,
+        info.vocab_size,
+        excluded_ids=info.eos_token_ids,
+        num_warmup=options.num_warmup,
+        duration_s=options.duration_s,
+    )
+    longest = max(r.num_prompt_tokens + r.max_tokens for r in requests)
+    if longest > info.max_model_len:
+        raise ValueError(
+            f"a request needs {longest} tokens; {info.name} serves at most {info.max_model_len}"
+        )
+    client: Client
+    if options.backend == "http":
+        if not http_url:
+            raise ValueError("the http backend needs the router's HTTP URL (--http)")
+        client = HttpClient(http_url, options.timeout_s, options.api_key)
+    else:
+        client = GrpcClient(address, options.timeout_s)
+    try:
+        outcome = await run_open_loop(
+            client, requests, max_concurrency=options.max_concurrency, progress=progress
+        )
+    finally:
+        await client.close()
+    return outcome, summarize(outcome.results, options.slos, cap_hits=outcome.cap_hits)

@@ -1,0 +1,95 @@
+"""The simulator's predictions for a measured run: the same request list (same workload, seed,
+duration cut and warm-up) through `orchestrator.sim.simulator` with a cost model, and the
+relative error of TTFT p50, ITL p99 and output-token throughput against the measurement.
+
+The layout and per-instance limits come from the cluster config the run served: prefill and
+decode replicas (or mixed replicas), and the serving group's ``max_num_seqs`` /
+``max_num_batched_tokens``. The simulator's ITL is per engine step (weighted by the sequences
+it advanced), its TTFT ends when the first token is sampled: no router, gRPC or client time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from orchestrator.config import ClusterConfig
+from orchestrator.sim.instances import EngineLimits
+from orchestrator.sim.simulator import Layout, SimResult, Simulator
+from orchestrator.sim.workload import RequestSpec
+
+# Figures compared, as (prediction key, path in the load generator's summary).
+COMPARED = (
+    ("ttft_p50_s", ("ttft_s", "p50")),
+    ("itl_p99_s", ("itl_s", "p99")),
+    ("output_token_throughput", ("output_token_throughput",)),
+)
+TOLERANCE = 0.15  # the issue's bar: within 15% of measured
+
+
+def layout_of(config: ClusterConfig) -> Layout:
+    if config.is_disaggregated:
+        prefill, decode = config.group("prefill"), config.group("decode")
+        return Layout(
+            num_prefill=prefill.replicas,
+            num_decode=decode.replicas,
+            tp_prefill=prefill.tp,
+            tp_decode=decode.tp,
+        )
+    mixed = config.group("mixed")
+    return Layout(num_mixed=mixed.replicas, tp_mixed=mixed.tp)
+
+
+def limits_of(config: ClusterConfig) -> EngineLimits:
+    limits = config.group("decode" if config.is_disaggregated else "mixed").limits
+    return EngineLimits(limits.max_num_seqs, limits.max_num_batched_tokens)
+
+
+def predict(
+    cost_spec: str, config: ClusterConfig, specs: list[RequestSpec], num_warmup: int
+) -> dict[str, float]:
+    from orchestrator.sim.cost import create_cost_model
+    from orchestrator.sim.metrics import summarize
+
+    cost = create_cost_model(cost_spec)
+    result = Simulator(cost, layout_of(config), limits_of(config)).run(specs)
+    measured = tuple(r for r in result.records if r.request_id >= num_warmup)
+    # Warm-up requests are left out as in the measurement; every step still counts for ITL.
+    kept = SimResult(result.layout, measured, result.itl_steps, result.busy_seconds)
+    summary = summarize(kept)
+    return {
+        "ttft_p50_s": float(np.percentile([r.ttft for r in measured], 50)),
+        "itl_p99_s": summary.itl_p99,
+        "output_token_throughput": summary.output_tokens_per_s,
+    }
+
+
+def compare_to_measured(prediction: dict[str, float], summary: dict[str, Any]) -> dict[str, Any]:
+    rows: dict[str, Any] = {}
+    for key, path in COMPARED:
+        value: Any = summary
+        for part in path:
+            value = value[part]
+        predicted = prediction[key]
+        error = (predicted - value) / value if value else None
+        rows[key] = {
+            "predicted": predicted,
+            "measured": value,
+            "error": error,
+            "within_tolerance": error is not None and abs(error) <= TOLERANCE,
+        }
+    return rows
+
+
+def format_validation(name: str, rows: dict[str, Any]) -> str:
+    lines = [f"   simulator vs measured ({name}):"]
+    for key, row in rows.items():
+        error = "n/a" if row["error"] is None else f"{row['error']:+.0%}"
+        verdict = "ok" if row["within_tolerance"] else f"outside {TOLERANCE:.0%}"
+        lines.append(
+            f"     {key:<24} predicted {row['predicted']:10.4f}  measured "
+            f"{row['measured'] if row['measured'] is not None else float('nan'):10.4f}  "
+            f"error {error:>5}  {verdict}"
+        )
+    return "\n".join(lines)

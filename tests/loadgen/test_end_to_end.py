@@ -1,0 +1,105 @@
+"""``pdserve bench`` against a real cluster: 2 mixed workers on Ray, the tiny preset, the
+router's gRPC and OpenAI HTTP APIs. Every request is accounted for and the client-side token
+counts match the requested lengths (ignore_eos)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from orchestrator.loadgen.clients import GrpcClient, HttpClient
+from orchestrator.loadgen.records import RequestResult
+from orchestrator.loadgen.requests import TimedRequest
+from orchestrator.loadgen.session import BenchOptions, measure
+from orchestrator.loadgen.stats import SLOs, summarize
+from orchestrator.sim.workload import LengthDist, Workload
+from tests.orchestrator.cluster_helpers import ServedCluster, cluster_config, mixed_groups
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir: Path) -> Iterator[ServedCluster]:
+    # No ray_local: that fixture lives in tests/orchestrator. ServingApp joins a Ray this
+    # process already runs, or starts (and on stop shuts down) an embedded one.
+    served = ServedCluster(cluster_config(tiny_model_dir, mixed_groups(2)))
+    try:
+        yield served
+    finally:
+        served.close()
+
+
+def _options(backend: str, max_concurrency: int, rate: float) -> BenchOptions:
+    workload = Workload(
+        rate=rate,
+        num_requests=8,
+        prompt=LengthDist.parse("uniform:16-96"),
+        output=LengthDist.parse("uniform:4-24"),
+        seed=3,
+    )
+    return BenchOptions(
+        workload=workload,
+        slos=SLOs(ttft_s=60.0, tpot_s=10.0),  # generous: this asserts accounting, not speed
+        num_warmup=1,
+        max_concurrency=max_concurrency,
+        timeout_s=120.0,
+        backend=backend,  # type: ignore[arg-type]
+    )
+
+
+def _check_accounted(results: list[RequestResult], summary: dict[str, object]) -> None:
+    assert summary["sent"] == 8
+    assert summary["completed"] == 8 and summary["errored"] == 0, summary["errors_by_code"]
+    for result in results:
+        assert result.finish_reason == "length"
+        assert result.output_tokens == result.max_tokens == result.usage_completion_tokens
+        assert result.ttft is not None and result.ttft > 0
+        assert len(result.itls) == result.output_tokens - 1
+
+
+def test_grpc_open_loop_run(cluster: ServedCluster, tmp_path: Path) -> None:
+    outcome, summary = asyncio.run(measure(cluster.address, None, _options("grpc", 64, 8.0)))
+    _check_accounted(outcome.results, summary)
+    assert outcome.cap_hits == 0
+    assert summary["measured_completed"] == 7
+    assert summary["ttft_s"]["p50"] is not None and summary["itl_s"]["p99"] is not None
+    assert summary["goodput"] == pytest.approx(summary["request_throughput"])
+
+
+def test_http_run_under_the_concurrency_cap(cluster: ServedCluster) -> None:
+    # All 8 arrive within ~10 ms; with 2 slots the rest wait, and the waits are counted.
+    url = f"http://{cluster.app.http_address}"
+    outcome, summary = asyncio.run(measure(cluster.address, url, _options("http", 2, 1000.0)))
+    _check_accounted(outcome.results, summary)
+    assert outcome.cap_hits >= 1 and summary["cap_hits"] == outcome.cap_hits
+    assert summary["max_send_lag_s"] > 0
+
+
+def test_errors_are_counted_by_status(cluster: ServedCluster) -> None:
+    # 300 prompt tokens: beyond the cluster's max_model_len (256), refused by the router.
+    too_long = TimedRequest(0, 0.0, tuple([5] * 300), 4, warmup=False)
+
+    async def send_both() -> list[RequestResult]:
+        results = []
+        for client in (
+            GrpcClient(cluster.address, 30.0),
+            HttpClient(f"http://{cluster.app.http_address}", 30.0),
+        ):
+            result = RequestResult(0, False, 0.0, 300, 4)
+            try:
+                await client.send(too_long, result, lambda: 0.0)
+            finally:
+                await client.close()
+            results.append(result)
+        return results
+
+    results = asyncio.run(send_both())
+    assert [r.error for r in results] == ["INVALID_ARGUMENT", "HTTP 400"]
+    summary = summarize(results, SLOs(1.0, 1.0))
+    assert summary["errored"] == 2 and summary["completed"] == 0
+    assert summary["errors_by_code"] == {"HTTP 400": 1, "INVALID_ARGUMENT": 1}
+    assert json.dumps(summary)  # nothing in it that the JSON file cannot hold
