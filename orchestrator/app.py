@@ -250,6 +250,7 @@ def describe(config: ClusterConfig, registry: Any, seed: int | None) -> tuple[An
         policy=config.router.policy,
         seed=seed,
         max_request_bytes=config.router.max_request_bytes,
+        prefill_retries=config.router.prefill_retries,
     )
     groups = [GroupView(g.role, g.role, g.replicas, g.tp) for g in config.groups]
     return model_info, tokenizer, settings, groups

@@ -14,9 +14,9 @@ Layout (every key optional unless marked; `configs/*.yaml` are complete examples
         resources_per_rank: {cpu, gpu, memory, custom: {NAME: AMOUNT}}
         fabric: {provider, node}    # prefill and decode only
         limits: {...}               # overrides of GROUP_LIMIT_KEYS for this group
-    transfer: {deadline_seconds, drain_interval_seconds, coalesce_pages}
+    transfer: {deadline_seconds, drain_interval_seconds, coalesce_pages, checksum}
     router: {address, http_address, policy, max_queue, default_max_tokens, grace_seconds,
-             max_request_bytes, auth: {token}, tls: {cert, key, ca}}
+             max_request_bytes, prefill_retries, auth: {token}, tls: {cert, key, ca}}
 
 Relative paths (``model``, TLS files) are resolved against the YAML file's directory, so a
 config means the same thing from any working directory. Byte sizes (``kv_memory_bytes``,

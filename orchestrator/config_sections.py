@@ -283,6 +283,9 @@ class RouterConfig:
         body (HTTP); larger ones get INVALID_ARGUMENT / HTTP 400 before they are parsed. The
         gRPC server's transport limit is twice this: beyond it gRPC itself answers
         RESOURCE_EXHAUSTED without reading the message.
+    prefill_retries: disaggregated only: how many other prefill workers a request tries when
+        its KV transfer failed before any token was streamed (prefill dead, stalled past the
+        transfer deadline, or refusing it); 0 fails the request at once.
     """
 
     address: str = "127.0.0.1:50051"
@@ -292,6 +295,7 @@ class RouterConfig:
     default_max_tokens: int = 256
     grace_seconds: float = 5.0
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    prefill_retries: int = 1
     auth: AuthConfig = field(default_factory=AuthConfig)
     tls: TLSConfig = field(default_factory=TLSConfig)
 
@@ -304,6 +308,7 @@ class RouterConfig:
         check_int("default_max_tokens", self.default_max_tokens, 1)
         check_number("grace_seconds", self.grace_seconds, 0)
         check_int("max_request_bytes", self.max_request_bytes, 1024)
+        check_int("prefill_retries", self.prefill_retries, 0)
         if self.max_request_bytes > MAX_REQUEST_BYTES_LIMIT:
             raise ConfigError(
                 "max_request_bytes",

@@ -74,6 +74,9 @@ class RouterSettings:
     # A worker whose link broke is not chosen again until the controller replaced it (new
     # generation or address) or this long passed (a break that was not the worker's death).
     suspect_hold_seconds: float = 10.0
+    # Other prefill workers a disaggregated request may try when its KV transfer failed before
+    # any token was streamed (0: fail it at once).
+    prefill_retries: int = 1
 
 
 @dataclass(frozen=True)
@@ -334,9 +337,11 @@ class Router:
             prompt_token_ids=prompt,
             sampling=sampling_to_proto(params),
         )
+        tried: set[str] = set()  # prefill sources of this request
         if self.settings.is_disaggregated:
             source = pick_prefill_source(self.registry.ready("prefill"), self._rng)
             message.prefill_endpoint = source.prefill_endpoint
+            tried.add(source.worker_id)
         text = TextStream(self.tokenizer, prompt, params.stop)
         inflight.link = link = self._link(worker)
         try:
@@ -363,6 +368,25 @@ class Router:
                 text.push(token_id)
             reason = delta.finish_reason
             if reason == "error":
+                retry = self._retry_source(delta, num_tokens, tried)
+                if retry is not None:
+                    # The decoder ended the request before its first token (its KV transfer
+                    # failed: prefill dead, stalled or rejecting): nothing was streamed, so the
+                    # same decoder asks another prefill worker.
+                    logger.warning(
+                        "request %s: prefill failed (%s); retrying with %s",
+                        inflight.request_id,
+                        delta.error,
+                        retry.worker_id,
+                    )
+                    tried.add(retry.worker_id)
+                    message.prefill_endpoint = retry.prefill_endpoint
+                    try:
+                        deltas = await link.start(message)
+                    except LinkBroken as error:
+                        self._suspect(worker, link)
+                        raise WorkerFailedError(str(error)) from None
+                    continue
                 inflight.finished = True
                 raise _worker_error(worker.worker_id, delta)
             if text.stopped and not reason:  # a stop string the router saw first
@@ -388,6 +412,22 @@ class Router:
                 return
 
     # --- failures and drain ------------------------------------------------------------------
+
+    def _retry_source(
+        self, delta: wpb.RequestDelta, num_tokens: int, tried: set[str]
+    ) -> WorkerRecord | None:
+        """Another ready prefill worker for a request whose decoder failed it before any token
+        with a worker-side error (``error_code`` 0: not a refusal of the request itself), while
+        ``prefill_retries`` allows; None otherwise."""
+        if (
+            not self.settings.is_disaggregated
+            or num_tokens > 0
+            or delta.error_code != 0
+            or len(tried) > self.settings.prefill_retries
+        ):
+            return None
+        others = [w for w in self.registry.ready("prefill") if w.worker_id not in tried]
+        return pick_prefill_source(others, self._rng) if others else None
 
     def _suspect(self, worker: WorkerRecord, link: WorkerLink) -> None:
         """The stream to ``worker`` broke (it died, or its host is unreachable): stop choosing

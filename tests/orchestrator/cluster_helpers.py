@@ -67,13 +67,15 @@ def disaggregated_groups(prefill: int, decode: int, tp: int = 1) -> dict[str, An
 
 
 class ServedCluster:
-    def __init__(self, config: ClusterConfig, controller_options: Any = None) -> None:
+    def __init__(
+        self, config: ClusterConfig, controller_options: Any = None, app_options: Any = None
+    ) -> None:
         from orchestrator.app import ServingApp
 
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
-        self.app = ServingApp(config, controller_options=controller_options)
+        self.app = ServingApp(config, app_options, controller_options=controller_options)
         self.address = self.run(self.app.start(), timeout=300)
 
     def run(self, coroutine: Coroutine[Any, Any, T], timeout: float = 120) -> T:

@@ -295,3 +295,94 @@ def test_a_draining_router_refuses_new_requests_and_lets_running_ones_finish(wor
         await router.close()
 
     asyncio.run(run())
+
+
+class PrefillFailingBackend(FakeBackend):
+    """A decoder whose KV transfer from prefill endpoint b"dead" fails before any token (as the
+    decode messenger reports a prefill killed or stalled past the transfer deadline)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.endpoints: list[bytes] = []
+
+    def submit(
+        self, request_id: str, prompt: Sequence[int], params: SamplingParams, ep: bytes, sink: Sink
+    ) -> None:
+        self.endpoints.append(ep)
+        if ep == b"dead":
+            sink(TokenDelta([], None, True, "error", "KV transfer deadline passed"))
+            return
+        super().submit(request_id, prompt, params, ep, sink)
+
+
+def _disaggregated_router(address: str, prefill: dict[str, bytes], retries: int) -> Router:
+    registry = Registry()
+    registry.add(_record("decode-0", address))
+    for i, (worker_id, endpoint) in enumerate(prefill.items()):
+        registry.add(
+            WorkerRecord(worker_id, "prefill", i, health="healthy", prefill_endpoint=endpoint)
+        )
+    settings = RouterSettings(
+        serving_role="decode",
+        is_disaggregated=True,
+        vocab_size=512,
+        max_model_len=64,
+        pool_tokens=1024,
+        capacity_per_worker=4,
+        max_queue=1,
+        default_max_tokens=8,
+        prefill_retries=retries,
+        seed=0,
+    )
+    return Router(settings, registry, ByteTokenizer())
+
+
+@pytest.mark.parametrize("order", [("dead", "live"), ("live", "dead")])
+def test_a_failed_prefill_is_retried_on_another_before_any_token(order: tuple[str, str]) -> None:
+    backend = PrefillFailingBackend()
+    server = WorkerServer(WorkerServicer("decode-0", backend))
+    endpoints = {f"prefill-{i}": name.encode() for i, name in enumerate(order)}
+
+    async def run() -> None:
+        router = _disaggregated_router(server.address, endpoints, retries=1)
+        served = 0
+        for n in range(6):  # the random source is the dead one in some of these
+            request_id = f"r{n}"
+            task = asyncio.create_task(_next(router.generate(GenerationInput(request_id, "x"))))
+            await _wait(lambda rid=request_id: rid in backend.sinks)  # type: ignore[misc]
+            backend.emit(request_id, ord("k"), "length")
+            assert (await task).finish_reason == "length"
+            served += 1
+        assert served == 6
+        assert b"dead" in backend.endpoints  # the retry path ran
+        # Every request ended on the live source; each dead attempt was followed by a live one.
+        assert backend.endpoints.count(b"live") == 6
+        await router.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        server.stop(0.1)
+
+
+def test_without_retries_or_another_prefill_the_request_fails() -> None:
+    backend = PrefillFailingBackend()
+    server = WorkerServer(WorkerServicer("decode-0", backend))
+
+    async def run() -> None:
+        for endpoints, retries in (
+            ({"prefill-0": b"dead", "prefill-1": b"dead"}, 0),
+            ({"prefill-0": b"dead"}, 3),
+        ):
+            router = _disaggregated_router(server.address, endpoints, retries)
+            before = len(backend.endpoints)
+            with pytest.raises(WorkerFailedError, match="deadline"):
+                await anext(router.generate(GenerationInput("doomed", "x")))
+            assert len(backend.endpoints) - before == 1  # no second attempt
+            assert router.num_outstanding == 0
+            await router.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        server.stop(0.1)
