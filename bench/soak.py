@@ -84,22 +84,12 @@ def greedy_references(
     """The colocated engine's greedy tokens (EOS ignored, as the soak's requests)."""
     import torch
 
-    from workers.engine.config import EngineConfig
-    from workers.engine.engine_core import EngineCore
-    from workers.engine.sampling_params import SamplingParams
+    from workers.engine import LLM, SamplingParams
 
     torch.set_num_threads(1)  # as the workers run
-    engine = EngineCore(model_dir, EngineConfig(num_pages=128, max_model_len=256), detokenize=False)
+    llm = LLM(model_dir, num_pages=256, max_model_len=256)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    results = []
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"ref-{i}", prompt, params)
-        tokens: list[int] = []
-        while engine.has_unfinished():
-            for output in engine.step():
-                tokens.extend(output.new_token_ids)
-        results.append(tokens)
-    return results
+    return [result.token_ids for result in llm.generate(prompts, params)]
 
 
 def soak_prompts(vocab_size: int, seed: int, count: int = 12) -> list[list[int]]:

@@ -29,20 +29,24 @@ PROMPTS = [
 ]
 
 
-def colocated_outputs(model_dir: Path, prompts: list[str], max_tokens: int) -> list[list[int]]:
-    """Greedy token ids of the colocated engine, one request at a time."""
+def colocated_outputs(
+    model_dir: Path,
+    prompts: list[str] | list[list[int]],
+    max_tokens: int,
+    ignore_eos: bool = False,
+) -> list[list[int]]:
+    """Greedy token ids of the colocated engine, one request at a time (text prompts are
+    tokenized as the router does)."""
     import torch
 
     torch.set_num_threads(1)  # as the workers run
     engine = EngineCore(model_dir, EngineConfig(num_pages=64, max_model_len=256), detokenize=False)
     tokenizer = load_tokenizer(model_dir)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
     results = []
     for i, prompt in enumerate(prompts):
-        engine.add_request(
-            f"ref-{i}",
-            tokenizer.encode(prompt),
-            SamplingParams(temperature=0.0, max_tokens=max_tokens),
-        )
+        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        engine.add_request(f"ref-{i}", ids, params)
         tokens: list[int] = []
         while engine.has_unfinished():
             for output in engine.step():

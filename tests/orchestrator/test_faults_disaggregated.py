@@ -20,6 +20,7 @@ import pytest
 
 from orchestrator.client import pb, pb_grpc
 from orchestrator.controller import ControllerOptions
+from tests.orchestrator import serving_checks
 from tests.orchestrator.cluster_helpers import (
     ServedCluster,
     cluster_config,
@@ -27,9 +28,6 @@ from tests.orchestrator.cluster_helpers import (
     pools_full,
     wait_until,
 )
-from workers.engine.config import EngineConfig
-from workers.engine.engine_core import EngineCore
-from workers.engine.sampling_params import SamplingParams
 from workers.engine.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -55,20 +53,7 @@ def cluster(ray_local: None, tiny_model_dir: Path) -> Iterator[ServedCluster]:
 
 def greedy_reference(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """Greedy token ids of the colocated engine (ignore_eos, as the requests)."""
-    import torch
-
-    torch.set_num_threads(1)
-    engine = EngineCore(model_dir, EngineConfig(num_pages=64, max_model_len=256), detokenize=False)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    results = []
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"ref-{i}", prompt, params)
-        tokens: list[int] = []
-        while engine.has_unfinished():
-            for output in engine.step():
-                tokens.extend(output.new_token_ids)
-        results.append(tokens)
-    return results
+    return serving_checks.colocated_outputs(model_dir, prompts, max_tokens, ignore_eos=True)
 
 
 def request(request_id: str, prompt: list[int], max_tokens: int) -> pb.GenerateRequest:
