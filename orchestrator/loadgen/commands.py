@@ -48,6 +48,24 @@ def add_subcommands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.add_argument("result", help="JSON written by bench compare --json")
     p.add_argument("--calibration", required=True, help="JSON written by pdserve calibrate")
+    overheads = p.add_mutually_exclusive_group()
+    overheads.add_argument(
+        "--overheads-from",
+        default=None,
+        metavar="COMPARE.json",
+        help="derive the fixed per-request costs from this saved compare result instead of "
+        "taking the calibration's",
+    )
+    p.add_argument(
+        "--overheads-against",
+        default=None,
+        metavar="CALIBRATION.json",
+        help="with --overheads-from: measure the residuals against this calibration (one "
+        "taken alone) instead of --calibration",
+    )
+    overheads.add_argument(
+        "--no-overheads", action="store_true", help="leave out the calibration's fixed costs"
+    )
     p.set_defaults(func=_validate)
 
 
@@ -195,16 +213,38 @@ def _compare(args: argparse.Namespace) -> int:
 def _validate(args: argparse.Namespace) -> int:
     """Re-simulate a saved ``compare`` result (same workload, layouts, warm-up) with another
     calibration, without running the clusters again."""
+    import dataclasses
     import json
 
     from orchestrator.loadgen.compare import load_config
     from orchestrator.loadgen.requests import kept_specs
     from orchestrator.loadgen.validate import compare_to_measured, format_validation, predict
+    from orchestrator.sim.calibrated import load
 
     document = json.loads(Path(args.result).read_text())
     if document.get("command") != "compare":
         print(f"pdserve bench validate: {args.result} is not a compare result", file=sys.stderr)
         return 2
+    cost = load(args.calibration)
+    if args.no_overheads or args.overheads_from:
+        cost = dataclasses.replace(cost, request_overhead_s=(0.0, 0.0))
+    if args.overheads_from:
+        from orchestrator.loadgen.overheads import derive
+
+        source = Path(args.overheads_from)
+        try:
+            reference = load(args.overheads_against) if args.overheads_against else cost
+            reference = dataclasses.replace(reference, request_overhead_s=(0.0, 0.0))
+            entry = derive(reference, json.loads(source.read_text()), source.name)
+        except (ValueError, OSError) as error:
+            print(f"pdserve bench validate: {error}", file=sys.stderr)
+            return 2
+        fixed = (entry.get("disaggregated_s", 0.0), entry.get("mixed_s", 0.0))
+        cost = dataclasses.replace(cost, request_overhead_s=fixed)
+    print(
+        f"{cost.name}: request overheads disaggregated {cost.request_overhead_s[0]:.3f} s, "
+        f"mixed {cost.request_overhead_s[1]:.3f} s"
+    )
     workload_args = argparse.Namespace(**document["workload"], ttft_slo=1.0, tpot_slo=1.0)
     for key, value in (("max_concurrency", 1), ("timeout", 1.0), ("backend", "grpc")):
         setattr(workload_args, key, value)
@@ -212,6 +252,6 @@ def _validate(args: argparse.Namespace) -> int:
     specs = kept_specs(options.workload, options.duration_s)
     for run in document["runs"]:
         config = load_config(document["configs"][run["name"]], None)
-        prediction = predict(f"calibrated:{args.calibration}", config, specs, options.num_warmup)
+        prediction = predict(cost, config, specs, options.num_warmup)
         print(format_validation(run["name"], compare_to_measured(prediction, run["summary"])))
     return 0

@@ -5,7 +5,9 @@ relative error of TTFT p50, ITL p99 and output-token throughput against the meas
 The layout and per-instance limits come from the cluster config the run served: prefill and
 decode replicas (or mixed replicas), and the serving group's ``max_num_seqs`` /
 ``max_num_batched_tokens``. The simulator's ITL is per engine step (weighted by the sequences
-it advanced), its TTFT ends when the first token is sampled: no router, gRPC or client time.
+it advanced); its TTFT ends when the first token is sampled, plus the cost model's fixed
+per-request overhead (router, gRPC, client, KV admission: `orchestrator.loadgen.overheads`
+derives it from a measured run; 0 when the calibration has none).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from orchestrator.config import ClusterConfig
+from orchestrator.sim.cost import CostModel
 from orchestrator.sim.instances import EngineLimits
 from orchestrator.sim.simulator import Layout, SimResult, Simulator
 from orchestrator.sim.workload import RequestSpec
@@ -47,12 +50,14 @@ def limits_of(config: ClusterConfig) -> EngineLimits:
 
 
 def predict(
-    cost_spec: str, config: ClusterConfig, specs: list[RequestSpec], num_warmup: int
+    cost: str | CostModel, config: ClusterConfig, specs: list[RequestSpec], num_warmup: int
 ) -> dict[str, float]:
+    """``cost``: a model, or its spec (``calibrated:PATH``)."""
     from orchestrator.sim.cost import create_cost_model
     from orchestrator.sim.metrics import summarize
 
-    cost = create_cost_model(cost_spec)
+    if isinstance(cost, str):
+        cost = create_cost_model(cost)
     result = Simulator(cost, layout_of(config), limits_of(config)).run(specs)
     measured = tuple(r for r in result.records if r.request_id >= num_warmup)
     # Warm-up requests are left out as in the measurement; every step still counts for ITL.

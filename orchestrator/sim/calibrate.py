@@ -9,12 +9,22 @@ fit sees the per-KV-token cost), timing only steps that run after every sequence
 first token and before any finishes (pure decode steps of the whole batch). Each point is the median of its repeats, after a warm-up.
 Fabric points: one write of each size between two transfer engines in this process over
 ``tcp;ofi_rxm`` on loopback, submit to the target's counter firing.
+
+Contention (``concurrent`` > 1): the runs this calibration predicts have several engine
+processes (the cluster's workers) stepping on the same cores, so the measuring engine can be
+timed while ``concurrent - 1`` background engine processes step without pause (each a decode
+batch of `BACKGROUND_BATCH` sequences at `BACKGROUND_CONTEXT`-token prompts: a decode worker
+with the few long requests of the validation workload). The prefill and decode points are
+measured twice: alone first (under ``"alone"``), then with the background engines (the main
+``"prefill"`` / ``"decode"``, and the mixed points); ``"contention"`` records the setup.
+`calibrated.fit` prices a step between the two by how many other instances are stepping.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
 import statistics
 import tempfile
 import threading
@@ -27,6 +37,9 @@ logger = logging.getLogger(__name__)
 
 PROMPT_LEN = 32  # decode points: prompt tokens per sequence (default; see decode_contexts)
 DECODE_STEPS = 4  # timed decode steps per batch size
+BACKGROUND_BATCH = 4  # each background engine: a decode batch of this many sequences ...
+BACKGROUND_CONTEXT = 768  # ... of prompts this long (the validation workload's mean)
+BACKGROUND_START_S = 300.0  # a background engine builds and warms up within this
 
 
 def _engine(model_dir: Path, max_batch: int, budget: int, num_pages: int = 256) -> Any:
@@ -134,6 +147,75 @@ def _decode_run(
     return timed
 
 
+def _chunk(computed: int, total: int, budget: int, page_size: int) -> int:
+    """The engine scheduler's chunk (`workers.engine.scheduler`): the rest of the prompt if it
+    fits the budget, else up to the last page boundary within it."""
+    if total - computed <= budget:
+        return total - computed
+    return max((computed + budget) // page_size * page_size - computed, 0)
+
+
+def _mixed_points(
+    engine: Any, batches: Sequence[int], context: int, repeats: int
+) -> list[dict[str, float]]:
+    """Chunk steps with decodes in them (a colocated worker's stall): ``batch`` sequences of
+    ``context``-token prompts decode while one more ``context``-token prompt is prefilled in
+    chunks that fill the rest of the budget. Only the steps that carry both are kept; each
+    point's shape says what ran, so the cost model's prediction for it can be checked."""
+    from workers.engine.sampling_params import SamplingParams
+
+    budget = engine.config.max_num_batched_tokens
+    points = []
+    for warm_up, batch in [(True, batches[0]), *((False, b) for b in batches)]:
+        samples: dict[int, list[float]] = {}  # chunk index -> seconds
+        shapes: dict[int, tuple[int, int, int]] = {}  # chunk index -> (KV read, tokens, context)
+        for repeat in range(repeats):
+            decode_params = SamplingParams(temperature=0.0, max_tokens=1024, ignore_eos=True)
+            prefix = f"m{batch}-{repeat}-{warm_up}"
+            for i in range(batch):
+                engine.add_request(f"{prefix}-{i}", [13] * context, decode_params)
+            generated: dict[str, int] = {}
+            while len(generated) < batch:  # until every decoder has its first token
+                for output in engine.step():
+                    if output.new_token_ids:
+                        count = generated.get(output.request_id, 0)
+                        generated[output.request_id] = count + len(output.new_token_ids)
+            engine.add_request(f"{prefix}-p", [15] * context, SamplingParams(max_tokens=1))
+            prefilled, chunk = 0, 0
+            while prefilled < context:
+                take = _chunk(prefilled, context, budget - batch, engine.config.page_size)
+                # Each decoder reads its prompt, its outputs and the token it feeds.
+                kv = sum(context + n for n in generated.values())
+                start = time.perf_counter()
+                outputs = engine.step()
+                samples.setdefault(chunk, []).append(time.perf_counter() - start)
+                shapes[chunk] = (kv, take, prefilled)
+                prefilled, chunk = prefilled + take, chunk + 1
+                for output in outputs:
+                    if output.request_id in generated and output.new_token_ids:
+                        generated[output.request_id] += len(output.new_token_ids)
+            # Its one token ends the prompt: had the scheduler held the prompt back (no
+            # room), the steps timed were not the chunk steps they are recorded as.
+            if not any(o.request_id == f"{prefix}-p" and o.new_token_ids for o in outputs):
+                raise RuntimeError(f"mixed point {prefix}: the prompt did not finish on time")
+            for i in range(batch):
+                engine.abort(f"{prefix}-{i}")
+            while engine.has_unfinished():
+                engine.step()
+        if not warm_up:
+            points += [
+                {
+                    "batch": batch,
+                    "kv_tokens": shapes[k][0],
+                    "tokens": shapes[k][1],
+                    "context": shapes[k][2],
+                    "seconds": statistics.median(s),
+                }
+                for k, s in samples.items()
+            ]
+    return points
+
+
 def _fabric_points(sizes: Sequence[int], repeats: int) -> list[dict[str, float]]:
     import numpy as np
 
@@ -165,6 +247,66 @@ def _fabric_points(sizes: Sequence[int], repeats: int) -> list[dict[str, float]]
         target.close()
 
 
+def _background_engine(model_dir: str, ready: Any, stop: Any, budget: int) -> None:
+    """Runs in a spawned process: prefill then decode batches, over and over, until ``stop``
+    is set (each round prefills its prompts in chunks, as a worker does between decodes)."""
+    from workers.engine.sampling_params import SamplingParams
+
+    batch, context = BACKGROUND_BATCH, BACKGROUND_CONTEXT
+    pages = batch * (context + 256) // 16 + batch
+    engine = _engine(Path(model_dir), batch, budget, max(256, pages))
+    params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
+    try:
+        round_ = 0
+        while not stop.is_set():
+            for i in range(batch):
+                engine.add_request(f"bg{round_}-{i}", [11] * context, params)
+            while engine.has_unfinished() and not stop.is_set():
+                engine.step()
+                ready.set()  # stepping: the measurement may start
+            round_ += 1
+    finally:
+        engine.close()
+
+
+class BackgroundEngines:
+    """``count`` engine processes stepping without pause while the calibration measures."""
+
+    def __init__(self, model_dir: Path, count: int, budget: int) -> None:
+        context = multiprocessing.get_context("spawn")  # no fork of a process running torch
+        self._stop = context.Event()
+        self._processes = []
+        readies = []
+        for _ in range(count):
+            ready = context.Event()
+            process = context.Process(
+                target=_background_engine,
+                args=(str(model_dir), ready, self._stop, budget),
+                daemon=True,
+            )
+            process.start()
+            self._processes.append(process)
+            readies.append(ready)
+        try:
+            for ready, process in zip(readies, self._processes, strict=True):
+                if not ready.wait(BACKGROUND_START_S):
+                    raise TimeoutError(
+                        f"background engine (pid {process.pid}) did not step in "
+                        f"{BACKGROUND_START_S:.0f} s"
+                    )
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        self._stop.set()
+        for process in self._processes:
+            process.join(30)
+            if process.is_alive():  # stuck in a step: it holds nothing we need back
+                process.kill()
+                process.join(5)
+
+
 def run_calibration(
     out: str | Path,
     *,
@@ -172,12 +314,17 @@ def run_calibration(
     decode_batches: Sequence[int] = (1, 8, 32),
     decode_contexts: Sequence[int] = (PROMPT_LEN,),
     repeats: int = 2,
+    concurrent: int = 1,
+    mixed_batches: Sequence[int] = (),
+    mixed_context: int = 768,
     budget: int = 256,
     fabric: bool = False,
     fabric_sizes: Sequence[int] = (64 << 10, 1 << 20, 4 << 20, 16 << 20),
 ) -> dict[str, Any]:
     from workers.engine.presets import write_random_checkpoint
 
+    if concurrent < 1:
+        raise ValueError(f"concurrent must be >= 1 (engine processes), got {concurrent}")
     with tempfile.TemporaryDirectory(prefix="pdserve-calibrate-") as tmp:
         model_dir = write_random_checkpoint("small", Path(tmp) / "small")
         # Decode points at long contexts need every sequence's pages at once (16 per page).
@@ -186,7 +333,10 @@ def run_calibration(
             for b in decode_batches
             for c in decode_contexts
         )
-        engine = _engine(model_dir, max(decode_batches), budget, max(256, pages))
+        # A mixed point runs its decoders and one more prompt at once.
+        seqs = max(*decode_batches, *(b + 1 for b in mixed_batches))
+        engine = _engine(model_dir, seqs, budget, max(256, pages))
+        background = None
         try:
             config = engine.model_config
             element = engine.kv_cache.element_size()
@@ -199,14 +349,31 @@ def run_calibration(
                 * config.head_dim
                 * element,
                 "kv_capacity_tokens": engine.num_pages * engine.config.page_size,
-                "prefill": _prefill_points(engine, prefill_sizes, repeats),
-                "decode": [
-                    point
-                    for context in decode_contexts
-                    for point in _decode_points(engine, decode_batches, repeats, context)
-                ],
             }
+
+            def steps() -> dict[str, Any]:
+                return {
+                    "prefill": _prefill_points(engine, prefill_sizes, repeats),
+                    "decode": [
+                        point
+                        for context in decode_contexts
+                        for point in _decode_points(engine, decode_batches, repeats, context)
+                    ],
+                }
+
+            if concurrent > 1:
+                data["alone"] = steps()  # before the background engines start
+                background = BackgroundEngines(model_dir, concurrent - 1, budget)
+                data["contention"] = {
+                    "processes": concurrent,
+                    "background": f"decode {BACKGROUND_BATCH} x {BACKGROUND_CONTEXT} tokens",
+                }
+            data.update(steps())
+            if mixed_batches:
+                data["mixed"] = _mixed_points(engine, mixed_batches, mixed_context, repeats)
         finally:
+            if background is not None:
+                background.close()
             engine.close()
     if fabric:
         data["transfer"] = _fabric_points(fabric_sizes, repeats)

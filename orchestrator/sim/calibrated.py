@@ -6,12 +6,23 @@ The measurements file (written by ``pdserve calibrate``, `calibrate.run_calibrat
      "kv_capacity_tokens": 65536,
      "prefill":  [{"tokens": 64, "context": 0, "seconds": 0.004}, ...],
      "decode":   [{"batch": 4, "kv_tokens": 160, "seconds": 0.003}, ...],
-     "transfer": [{"bytes": 1048576, "seconds": 0.0007}, ...]}      # optional
+     "transfer": [{"bytes": 1048576, "seconds": 0.0007}, ...],      # optional
+     "overheads": {"disaggregated_s": 0.12, "mixed_s": 0.05, ...}}   # optional
+
+``overheads`` are fixed per-request seconds outside engine steps (router, RPCs, the first
+message, the decoder's KV admission), derived by ``pdserve calibrate --overheads-from`` from a
+measured run (`orchestrator.loadgen.overheads`); absent, they are 0.
 
 Fits (least squares, coefficients kept >= 0 by dropping a feature that comes out negative):
 prefill = a + b * tokens + c * attention (attention = the positions the chunk's tokens attend
 to); decode = a + b * batch + c * kv_tokens; transfer = a + bytes / bandwidth (no points: free).
-A mixed step pays the larger intercept once plus every variable term. The machine measured
+A mixed step pays the larger intercept once plus every variable term.
+
+Shared cores: a calibration taken with ``--concurrent N`` (``"contention": {"processes": N}``)
+holds its points measured while N - 1 other engine processes stepped, and under ``"alone"``
+the same points measured alone. Both are fitted; a step is priced between the two in
+proportion to the other instances in a step when it starts (``busy_others / (N - 1)``, at
+most 1), as the cluster's worker processes share this machine's cores. The machine measured
 has one rank: for ``tp > 1`` the variable terms are divided by ``tp`` (ideal scaling) and
 ``tp_step_overhead_s`` is added per step, an assumption to replace with measurements.
 """
@@ -38,16 +49,25 @@ class CalibratedCostModel:
     decode_coefficients: tuple[float, float, float]  # intercept, per sequence, per KV token
     transfer_coefficients: tuple[float, float] = (0.0, 0.0)  # intercept, seconds per byte
     tp_step_overhead_s: float = 0.0
+    request_overhead_s: tuple[float, float] = (0.0, 0.0)  # disaggregated, mixed
+    # Fits of the same engine measured alone (prefill, decode), when the main ones were
+    # measured while contention_processes - 1 other engine processes stepped.
+    alone_coefficients: tuple[tuple[float, float, float], tuple[float, float, float]] | None = None
+    contention_processes: int = 1
     max_tp: int = 8
     source: str = "calibrated"
 
     def __post_init__(self) -> None:
-        coefficients = (
+        coefficients: tuple[float, ...] = (
             *self.prefill_coefficients,
             *self.decode_coefficients,
             *self.transfer_coefficients,
         )
-        if min(coefficients) < 0:
+        if self.alone_coefficients is not None:
+            coefficients += (*self.alone_coefficients[0], *self.alone_coefficients[1])
+            if self.contention_processes < 2:
+                raise ValueError("fits measured alone need a contention of >= 2 processes")
+        if min(coefficients) < 0 or min(self.request_overhead_s) < 0:
             raise ValueError(f"cost coefficients must be >= 0, got {coefficients}")
         if self.num_layers < 1 or self.kv_bytes_per_token <= 0 or self.kv_capacity_per_rank < 1:
             raise ValueError("num_layers, kv_bytes_per_token and kv_capacity must be positive")
@@ -56,9 +76,25 @@ class CalibratedCostModel:
     def name(self) -> str:
         return self.source
 
-    def step_seconds(self, shape: StepShape, tp: int) -> float:
-        p0, p_token, p_attention = self.prefill_coefficients
-        d0, d_seq, d_kv = self.decode_coefficients
+    def step_seconds(self, shape: StepShape, tp: int, busy_others: int = 0) -> float:
+        contended = self._price(self.prefill_coefficients, self.decode_coefficients, shape, tp)
+        if self.alone_coefficients is None:
+            return contended
+        # Measured alone and with every other process stepping: in between, in proportion
+        # to the other instances in a step (the calibration's processes share the cores).
+        alone = self._price(*self.alone_coefficients, shape, tp)
+        share = min(1.0, busy_others / max(1, self.contention_processes - 1))
+        return alone + share * max(0.0, contended - alone)
+
+    def _price(
+        self,
+        prefill: tuple[float, float, float],
+        decode: tuple[float, float, float],
+        shape: StepShape,
+        tp: int,
+    ) -> float:
+        p0, p_token, p_attention = prefill
+        d0, d_seq, d_kv = decode
         intercept = max(
             p0 if shape.num_prefill_tokens else 0.0, d0 if shape.num_decode_seqs else 0.0
         )
@@ -70,6 +106,9 @@ class CalibratedCostModel:
         )
         overhead = self.tp_step_overhead_s if tp > 1 else 0.0
         return intercept + variable / tp + overhead
+
+    def request_overhead_seconds(self, disaggregated: bool) -> float:
+        return self.request_overhead_s[0 if disaggregated else 1]
 
     def kv_bytes(self, num_tokens: int) -> int:
         return int(self.kv_bytes_per_token * num_tokens)
@@ -104,9 +143,12 @@ def _attention(tokens: int, context: int) -> int:
     return tokens * context + tokens * (tokens + 1) // 2
 
 
-def fit(data: dict[str, Any], source: str = "calibrated") -> CalibratedCostModel:
-    prefill: Sequence[dict[str, float]] = data["prefill"]
-    decode: Sequence[dict[str, float]] = data["decode"]
+Coefficients = tuple[float, float, float]
+
+
+def _fit_steps(
+    prefill: Sequence[dict[str, float]], decode: Sequence[dict[str, float]]
+) -> tuple[Coefficients, Coefficients]:
     if len(prefill) < 3 or len(decode) < 3:
         raise ValueError("need at least 3 prefill and 3 decode measurements to fit 3 terms")
     p = fit_affine(
@@ -117,6 +159,16 @@ def fit(data: dict[str, Any], source: str = "calibrated") -> CalibratedCostModel
         np.array([[m["batch"], m["kv_tokens"]] for m in decode]),
         np.array([m["seconds"] for m in decode]),
     )
+    return (p[0], p[1], p[2]), (d[0], d[1], d[2])
+
+
+def fit(data: dict[str, Any], source: str = "calibrated") -> CalibratedCostModel:
+    prefill: Sequence[dict[str, float]] = data["prefill"]
+    decode: Sequence[dict[str, float]] = data["decode"]
+    p, d = _fit_steps(prefill, decode)
+    alone = None
+    if data.get("alone"):
+        alone = _fit_steps(data["alone"]["prefill"], data["alone"]["decode"])
     transfer = data.get("transfer") or []
     t = (0.0, 0.0)
     if len(transfer) >= 2:
@@ -124,15 +176,37 @@ def fit(data: dict[str, Any], source: str = "calibrated") -> CalibratedCostModel
             np.array([[m["bytes"]] for m in transfer]), np.array([m["seconds"] for m in transfer])
         )
         t = (intercept, per_byte)
+    overheads = data.get("overheads") or {}
     return CalibratedCostModel(
         num_layers=int(data["num_layers"]),
         kv_bytes_per_token=float(data["kv_bytes_per_token"]),
         kv_capacity_per_rank=int(data["kv_capacity_tokens"]),
-        prefill_coefficients=(p[0], p[1], p[2]),
-        decode_coefficients=(d[0], d[1], d[2]),
+        prefill_coefficients=p,
+        decode_coefficients=d,
         transfer_coefficients=t,
+        request_overhead_s=(
+            float(overheads.get("disaggregated_s", 0.0)),
+            float(overheads.get("mixed_s", 0.0)),
+        ),
+        alone_coefficients=alone,
+        contention_processes=int((data.get("contention") or {}).get("processes", 1)),
         source=source,
     )
+
+
+def mixed_errors(model: CalibratedCostModel, data: dict[str, Any]) -> list[float]:
+    """(predicted - measured) / measured of the file's mixed points (chunk steps with decodes
+    in them): how well the fit prices a colocated worker's stall steps. Empty without them."""
+    errors = []
+    for m in data.get("mixed") or []:
+        tokens, batch = int(m["tokens"]), int(m["batch"])
+        shape = StepShape(
+            tokens, _attention(tokens, int(m["context"])), batch, int(m["kv_tokens"]) + batch
+        )
+        # Measured while the calibration's other processes stepped.
+        predicted = model.step_seconds(shape, 1, model.contention_processes - 1)
+        errors.append((predicted - m["seconds"]) / m["seconds"])
+    return errors
 
 
 def load(path: str | Path) -> CalibratedCostModel:

@@ -51,9 +51,41 @@ def add_subcommands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--fabric", action="store_true", help="also time loopback tcp writes")
     p.add_argument(
         "--decode-context",
-        default="32",
+        default="32,768",
         help="prompt lengths of the decode points (comma-separated): long ones let the fit "
         "see the per-KV-token cost of long-context decode",
+    )
+    p.add_argument(
+        "--decode-batch",
+        default="1,8,32",
+        help="batch sizes of the decode points (comma-separated)",
+    )
+    p.add_argument(
+        "--concurrent",
+        type=int,
+        default=1,
+        help="engine processes stepping at once: N-1 background engines decode while this one "
+        "is measured, as the cluster's N workers share the cores (default 1: alone)",
+    )
+    p.add_argument(
+        "--mixed-batch",
+        default="4,16",
+        help="decode batches of the mixed points (chunk steps with decodes; comma-separated; "
+        "empty: none): checked against the fit, not fitted",
+    )
+    p.add_argument(
+        "--overheads-from",
+        default=None,
+        metavar="COMPARE.json",
+        help="derive the fixed per-request costs (router, RPCs, KV admission) from a saved "
+        "pdserve bench compare result and store them in the calibration",
+    )
+    p.add_argument(
+        "--overheads-against",
+        default=None,
+        metavar="CALIBRATION.json",
+        help="the calibration to measure those residuals against (default: this one's fit); "
+        "give one taken alone (--concurrent 1) when the compare run's lone requests ran alone",
     )
     p.set_defaults(func=_calibrate)
 
@@ -195,14 +227,45 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from orchestrator.sim.calibrate import run_calibration
-    from orchestrator.sim.calibrated import fit
+    import json
+    import sys
+    from dataclasses import replace
+    from pathlib import Path
 
-    contexts = tuple(int(c) for c in args.decode_context.split(","))
+    import numpy as np
+
+    from orchestrator.sim.calibrate import run_calibration
+    from orchestrator.sim.calibrated import fit, load, mixed_errors
+
+    try:
+        contexts = tuple(int(c) for c in args.decode_context.split(","))
+        mixed = tuple(int(b) for b in args.mixed_batch.split(",") if b.strip())
+        batches = tuple(int(b) for b in args.decode_batch.split(","))
+        result = json.loads(Path(args.overheads_from).read_text()) if args.overheads_from else None
+        against = load(args.overheads_against) if args.overheads_against else None
+        if args.concurrent < 1:
+            raise ValueError(f"--concurrent must be >= 1, got {args.concurrent}")
+    except (ValueError, OSError) as error:
+        print(f"pdserve calibrate: {error}", file=sys.stderr)
+        return 2
     data = run_calibration(
-        args.out, repeats=args.repeats, fabric=args.fabric, decode_contexts=contexts
+        args.out,
+        repeats=args.repeats,
+        fabric=args.fabric,
+        decode_contexts=contexts,
+        decode_batches=batches,
+        concurrent=args.concurrent,
+        mixed_batches=mixed,
     )
     model = fit(data)
+    if result is not None:
+        from orchestrator.loadgen.overheads import derive
+
+        reference = model if against is None else replace(against, request_overhead_s=(0.0, 0.0))
+        data["overheads"] = derive(reference, result, Path(args.overheads_from).name)
+        if against is not None:
+            data["overheads"]["against"] = Path(args.overheads_against).name
+        Path(args.out).write_text(json.dumps(data, indent=2) + "\n")
     print(
         f"wrote {len(data['prefill'])} prefill, {len(data['decode'])} decode and "
         f"{len(data.get('transfer', []))} transfer points to {args.out}"
@@ -213,8 +276,24 @@ def _calibrate(args: argparse.Namespace) -> int:
     print(
         f"decode  s = {model.decode_coefficients[0]:.3g} + {model.decode_coefficients[1]:.3g}*batch + {model.decode_coefficients[2]:.3g}*kv_tokens"
     )
+    if model.alone_coefficients is not None:
+        (p0, p1, p2), (d0, d1, d2) = model.alone_coefficients
+        print(f"measured alone: prefill s = {p0:.3g} + {p1:.3g}*tokens + {p2:.3g}*attention")
+        print(f"                decode  s = {d0:.3g} + {d1:.3g}*batch + {d2:.3g}*kv_tokens")
     print(
         f"transfer s = {model.transfer_coefficients[0]:.3g} + {model.transfer_coefficients[1]:.3g}*bytes"
     )
+    errors = mixed_errors(model, data)
+    if errors:
+        print(
+            f"mixed steps (chunk + decodes), fit vs measured: mean {np.mean(errors):+.0%}, "
+            f"range {min(errors):+.0%}..{max(errors):+.0%} over {len(errors)} points"
+        )
+    if "overheads" in data:
+        o = data["overheads"]
+        print(
+            f"request overheads: disaggregated {o.get('disaggregated_s', 0):.3f} s, "
+            f"mixed {o.get('mixed_s', 0):.3f} s (from {o['from']})"
+        )
     print(f"use it with: --cost calibrated:{args.out}")
     return 0

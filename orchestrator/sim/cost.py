@@ -64,8 +64,10 @@ class CostModel(Protocol):
         """Layers of the model: the layer-wise push exposes 1 / num_layers of a transfer."""
         ...
 
-    def step_seconds(self, shape: StepShape, tp: int) -> float:
-        """Wall time of one engine step of an instance of ``tp`` ranks."""
+    def step_seconds(self, shape: StepShape, tp: int, busy_others: int = 0) -> float:
+        """Wall time of one engine step of an instance of ``tp`` ranks, while ``busy_others``
+        other instances of the cluster are in a step (it matters only to a model of instances
+        that share one machine's cores; the others ignore it)."""
         ...
 
     def kv_bytes(self, num_tokens: int) -> int:
@@ -82,6 +84,12 @@ class CostModel(Protocol):
         ...
 
     def supports_tp(self, tp: int) -> bool: ...
+
+    def request_overhead_seconds(self, disaggregated: bool) -> float:
+        """Fixed time a request spends outside engine steps before its first token: router,
+        RPCs, the first message's way back and, disaggregated, the decoder's admission of the
+        pushed KV. The simulator delays each arrival by it."""
+        ...
 
 
 def prefill_seconds(model: CostModel, num_tokens: int, num_context: int, tp: int) -> float:

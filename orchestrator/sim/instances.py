@@ -12,7 +12,8 @@ Life cycle of a request (keyed by ``request_id``):
 Admission to a running set needs a free sequence slot and KV room for the whole request
 (prompt + output): the simulator reserves up front instead of modelling preemption.
 Instances are driven by `simulator.Simulator`: `start_step` plans a step and returns its
-duration (None when idle), `finish_step` applies it at its end time.
+duration (None when idle; priced with ``busy_others``, the other instances in a step at that
+moment, which the simulator sets), `finish_step` applies it at its end time.
 """
 
 from __future__ import annotations
@@ -115,6 +116,7 @@ class InstanceBase:
         self.busy_seconds = 0.0
         self.capacity = cost.kv_capacity_tokens(tp)
         self.num_reserved_tokens = 0  # KV of admitted requests, prompt + output
+        self.busy_others = 0  # other instances in a step when this one starts one (simulator)
 
     def _admits(self, request: SimRequest, num_admitted: int) -> bool:
         return (
@@ -151,7 +153,7 @@ class PrefillInstance(InstanceBase):
                 request.prefill_start_time = now
         if not tokens:
             return None
-        duration = self.cost.step_seconds(StepShape(tokens, attention), self.tp)
+        duration = self.cost.step_seconds(StepShape(tokens, attention), self.tp, self.busy_others)
         self.is_busy, self.busy_seconds = True, self.busy_seconds + duration
         return duration
 
@@ -197,7 +199,7 @@ class DecodeInstance(InstanceBase):
         # Each sequence also attends to the token it feeds in this step.
         kv = self.running.kv_tokens(self.step) + len(self.running)
         shape = StepShape(num_decode_seqs=len(self.running), num_decode_kv_tokens=kv)
-        duration = self.cost.step_seconds(shape, self.tp)
+        duration = self.cost.step_seconds(shape, self.tp, self.busy_others)
         self.itl_steps.append((duration, len(self.running) - len(self._joined)))
         self.is_busy, self.busy_seconds = True, self.busy_seconds + duration
         return duration

@@ -68,7 +68,8 @@ class RooflineCostModel:
 
     # --- the CostModel protocol -----------------------------------------------------------
 
-    def step_seconds(self, shape: StepShape, tp: int) -> float:
+    def step_seconds(self, shape: StepShape, tp: int, busy_others: int = 0) -> float:
+        # Each instance has GPUs of its own: what the other instances do costs it nothing.
         # Kernels run one after another, so each gets its own roofline and the times add:
         # the linear layers (weights read once for every token of the step) and attention
         # (prefill attention is compute-bound, decode attention streams the KV).
@@ -100,6 +101,9 @@ class RooflineCostModel:
         nics = min(tp_prefill, tp_decode, self.nic.num_nics)
         rate = nics * self.nic.bandwidth * self.efficiency.nic
         return self.kv_bytes(num_tokens) * copies / rate + self.nic.latency
+
+    def request_overhead_seconds(self, disaggregated: bool) -> float:
+        return 0.0  # milliseconds against the seconds of a reference deployment's TTFT
 
     def kv_capacity_tokens(self, tp: int) -> int:
         per_rank = self.gpu.hbm_bytes * self.efficiency.memory_utilization

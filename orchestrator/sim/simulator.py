@@ -4,7 +4,11 @@ Events (time-ordered; ties by insertion): an arrival, the end of an instance's s
 request's KV becoming ready on its decoder. The router assigns each arrival to the decode
 instance with the fewest outstanding requests and the prefill instance with the fewest
 queued prompt tokens (mixed: the instance with the fewest outstanding requests). After every
-event the instances it touched start a step if they are idle and have work.
+event the instances it touched start a step if they are idle and have work. A request reaches
+the router `CostModel.request_overhead_seconds` after it arrives (the fixed costs outside engine
+steps), so that delay is part of its TTFT and of nothing else's. A step is priced with the
+number of other instances in a step when it starts (a cost model of instances that share one
+machine's cores charges for them; the price is fixed for the step's length).
 
 The transfer model: the KV push overlaps the prefill passes layer by layer, so a request
 waits only for `cost.exposed_transfer_seconds` after its prefill ends. Transfers do not
@@ -149,13 +153,16 @@ class Simulator:
     def run(self, workload: Workload | list[RequestSpec]) -> SimResult:
         specs = workload.requests() if isinstance(workload, Workload) else workload
         capacity = self.decodes[0].capacity
+        overhead = self.cost.request_overhead_seconds(not self.layout.is_mixed)
+        if overhead < 0:
+            raise ValueError(f"{self.cost.name}: negative request overhead {overhead}")
         for spec in specs:
             if spec.num_prompt_tokens + spec.num_output_tokens > capacity:
                 raise UnservableError(
                     f"request {spec.request_id} needs {spec.num_prompt_tokens + spec.num_output_tokens} "
                     f"KV tokens; a {self.layout.label} instance holds {capacity}"
                 )
-            self._push(spec.arrival_time, self._on_arrival_of(SimRequest(spec)))
+            self._push(spec.arrival_time + overhead, self._on_arrival_of(SimRequest(spec)))
         while self._events:
             time, _, handler = heapq.heappop(self._events)
             handler(time)
@@ -188,6 +195,9 @@ class Simulator:
     def _kick(self, instance: PrefillInstance | DecodeInstance | MixedInstance, now: float) -> None:
         if instance.is_busy:
             return
+        instance.busy_others = sum(
+            other.is_busy for other in [*self.prefills, *self.decodes] if other is not instance
+        )
         duration = instance.start_step(now)
         if duration is not None:
             self._push(now + duration, lambda end: self._step_done(instance, end, duration))

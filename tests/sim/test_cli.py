@@ -42,3 +42,17 @@ def test_plan_prints_a_table_and_emits_a_loadable_config(
 def test_calibrate_subcommand_exists() -> None:
     args = build_parser().parse_args(["calibrate", "--out", "x.json", "--fabric"])
     assert args.fabric and args.out == "x.json"
+    assert args.concurrent == 1 and args.decode_context == "32,768"  # alone, long contexts
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [["--concurrent", "0"], ["--decode-batch", "1,x"], ["--overheads-from", "/nonexistent.json"]],
+)
+def test_calibrate_refuses_bad_arguments_before_measuring(
+    bad: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "c.json"
+    assert main(["calibrate", "--out", str(out), *bad]) == 2
+    assert "pdserve calibrate:" in capsys.readouterr().err
+    assert not out.exists()

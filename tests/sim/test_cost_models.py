@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from orchestrator.sim.calibrated import fit, from_spec
+from orchestrator.sim.calibrated import fit, from_spec, mixed_errors
 from orchestrator.sim.cost import (
     StepShape,
     create_cost_model,
@@ -119,3 +120,113 @@ def test_calibration_runs_our_engine_and_its_output_fits(tmp_path: Path) -> None
     assert all(point["seconds"] > 0 for point in data["prefill"] + data["decode"])
     model = from_spec([str(out)])
     assert decode_seconds(model, 4, 4 * 40, 1) > 0
+
+
+def _fit_data() -> dict[str, Any]:
+    return {
+        "num_layers": 6, "kv_bytes_per_token": 12288, "kv_capacity_tokens": 16384,
+        "prefill": [{"tokens": n, "context": c, "seconds": 0.01 + 3e-4 * n + 1e-7 * (n * c + n * (n + 1) // 2)}
+                    for n, c in [(32, 0), (128, 0), (256, 0), (256, 512)]],
+        "decode": [{"batch": b, "kv_tokens": kv, "seconds": 0.006 + 3e-4 * b + 6e-6 * kv}
+                   for b, kv in [(1, 40), (8, 300), (8, 6000), (32, 26000)]],
+    }  # fmt: skip
+
+
+def test_the_fit_reads_request_overheads_and_defaults_them_to_zero() -> None:
+    data = _fit_data()
+    assert fit(data).request_overhead_seconds(True) == 0.0
+    data["overheads"] = {"from": "run.json", "disaggregated_s": 0.09, "mixed_s": 0.05}
+    model = fit(data)
+    assert model.request_overhead_seconds(True) == pytest.approx(0.09)
+    assert model.request_overhead_seconds(False) == pytest.approx(0.05)
+    data["overheads"]["mixed_s"] = -0.01
+    with pytest.raises(ValueError, match=">= 0"):
+        fit(data)
+    assert create_cost_model("roofline:llama-3-70b:h100").request_overhead_seconds(True) == 0.0
+
+
+def test_mixed_points_are_checked_against_the_fits_mixed_step_price() -> None:
+    data = _fit_data()
+    model = fit(data)
+    assert mixed_errors(model, data) == []
+    # Points priced exactly as the model prices a chunk step with decodes: zero error. The
+    # model's decode term counts the token each sequence feeds (+ batch), the points do not.
+    shapes = [(4, 3100, 240, 0), (16, 12400, 240, 480)]
+    exact = [
+        model.step_seconds(StepShape(t, t * c + t * (t + 1) // 2, b, kv + b), 1)
+        for b, kv, t, c in shapes
+    ]
+    data["mixed"] = [
+        {"batch": b, "kv_tokens": kv, "tokens": t, "context": c, "seconds": s}
+        for (b, kv, t, c), s in zip(shapes, exact, strict=True)
+    ]
+    assert mixed_errors(model, data) == pytest.approx([0.0, 0.0], abs=1e-9)
+    for point in data["mixed"]:
+        point["seconds"] *= 2  # a real step twice as slow as priced: the fit under-predicts
+    assert mixed_errors(model, data) == pytest.approx([-0.5, -0.5])
+
+
+def test_calibration_refuses_a_bad_process_count_before_measuring(tmp_path: Path) -> None:
+    from orchestrator.sim.calibrate import run_calibration
+
+    with pytest.raises(ValueError, match="concurrent"):
+        run_calibration(tmp_path / "c.json", concurrent=0)
+    assert not (tmp_path / "c.json").exists()
+
+
+@pytest.mark.slow
+def test_calibration_under_contention_and_its_mixed_points(tmp_path: Path) -> None:
+    # One background engine process steps while this one measures; the mixed points are
+    # chunk steps that carried every decoder of their batch.
+    from orchestrator.sim.calibrate import run_calibration
+
+    data = run_calibration(
+        tmp_path / "c.json",
+        prefill_sizes=(16,),
+        decode_batches=(1, 2),
+        repeats=1,
+        budget=64,
+        concurrent=2,
+        mixed_batches=(2,),
+        mixed_context=96,
+    )
+    assert data["contention"]["processes"] == 2
+    assert len(data["alone"]["prefill"]) == len(data["prefill"])  # measured both ways
+    assert fit(data).alone_coefficients is not None
+    mixed = data["mixed"]
+    # 96 prompt tokens in the 62 tokens left by 2 decodes: page-aligned chunks of 48 + 48.
+    assert [p["batch"] for p in mixed] == [2, 2]
+    assert [p["tokens"] for p in mixed] == [48, 48] and [p["context"] for p in mixed] == [0, 48]
+    assert all(p["kv_tokens"] >= 2 * 96 and p["seconds"] > 0 for p in mixed)
+    assert len(mixed_errors(fit(data), data)) == 2
+
+
+def test_mixed_point_chunks_follow_the_schedulers_page_aligned_rule() -> None:
+    from orchestrator.sim.calibrate import _chunk
+
+    assert _chunk(0, 768, 252, 16) == 240  # 4 decodes leave 252: the chunk ends on a page
+    assert _chunk(720, 768, 252, 16) == 48  # the rest fits: all of it
+    assert _chunk(0, 768, 10, 16) == 0  # less than a page left: nothing this step
+
+
+def test_a_calibration_under_contention_prices_steps_by_how_many_others_step() -> None:
+    data = _fit_data()
+    slow = [dict(p, seconds=2 * p["seconds"]) for p in data["prefill"]]
+    data["alone"] = {"prefill": data["prefill"], "decode": data["decode"]}
+    data["prefill"] = slow
+    data["decode"] = [dict(p, seconds=3 * p["seconds"]) for p in data["decode"]]
+    data["contention"] = {"processes": 3}
+    model = fit(data)
+    chunk, batch = (
+        StepShape(256, 256 * 257 // 2),
+        StepShape(num_decode_seqs=8, num_decode_kv_tokens=6000),
+    )
+    alone = prefill_seconds(fit(_fit_data()), 256, 0, 1)
+    assert model.step_seconds(chunk, 1) == pytest.approx(alone)  # nobody else stepping
+    assert model.step_seconds(chunk, 1, busy_others=1) == pytest.approx(1.5 * alone)  # 1 of 2
+    assert model.step_seconds(chunk, 1, busy_others=2) == pytest.approx(2 * alone)
+    assert model.step_seconds(chunk, 1, busy_others=5) == pytest.approx(2 * alone)  # at most
+    assert model.step_seconds(batch, 1, 2) == pytest.approx(3 * model.step_seconds(batch, 1))
+    # Without the fits measured alone, the contended fit prices every step.
+    del data["alone"]
+    assert fit(data).step_seconds(chunk, 1) == pytest.approx(2 * alone)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -90,3 +91,47 @@ def test_mixed_steps_stall_decodes_that_disaggregation_does_not() -> None:
     stalls = [r.max_itl for r in mixed_run.records]
     assert max(stalls) > 0.05  # a 512-token chunk costs ~ 0.05 s more than a decode step
     assert split.tokens_per_s_per_request > mixed.tokens_per_s_per_request
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.label)
+def test_a_request_overhead_shifts_every_request_and_changes_no_step(layout: Layout) -> None:
+    # Every arrival reaches the router the same fixed time later, so the whole run is the
+    # same run shifted: TTFT and E2E grow by exactly the overhead, steps are unchanged.
+    workload = _workload(rate=10.0, num=60)
+    limits = EngineLimits(max_num_seqs=8, max_num_batched_tokens=256)
+    base = simulate(affine(capacity=4096), layout, workload, limits)
+    delayed = simulate(affine(capacity=4096, overhead=(0.25, 0.125)), layout, workload, limits)
+    overhead = 0.125 if layout.is_mixed else 0.25
+    for a, b in zip(base.records, delayed.records, strict=True):
+        assert b.arrival_time == a.arrival_time
+        assert b.ttft == pytest.approx(a.ttft + overhead)
+        assert b.e2e == pytest.approx(a.e2e + overhead)
+        assert b.queue_time == pytest.approx(a.queue_time + overhead)
+    assert [d for d, _ in delayed.itl_steps] == pytest.approx([d for d, _ in base.itl_steps])
+
+
+def test_a_negative_request_overhead_is_refused() -> None:
+    with pytest.raises(ValueError, match="must be >= 0"):
+        affine(overhead=(-0.1, 0.0))
+
+
+def test_instances_sharing_cores_slow_each_other_only_when_both_step() -> None:
+    # A model measured alone and with the other process stepping (3x slower): a lone request
+    # sees alone prices; requests that overlap see slower steps, never faster ones.
+    alone, contended = affine(), affine(prefill=(0.006, 3e-5, 0.0), decode=(0.015, 6e-4, 3e-7))
+    shared = dataclasses.replace(
+        contended,
+        alone_coefficients=(alone.prefill_coefficients, alone.decode_coefficients),
+        contention_processes=2,
+    )
+    layout, limits = Layout(num_prefill=1, num_decode=1), EngineLimits(8, 256)
+    lone = Workload(1.0, 1, LengthDist.parse("fixed:600"), LengthDist.parse("fixed:20"))
+    assert simulate(shared, layout, lone, limits).records[0].e2e == pytest.approx(
+        simulate(alone, layout, lone, limits).records[0].e2e
+    )
+    busy = _workload(rate=20.0, num=80)
+    by_alone = simulate(alone, layout, busy, limits).records
+    by_shared = simulate(shared, layout, busy, limits).records
+    by_contended = simulate(contended, layout, busy, limits).records
+    assert sum(r.e2e for r in by_alone) < sum(r.e2e for r in by_shared)
+    assert sum(r.e2e for r in by_shared) <= sum(r.e2e for r in by_contended)

@@ -11,6 +11,7 @@ def affine(
     prefill: tuple[float, float, float] = (0.002, 1e-5, 0.0),
     decode: tuple[float, float, float] = (0.005, 2e-4, 1e-7),
     capacity: int = 1 << 20,
+    overhead: tuple[float, float] = (0.0, 0.0),
 ) -> CalibratedCostModel:
     return CalibratedCostModel(
         num_layers=4,
@@ -19,5 +20,6 @@ def affine(
         prefill_coefficients=prefill,
         decode_coefficients=decode,
         transfer_coefficients=(1e-4, 1e-9),
+        request_overhead_s=overhead,
         source="toy",
     )

@@ -2,8 +2,15 @@
 
 The prefill engine's forward pass calls `LayerProgress.begin_pass` before layer 0 and
 `LayerProgress.mark_layer_done(layer)` right after each layer's attention output projection
-(DESIGN.md §3.4). The KV messenger's poller thread calls `LayerProgress.read` in a loop and starts
-the RDMA writes of every layer that has finished since it last looked.
+(DESIGN.md §3.4). The KV messenger's push thread calls `LayerProgress.read` and starts the RDMA
+writes of every layer that has finished since it last looked.
+
+Wake-ups. Readers need not poll: `add_listener(callback)` makes the writer call ``callback()``
+(on the forward thread, right after each store) at every `begin_pass` and `mark_layer_done`.
+A listener must only signal (e.g. ``threading.Event.set``): it runs between two layers. Read
+after clearing your signal, wait on it, read again: a store after the read always signals.
+`notifies` is False for a subclass that publishes the word elsewhere (the CUDA variant's word
+is written by the device, so nothing on the host can call a listener): readers then poll.
 
 Ordering / consistency. The state is one 64-bit word ``(pass_id << 32) | layers_done`` that the
 forward thread replaces with a single store. A reader therefore always sees a pair that existed:
@@ -27,6 +34,7 @@ thread reads the pinned word with a plain load; it never synchronises the stream
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 _LAYER_BITS = 32
@@ -51,16 +59,38 @@ class LayerProgress:
         self.num_layers = num_layers
         self._word = pack(0, 0)
         self._pass_id = 0  # writer-private copy, so begin_pass never reads the shared word
+        # Rebound, never mutated: the writer iterates a snapshot without a lock.
+        self._listeners: tuple[Callable[[], None], ...] = ()
+
+    @property
+    def notifies(self) -> bool:
+        """True when every update calls the listeners (this class's own writer methods)."""
+        cls = type(self)
+        return (
+            cls.begin_pass is LayerProgress.begin_pass
+            and cls.mark_layer_done is LayerProgress.mark_layer_done
+        )
+
+    def add_listener(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` after every update (forward thread; it must only signal)."""
+        self._listeners = (*self._listeners, listener)
+
+    def remove_listener(self, listener: Callable[[], None]) -> None:
+        self._listeners = tuple(known for known in self._listeners if known != listener)
 
     def begin_pass(self) -> int:
         """Start a new pass with no layer done; returns its pass id."""
         self._pass_id += 1
         self._word = pack(self._pass_id, 0)
+        for listener in self._listeners:
+            listener()
         return self._pass_id
 
     def mark_layer_done(self, layer: int) -> None:
         """Layer ``layer`` (0-based) of the current pass has written its KV and projected."""
         self._word = pack(self._pass_id, layer + 1)
+        for listener in self._listeners:
+            listener()
 
     def read(self) -> tuple[int, int]:
         """(pass_id, layers_done) of the latest pass, as one consistent snapshot."""
@@ -69,7 +99,7 @@ class LayerProgress:
     def wait_for(self, pass_id: int, layers: int, timeout: float) -> bool:
         """Poll until pass ``pass_id`` has ``layers`` layers done (or a later pass started).
 
-        Returns False on timeout. A convenience for tests; the messenger polls `read` itself.
+        Returns False on timeout. A convenience for tests; the messenger reads `read` itself.
         """
         deadline = time.monotonic() + timeout
         while True:

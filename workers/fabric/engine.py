@@ -19,6 +19,7 @@ missed deadline marks the peer failed: its unfinished operations end in `on_erro
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
@@ -466,6 +467,14 @@ class TransferEngine:
             keep_alive=keep_alive,
         )
         self._loop.enqueue(job, self.submit_timeout)
+
+    def wakes_deferred(self) -> contextlib.AbstractContextManager[None]:
+        """Submissions this thread makes inside the ``with`` block wake the progress thread
+        once, when the block ends (nested blocks: the outermost). Queue a group of writes this
+        way when the first should not start before the last is queued: a sleeping progress
+        thread woken by the first takes the GIL and starts moving its bytes, and on a CPU host
+        that can starve the submitting thread of the GIL and the cores for as long."""
+        return self._loop.wakes_deferred()
 
     # -- immediate counters ---------------------------------------------------------------------
 

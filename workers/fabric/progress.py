@@ -37,13 +37,14 @@ Every accepted job ends in exactly one callback within its deadline plus a bound
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import re
 import select
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -158,6 +159,8 @@ class ProgressLoop:
         self._stopping = False
         self._stopped = False
         self._sleeping = False
+        # Per submitting thread: inside `wakes_deferred`, and whether a wake is owed at its end.
+        self._local = threading.local()
         self._next_job_id = 1
         self._last_deadline = 0.0
         self._finish_lock = threading.Lock()
@@ -206,7 +209,7 @@ class ProgressLoop:
             self.jobs[job.job_id] = job
             self.pending.setdefault(job.peer.fi_addr, collections.deque()).append(job)
             self._num_queued += 1
-        self._wake()
+        self._wake(deferrable=True)
 
     def call(self, function: Callable[[], Any]) -> Any:
         """Run `function` on the progress thread (or inline before it starts) and return."""
@@ -228,7 +231,25 @@ class ProgressLoop:
             self._lock.notify_all()
         self._wake()
 
-    def _wake(self) -> None:
+    @contextlib.contextmanager
+    def wakes_deferred(self) -> Iterator[None]:
+        """Submissions (`enqueue`) by this thread inside the block wake the thread once, at its
+        end; `call` and `stop` still wake it at once (they wait for it or must not wait)."""
+        local = self._local
+        outer = getattr(local, "deferring", False)
+        local.deferring = True
+        try:
+            yield
+        finally:
+            local.deferring = outer
+            if not outer and getattr(local, "wake_due", False):
+                local.wake_due = False
+                self._wake()
+
+    def _wake(self, deferrable: bool = False) -> None:
+        if deferrable and getattr(self._local, "deferring", False):
+            self._local.wake_due = True
+            return
         if self._sleeping:
             lib.pd_wake(self.native)
 

@@ -6,6 +6,7 @@ Queues and life cycle (all keyed by the decoder's request id)::
       (PrefillRequest / AbortPrefill)                   └──▶ PrefillRejected
     engine.on_step_scheduled(chunks) ──▶ PassPlan ──▶ push thread (writes per finished layer)
     final-norm forward hook (pass end) ──▶ context write (hidden state of last prefilled position)
+                                       + the pass's writes not sent yet (`PushThread.pass_ended`)
     fabric on_done / on_error ──▶ events ──poll()──▶ all writes completed ──▶ engine.release
 
 - **queued**: accepted, waiting for source pages. A request is admitted to the engine only when
@@ -85,13 +86,16 @@ from workers.kv.transfer_state import PrefillState, PrefillTransfer
 log = logging.getLogger(__name__)
 
 _ACTIVE = (PrefillState.QUEUED, PrefillState.PREFILLING, PrefillState.WRITING)
+# Sleep of the step thread after it queued a pass's last writes: long enough for the woken
+# fabric progress thread to take the GIL and post them (`_on_forward_end`); once per pass.
+_HAND_OFF_S = 0.0001
 
 
 @dataclass(frozen=True)
 class PrefillMessengerConfig:
     max_transfers: int = 256  # live transfers (and rows of the context staging buffer)
     finished_memory: int = 4096  # ended transfers remembered for late aborts and stats
-    poll_interval_s: float = 0.0001  # push thread's layer-counter poll
+    poll_interval_s: float = 0.0001  # push thread's poll of a counter that cannot notify (CUDA)
     layerwise: bool = True  # False: push a pass's writes only once it ended (bench baseline)
     seed: int = 0
     # Checksum mode: room per context staging row for this many shards' sums (4 bytes each);
@@ -132,6 +136,9 @@ class PrefillMessenger:
         self._row_stride = -(-row_bytes // 8) * 8
         self._staging = torch.zeros(config.max_transfers, self._row_stride, dtype=torch.uint8)
         self._staging_handle, _ = fabric.register(self._staging)
+        # The hidden-state part of each row in the engine's dtype: staging is one copy_ (with
+        # the cast) at the pass end, on the path the exposed transfer time measures.
+        self._staged_hidden = self._staging[:, : self._hidden_bytes].view(engine.dtype)
         try:  # checksum mode reads the source pools as bytes (host memory only)
             src_views = [byte_view(pool) for pool in rank_pools or [engine.kv_cache]]
         except KvTransferError:
@@ -237,12 +244,17 @@ class PrefillMessenger:
     def _on_forward_end(self, module: object, args: object, hidden: torch.Tensor) -> None:
         """Forward hook of the model's final norm, the pass's last op the prefill role needs.
 
-        Requests whose last chunk ran in this pass enter WRITING here and their context write
-        (the hidden state of the last prefilled position) is submitted at once, on the step
-        thread, before the step returns.
+        Requests whose last chunk ran in this pass enter WRITING and their context (the hidden
+        state of the last prefilled position) is staged. Then, all on the step thread before
+        the step returns: the context writes and the pass's KV writes the push thread has not
+        sent yet (all of them in the deferred baseline; `PushThread.pass_ended`), queued with
+        one wake of the fabric's progress thread (`TransferEngine.wakes_deferred`: woken by
+        the first, it would start moving bytes and, on CPU, starve this thread of the GIL and
+        the cores before the rest is queued), then a short sleep that hands it the GIL, so it
+        posts them now instead of after the rest of the step's Python.
         """
         now = time.monotonic()
-        self._push.pass_ended(self.engine.layer_progress.read()[0])
+        staged: list[Outgoing] = []
         for chunk in self._pass_chunks:
             out = self._by_id.get(chunk.request_id)
             if out is None or chunk.end != len(out.request.token_ids):
@@ -253,7 +265,15 @@ class PrefillMessenger:
                     out.transfer.advance(PrefillState.WRITING, now)
                     if out.checked.context is not None:
                         self._stage_context(out, hidden)
-                        self._post_context_if_ready(out, now)
+                        staged.append(out)
+        with self.fabric.wakes_deferred():  # the progress thread starts once all is queued
+            for out in staged:
+                with self._lock:
+                    self._post_context_if_ready(out, now)
+            # Checksum mode: a request whose sums complete here gets its context write there.
+            flushed = self._push.pass_ended(self.engine.layer_progress.read()[0])
+        if flushed or staged:
+            time.sleep(_HAND_OFF_S)
 
     def after_step(self, outputs: list[RequestOutput]) -> None:
         """After the step: requests the engine reports prefilled may be freed once drained."""
@@ -275,8 +295,7 @@ class PrefillMessenger:
         """Copy the hidden state of the request's last position into its staging row."""
         row = last_row_of(self._pass_chunks, out.request_id)
         with torch.no_grad():
-            state = hidden[row].to(self.engine.dtype).contiguous().view(torch.uint8)
-            self._staging[out.context_row, : self._hidden_bytes].copy_(state)
+            self._staged_hidden[out.context_row].copy_(hidden[row])
         out.context_staged = True
 
     def _on_checksummed(self, item: PushItem) -> None:

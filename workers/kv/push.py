@@ -3,21 +3,37 @@
 Life cycle of one pass::
 
     step thread: on_step_scheduled(chunks) ──PassPlan(pass_id, items)──▶ plan queue
-    push thread: take plan ─▶ poll LayerProgress ─▶ layer l done ─▶ gate(item, l) ─▶ submit_writes
-                                                    (repeat until all layers of the pass are sent)
+    push thread: take plan ─▶ wait for a LayerProgress update ─▶ layers done since last look
+                 ─▶ gate(item, l) for each ─▶ one submit_writes per rank pair for all of them
+                 (repeat until all layers of the pass are sent)
 
 A `PassPlan` names the pass by the id `LayerProgress.begin_pass` will give it (the step thread
 is the only writer of the counter, so it knows the next id before the pass starts). A layer of
 the plan's pass is sent once the counter shows it done, or as soon as a later pass has begun
-(then the planned pass is over). Writes of one `PushItem` (a request's sendable pages in this
-pass) are computed once for layer 0 by `workers.kv.writes.plan_layer_writes`; layer ``l`` adds
-``l`` times each pool's layer stride to the offsets, so every layer posts exactly the writes
-the plan counts.
+or the step thread reported the pass over (`pass_ended`; then the planned pass is over).
+Writes of one `PushItem` (a request's sendable pages in this pass) are computed once for layer
+0 by `workers.kv.writes.plan_layer_writes`; layer ``l`` adds ``l`` times each pool's layer
+stride to the offsets, so every layer posts exactly the writes the plan counts.
+
+Latency (the fixed per-transfer cost, `bench/transfer.py`). The thread sleeps on an event that
+the layer counter's listener (`LayerProgress.add_listener`, called by the forward thread after
+each layer), `pass_ended` and `close` set, so it reacts to a finished layer or pass at once and
+never wakes during the pass for nothing; it polls every ``poll_interval_s`` only for a counter
+that cannot notify (`LayerProgress.notifies`: the CUDA one). What the planned pass has not
+sent when it ends (all of it in the deferred baseline) is sent by `pass_ended` itself, on the
+step thread in the final-norm hook, instead of waking the push thread and waiting for it to
+win the GIL from the step thread (both advance the plan under one lock, so each layer is sent
+once, by whichever comes first). When several layers are done at
+its look (the deferred baseline, or a push thread that fell behind), an item's writes of all
+of them go in one `submit_writes` call per rank pair: one row array, one job for the fabric's
+progress thread, one GIL-holding stretch of Python instead of one per layer (on CPU the push,
+step and fabric threads share the GIL, and each call delayed the fabric's posting).
 
 `gate(item, layer)` (the messenger's, under its lock) decides whether the item's writes of that
 layer may still go (transfer not aborted, deadline not passed) and records them as submitted
 *before* they are posted, so an abort acknowledgement never undercounts. Completions go to
-``on_done`` / ``on_error`` on the fabric's callback thread; those only enqueue.
+``on_done`` / ``on_error`` on the fabric's callback thread (with the number of writes of the
+call); those only enqueue.
 
 Checksum mode (`workers.kv.checksum`): an item of a request that asked for it carries the
 request's `ChecksumAccumulator`; right after the gate let a layer go and before its writes are
@@ -31,7 +47,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -82,6 +97,13 @@ class PushItem:
     def layer_ops(self, layer: int) -> list[tuple[int, int, np.ndarray]]:
         shift = np.array([layer * self.src_layer_bytes, layer * self.dst_layer_bytes, 0])
         return [(ops.src_rank, ops.dst_rank, ops.rows + shift) for ops in self.ops]
+
+    def layers_rows(self, ops: RankOps, layers: Sequence[int]) -> np.ndarray:
+        """``ops``'s rows for each of ``layers`` in turn, as one ``(len(layers) * n, 3)`` array
+        (the rows `layer_ops` gives per layer, concatenated)."""
+        strides = np.array([self.src_layer_bytes, self.dst_layer_bytes, 0], dtype=np.int64)
+        shifts = np.asarray(layers, dtype=np.int64)[:, None] * strides
+        return (ops.rows[None, :, :] + shifts[:, None, :]).reshape(-1, 3)
 
 
 def build_push_item(
@@ -139,10 +161,14 @@ Gate = Callable[[PushItem, int], bool]
 ChecksummedCallback = Callable[[PushItem], None]
 DoneCallback = Callable[[str, int], None]
 ErrorCallback = Callable[[str, int, FabricError], None]
+# Wait between two looks when the counter notifies: a backstop only (every update, the pass
+# end and close all set the event), so no wake-up is lost even if a signal were.
+_NOTIFIED_WAIT_S = 0.05
 
 
 class PushThread:
-    """Polls the layer counter and submits every finished layer's writes of the planned pass."""
+    """Waits for the layer counter and submits every finished layer's writes of the planned
+    pass."""
 
     def __init__(
         self,
@@ -161,7 +187,9 @@ class PushThread:
         on_checksummed: ChecksummedCallback | None = None,
     ) -> None:
         """``layerwise=False`` holds every write until `pass_ended` reports the whole pass over
-        (the baseline that benchmarks compare the layer-wise push against). ``src_views``:
+        (the baseline that benchmarks compare the layer-wise push against). ``poll_interval_s``:
+        the wait between two looks at a counter that cannot notify (`LayerProgress.notifies`
+        False). ``src_views``:
         each source pool as bytes (checksum mode reads them); ``on_checksummed(item)``: the
         item's request has every checksum (called on this thread)."""
         self._engine = engine
@@ -178,8 +206,18 @@ class PushThread:
         self._ended_pass_id = 0  # latest pass the step thread reported finished
         self._plans: queue.SimpleQueue[PassPlan | None] = queue.SimpleQueue()
         self._stopped = threading.Event()
+        # Set by the counter's listener, `pass_ended` and `close`; cleared before each look.
+        self._wake = threading.Event()
+        self._wait_s = _NOTIFIED_WAIT_S if progress.notifies else poll_interval_s
+        # The plan being pushed and its layers sent so far: the push thread advances them and
+        # so does `pass_ended` on the step thread, one at a time.
+        self._lock = threading.Lock()
+        self._current: PassPlan | None = None
+        self._sent = 0
         self.num_passes = 0
         self.num_layers_pushed = 0
+        self.num_submit_calls = 0
+        progress.add_listener(self._wake.set)
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
@@ -187,12 +225,27 @@ class PushThread:
         if plan.items:
             self._plans.put(plan)
 
-    def pass_ended(self, pass_id: int) -> None:
-        """The forward pass ``pass_id`` is over (its last op ran); one store, no lock."""
+    def pass_ended(self, pass_id: int) -> bool:
+        """The forward pass ``pass_id`` is over (its last op ran). Called on the step thread:
+        whatever the planned pass still has to send goes from here at once (no hand-off to
+        the push thread, which would first have to wake and win the GIL); then the wake.
+        Returns whether it sent any layer."""
         self._ended_pass_id = pass_id
+        sent = False
+        try:
+            with self._lock:
+                current = self._current
+                if current is not None and current.pass_id <= pass_id:
+                    sent = self._advance(current)
+        except Exception:  # never into the forward pass; the push thread retries the rest
+            log.exception("push at the end of pass %d failed", pass_id)
+        self._wake.set()
+        return sent
 
     def close(self, timeout: float = 10.0) -> None:
+        self._progress.remove_listener(self._wake.set)
         self._stopped.set()
+        self._wake.set()
         self._plans.put(None)
         self.thread.join(timeout)
 
@@ -201,44 +254,65 @@ class PushThread:
             plan = self._plans.get()
             if plan is None:
                 return
+            with self._lock:
+                self._current, self._sent = plan, 0
             try:
                 self._push_pass(plan)
             except Exception:
                 log.exception("push of pass %d failed", plan.pass_id)
+            finally:
+                with self._lock:
+                    self._current = None
 
     def _push_pass(self, plan: PassPlan) -> None:
-        sent = 0
-        while sent < self._num_layers:
-            pass_id, done = self._progress.read()
-            if pass_id > plan.pass_id or self._ended_pass_id >= plan.pass_id:
-                done = self._num_layers  # the planned pass is over
-            elif pass_id < plan.pass_id or not self._layerwise:
-                done = 0
-            if done <= sent:
-                if self._stopped.is_set():
-                    return
-                time.sleep(self._poll_interval_s)
-                continue
-            for layer in range(sent, done):
-                for item in plan.items:
-                    self._push_item_layer(item, layer)
-                self.num_layers_pushed += 1
-            sent = done
+        while True:
+            # Clear before looking: an update after the look sets it again, so the wait below
+            # returns at once instead of missing it.
+            self._wake.clear()
+            with self._lock:
+                self._advance(plan)
+                if self._sent >= self._num_layers:
+                    break
+            if self._stopped.is_set():
+                return
+            self._wake.wait(self._wait_s)
         self.num_passes += 1
 
-    def _push_item_layer(self, item: PushItem, layer: int) -> None:
-        if not self._gate(item, layer):
+    def _advance(self, plan: PassPlan) -> bool:
+        """Under ``_lock``: send every layer of ``plan`` done since the last look (True: any)."""
+        pass_id, done = self._progress.read()
+        if pass_id > plan.pass_id or self._ended_pass_id >= plan.pass_id:
+            done = self._num_layers  # the planned pass is over
+        elif pass_id < plan.pass_id or not self._layerwise:
+            done = 0
+        sent = self._sent
+        if done <= sent:
+            return False
+        layers = range(sent, done)
+        self._sent = done
+        for item in plan.items:
+            self._push_item_layers(item, layers)
+        self.num_layers_pushed += done - sent
+        return True
+
+    def _push_item_layers(self, item: PushItem, layers: range) -> None:
+        """Gate each of ``layers`` for ``item``, then post the writes of those let through: one
+        `submit_writes` per rank pair (checksum mode: summed layer by layer before)."""
+        allowed = [layer for layer in layers if self._gate(item, layer)]
+        if not allowed:
             return
-        layer_ops = item.layer_ops(layer)
         if item.checksums is not None:
-            self._checksum(item, layer, layer_ops)
-        for src_rank, dst_rank, rows in layer_ops:
+            for layer in allowed:
+                self._checksum(item, layer, item.layer_ops(layer))
+        for ops in item.ops:
+            rows = item.layers_rows(ops, allowed)
             count = int(rows.shape[0])
+            self.num_submit_calls += 1
             try:
                 self._engine.submit_writes(
-                    self._src_handles[src_rank],
+                    self._src_handles[ops.src_rank],
                     item.peer,
-                    item.dst_descriptors[dst_rank],
+                    item.dst_descriptors[ops.dst_rank],
                     rows,
                     imm=item.imm,
                     on_done=partial(self._on_done, item.request_id, count),

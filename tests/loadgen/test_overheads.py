@@ -1,0 +1,119 @@
+"""Fixed per-request costs from a saved compare result: which requests count as alone, and
+the residual against the simulator recovering a known overhead."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator.cli import main
+from orchestrator.loadgen.compare import load_config
+from orchestrator.loadgen.overheads import derive, isolated, residuals
+from orchestrator.loadgen.validate import layout_of, limits_of
+from orchestrator.sim.simulator import Simulator
+from orchestrator.sim.workload import RequestSpec
+from tests.sim.toy import affine
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def _request(index: int, sent: float, ttft: float, e2e: float, **extra: Any) -> dict[str, Any]:
+    record = {"index": index, "sent_s": sent, "ttft_s": ttft, "e2e_s": e2e, "error": None,
+              "prompt_tokens": 600, "output_tokens": 8}  # fmt: skip
+    record.update(extra)
+    return record
+
+
+def test_a_request_is_alone_when_nothing_else_is_in_flight_before_its_first_token() -> None:
+    requests = [
+        _request(0, 0.0, 0.5, 2.0),  # alone: the next one is sent after it finished
+        _request(1, 3.0, 0.5, 2.0),  # not alone: 2 is sent before 1's first token
+        _request(2, 3.2, 0.5, 2.0),  # not alone: 1 is in flight when 2 is sent
+        _request(3, 6.0, 0.5, 2.0),  # alone: 4 arrives after its first token (decode overlap)
+        _request(4, 6.8, 0.5, 2.0),  # not alone: 3 is still decoding
+        _request(5, 20.0, None, None, error="UNAVAILABLE"),  # errored: never a sample
+        _request(6, 21.0, 0.5, 2.0),  # not alone: 5 counts as in flight to the end of the run
+    ]
+    assert [r["index"] for r in isolated(requests)] == [0, 3]
+
+
+def test_residuals_recover_a_known_overhead_against_the_same_model() -> None:
+    cost = affine(capacity=16384)
+    config = load_config(CONFIGS / "bench-disagg.yaml", "/nonexistent/model")
+    layout, limits = layout_of(config), limits_of(config)
+    requests = []
+    for i, (prompt, fixed) in enumerate([(512, 0.08), (700, 0.1), (1000, 0.12)]):
+        spec = RequestSpec(0, 0.0, prompt, 8)
+        alone = Simulator(cost, layout, limits).run([spec]).records[0].ttft
+        requests.append(
+            _request(i, 10.0 * i, alone + fixed, alone + fixed + 1, prompt_tokens=prompt)
+        )
+    found = residuals(cost, config, requests)
+    assert found.kind == "disaggregated"
+    assert found.seconds == pytest.approx((0.08, 0.1, 0.12))
+    assert found.overhead == pytest.approx(0.1)  # the median
+    # A model slower than the run gives negative residuals: no overhead, never a negative one.
+    slow = affine(capacity=16384, prefill=(0.5, 1e-3, 0.0))
+    assert residuals(slow, config, requests).overhead == 0.0
+
+
+def _document(tmp_path: Path) -> Path:
+    requests = [_request(i, 10.0 * i, 0.4, 1.0) for i in range(3)]
+    summary = {"ttft_s": {"p50": 0.4}, "itl_s": {"p99": 0.02}, "output_token_throughput": 8.0}
+    document = {
+        "command": "compare",
+        "workload": {"rate": 0.1, "arrival": "poisson", "num_requests": 3, "duration": None,
+                     "prompt": "fixed:600", "output": "fixed:8", "seed": 0, "warmup": 1},
+        "configs": {"disaggregated": str(CONFIGS / "bench-disagg.yaml"),
+                    "colocated": str(CONFIGS / "bench-colocated.yaml")},
+        "runs": [{"name": n, "summary": summary, "requests": requests}
+                 for n in ("disaggregated", "colocated")],
+    }  # fmt: skip
+    path = tmp_path / "compare.json"
+    path.write_text(json.dumps(document))
+    return path
+
+
+def test_derive_writes_both_kinds_and_refuses_what_it_cannot_use(tmp_path: Path) -> None:
+    document = json.loads(_document(tmp_path).read_text())
+    entry = derive(affine(capacity=16384), document, "compare.json")
+    assert entry["from"] == "compare.json"
+    assert entry["disaggregated_requests"] == entry["mixed_requests"] == 3
+    assert entry["disaggregated_s"] > 0 and entry["mixed_s"] > 0
+    with pytest.raises(ValueError, match="not a pdserve bench compare"):
+        derive(affine(), {"command": "run"}, "run.json")
+    with pytest.raises(ValueError, match="without overheads"):
+        derive(affine(overhead=(0.1, 0.0)), document, "compare.json")
+
+
+def test_validate_takes_overheads_from_a_result_or_leaves_them_out(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = _document(tmp_path)
+    calibration = {
+        "num_layers": 6, "kv_bytes_per_token": 12288, "kv_capacity_tokens": 16384,
+        "prefill": [{"tokens": n, "context": 0, "seconds": 0.001 + 1e-4 * n} for n in (64, 128, 256)],
+        "decode": [{"batch": b, "kv_tokens": 0, "seconds": 0.01 + 0.001 * b} for b in (1, 8, 32)],
+        "overheads": {"from": "x", "disaggregated_s": 0.05, "mixed_s": 0.04},
+    }  # fmt: skip
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps(calibration))
+    base = ["bench", "validate", str(result), "--calibration", str(path)]
+    assert main(base) == 0
+    assert "disaggregated 0.050 s, mixed 0.040 s" in capsys.readouterr().out
+    assert main([*base, "--no-overheads"]) == 0
+    assert "disaggregated 0.000 s, mixed 0.000 s" in capsys.readouterr().out
+    assert main([*base, "--overheads-from", str(result)]) == 0
+    derived = capsys.readouterr().out
+    assert "disaggregated 0.050 s" not in derived and "ttft_p50_s" in derived
+    # Residuals against a much slower model: none left over, so no overhead.
+    slow = dict(
+        calibration, prefill=[dict(p, seconds=p["seconds"] + 5) for p in calibration["prefill"]]
+    )
+    (tmp_path / "slow.json").write_text(json.dumps(slow))
+    against = ["--overheads-from", str(result), "--overheads-against", str(tmp_path / "slow.json")]
+    assert main([*base, *against]) == 0
+    assert "disaggregated 0.000 s, mixed 0.000 s" in capsys.readouterr().out
