@@ -127,7 +127,9 @@ class Soak:
 
     async def run(self) -> SoakReport:
         started = time.monotonic()
-        async with grpc.aio.insecure_channel(self.address) as channel:
+        from orchestrator.client import channel as router_channel
+
+        async with router_channel(self.address) as channel:
             stub = self.pb_grpc.GenerationStub(channel)
             tasks = [asyncio.create_task(self._arrivals(stub)), asyncio.create_task(self._kills())]
             await asyncio.gather(*tasks)
@@ -305,14 +307,6 @@ class InProcessCluster:
     def run(self, coroutine: Coroutine[Any, Any, T], timeout: float = 120) -> T:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
 
-    def kill(self, worker_id: str) -> None:
-        import ray
-
-        ray.kill(self.app.controller.handle_of(worker_id), no_restart=True)
-
-    def worker_ids(self) -> list[str]:
-        return sorted(self.app.controller.registry.workers)
-
     def close(self) -> None:
         try:
             self.run(self.app.stop(), timeout=300)
@@ -321,14 +315,24 @@ class InProcessCluster:
             self._thread.join(10)
 
 
-def run_soak(cluster: Any, model_dir: Path, options: SoakOptions) -> SoakReport:
-    """Run the soak against ``cluster`` (``address``, ``kill``, ``worker_ids``)."""
+def run_soak(app: Any, model_dir: Path, options: SoakOptions) -> SoakReport:
+    """Run the soak against the started `orchestrator.app.ServingApp` ``app``; kills go
+    through its controller (``ray.kill`` of the worker's actor, no restart by Ray: the
+    controller replaces it)."""
+    import ray
+
     from workers.engine.model_config import ModelConfig
+
+    def kill(worker_id: str) -> None:
+        ray.kill(app.controller.handle_of(worker_id), no_restart=True)
+
+    def worker_ids() -> list[str]:
+        return sorted(app.controller.registry.workers)
 
     vocab = ModelConfig.from_dir(model_dir).vocab_size
     prompts = soak_prompts(vocab, options.seed)
     references = greedy_references(model_dir, prompts, options.max_tokens)
-    soak = Soak(cluster.address, options, prompts, references, cluster.kill, cluster.worker_ids)
+    soak = Soak(app.address, options, prompts, references, kill, worker_ids)
     return asyncio.run(soak.run())
 
 
@@ -365,7 +369,7 @@ def main() -> int:
         )
         cluster = InProcessCluster(config)
         try:
-            report = run_soak(cluster, model_dir, options)
+            report = run_soak(cluster.app, model_dir, options)
         finally:
             cluster.close()
     summary = {**asdict(report), "ok": report.ok, "options": asdict(options), "config": args.config}

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import grpc
 
+from orchestrator.client import channel as router_channel
 from orchestrator.loadgen.records import RequestResult
 from orchestrator.loadgen.requests import TimedRequest
 from orchestrator.stubs import ensure_stubs
@@ -45,8 +46,8 @@ class Client(Protocol):
     async def close(self) -> None: ...
 
 
-async def model_info(address: str, timeout: float = 30.0) -> ModelInfo:
-    async with grpc.aio.insecure_channel(address) as channel:
+async def model_info(address: str, timeout: float = 30.0, token: str | None = None) -> ModelInfo:
+    async with router_channel(address, token=token) as channel:
         info = await pb_grpc.GenerationStub(channel).GetModelInfo(
             pb.GetModelInfoRequest(), timeout=timeout
         )
@@ -58,11 +59,9 @@ async def model_info(address: str, timeout: float = 30.0) -> ModelInfo:
 class GrpcClient:
     name = "grpc"
 
-    def __init__(self, address: str, timeout: float) -> None:
+    def __init__(self, address: str, timeout: float, token: str | None = None) -> None:
         # One channel (one HTTP/2 connection) for every stream: what one client process opens.
-        self._channel = grpc.aio.insecure_channel(
-            address, options=[("grpc.max_concurrent_streams", 4096)]
-        )
+        self._channel = router_channel(address, token=token)
         self._stub = pb_grpc.GenerationStub(self._channel)
         self._timeout = timeout
 

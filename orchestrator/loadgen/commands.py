@@ -20,7 +20,11 @@ def add_subcommands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p = commands.add_parser("run", help="load a running router; report latencies and goodput")
     p.add_argument("--address", required=True, help="router gRPC HOST:PORT")
     p.add_argument("--http", default=None, help="router OpenAI base URL (http backend)")
-    p.add_argument("--api-key", default=None, help="bearer token of the HTTP API")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="bearer token of the router (gRPC and HTTP: router.auth.token)",
+    )
     p.add_argument("--backend", choices=["grpc", "http"], default="grpc")
     _add_workload_arguments(p)
     p.set_defaults(func=_run)
@@ -89,16 +93,9 @@ def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
 def _options(args: argparse.Namespace) -> BenchOptions:
     from orchestrator.loadgen.session import BenchOptions
     from orchestrator.loadgen.stats import SLOs
-    from orchestrator.sim.workload import LengthDist, Workload
+    from orchestrator.sim.workload import Workload
 
-    workload = Workload(
-        rate=args.rate,
-        num_requests=args.num_requests,
-        prompt=LengthDist.parse(args.prompt),
-        output=LengthDist.parse(args.output),
-        arrival=args.arrival,
-        seed=args.seed,
-    )
+    workload = Workload.from_args(args)
     return BenchOptions(
         workload=workload,
         slos=SLOs(args.ttft_slo, args.tpot_slo),

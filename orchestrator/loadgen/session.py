@@ -36,7 +36,7 @@ async def measure(
 ) -> tuple[RunOutcome, dict[str, Any]]:
     """``address``: the router's gRPC ``host:port`` (also asked for the model);
     ``http_url``: its OpenAI base URL, needed for the ``http`` backend."""
-    info = await model_info(address)
+    info = await model_info(address, token=options.api_key)
     requests = build_requests(
         options.workload,
         info.vocab_size,
@@ -55,7 +55,7 @@ async def measure(
             raise ValueError("the http backend needs the router's HTTP URL (--http)")
         client = HttpClient(http_url, options.timeout_s, options.api_key)
     else:
-        client = GrpcClient(address, options.timeout_s)
+        client = GrpcClient(address, options.timeout_s, options.api_key)
     try:
         outcome = await run_open_loop(
             client, requests, max_concurrency=options.max_concurrency, progress=progress

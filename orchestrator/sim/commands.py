@@ -137,16 +137,9 @@ def parse_layout(text: str) -> Layout:
 def _inputs(args: argparse.Namespace) -> tuple[Workload, SLO, EngineLimits]:
     from orchestrator.sim.instances import EngineLimits
     from orchestrator.sim.metrics import SLO
-    from orchestrator.sim.workload import LengthDist, Workload
+    from orchestrator.sim.workload import Workload
 
-    workload = Workload(
-        rate=args.rate,
-        num_requests=args.num_requests,
-        prompt=LengthDist.parse(args.prompt),
-        output=LengthDist.parse(args.output),
-        arrival=args.arrival,
-        seed=args.seed,
-    )
+    workload = Workload.from_args(args)
     limits = EngineLimits(args.max_num_seqs, args.max_num_batched_tokens)
     return workload, SLO(args.ttft_slo, args.tpot_slo, args.max_itl_slo), limits
 

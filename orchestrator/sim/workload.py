@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -99,6 +99,19 @@ class Workload:
             raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
         if self.arrival not in ("poisson", "fixed"):
             raise ValueError(f"arrival must be poisson or fixed, got {self.arrival!r}")
+
+    @classmethod
+    def from_args(cls, args: Any) -> Workload:
+        """From the command-line flags `pdserve simulate / plan` and `pdserve bench` share
+        (``--rate --num-requests --prompt --output --arrival --seed``)."""
+        return cls(
+            rate=args.rate,
+            num_requests=args.num_requests,
+            prompt=LengthDist.parse(args.prompt),
+            output=LengthDist.parse(args.output),
+            arrival=args.arrival,
+            seed=args.seed,
+        )
 
     def with_rate(self, rate: float) -> Workload:
         return replace(self, rate=rate)

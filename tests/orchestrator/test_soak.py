@@ -32,20 +32,6 @@ def load_soak() -> ModuleType:
     return module
 
 
-class Killable:
-    def __init__(self, served: ServedCluster) -> None:
-        self.served = served
-        self.address = served.address
-
-    def kill(self, worker_id: str) -> None:
-        import ray
-
-        ray.kill(self.served.app.controller.handle_of(worker_id), no_restart=True)
-
-    def worker_ids(self) -> list[str]:
-        return sorted(self.served.app.controller.registry.workers)
-
-
 def test_short_soak_loses_nothing_and_serves_identical_greedy_tokens(
     ray_local: None, tiny_model_dir: Path
 ) -> None:
@@ -62,7 +48,7 @@ def test_short_soak_loses_nothing_and_serves_identical_greedy_tokens(
         options = soak.SoakOptions(
             duration_s=30, rate=3.0, kills=2, seed=1, max_tokens=24, idle_timeout_s=180
         )
-        report = soak.run_soak(Killable(served), tiny_model_dir, options)
+        report = soak.run_soak(served.app, tiny_model_dir, options)
     finally:
         served.close()
     assert report.problems == [], report
