@@ -3,7 +3,6 @@ decode workers that stream tokens through the router. 1P:3D, and 2P:2D with TP 2
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +19,6 @@ from tests.orchestrator.cluster_helpers import (
     pools_full,
     wait_until,
 )
-from workers.engine.config import EngineConfig
 
 pytestmark = pytest.mark.slow
 
@@ -132,21 +130,6 @@ def test_a_dead_prefill_worker_fails_requests_then_is_replaced(cluster: ServedCl
         wait_until(lambda: pools_full(stub, pb), what="every pool full again")
 
 
-def _kv_worker_handles_tensor_parallel() -> bool:
-    """The KV workers hand a TP engine's per-rank pools to their messenger (in progress: until
-    then a TP worker fails to start with a ShardingError, and this test is skipped)."""
-    import inspect
-
-    import workers.kv.worker
-
-    has_engine_tp = "tensor_parallel_size" in {f.name for f in dataclasses.fields(EngineConfig)}
-    return has_engine_tp and "rank_pools" in inspect.getsource(workers.kv.worker)
-
-
-@pytest.mark.skipif(
-    not _kv_worker_handles_tensor_parallel(),
-    reason="workers/kv/worker.py does not give the messenger a TP engine's rank pools yet",
-)
 def test_two_by_two_with_tensor_parallel_two(tiny_model_dir: Path, cluster: ServedCluster) -> None:
     # The 1P:3D cluster stays up (module fixture); this one uses what CPU is left.
     served = ServedCluster(cluster_config(tiny_model_dir, disaggregated_groups(2, 2, tp=2)))
