@@ -2,14 +2,22 @@
 
     .venv/bin/python bench/engine.py [--model DIR] [--new-tokens 32] [--repeats 3] [--threads N]
                                      [--dtype float32|bfloat16] [--batches 1,16,64]
+                                     [--prompt-len 32]
+    .venv/bin/python bench/engine.py --attention [--threads N] [--repeats 3]
 
 Measures, in one process with the same torch thread settings for both:
 - prefill tokens/s for one 512-token prompt (time to the first token);
 - decode tokens/s at batch 1, 16 and 64: prompts of 32 tokens, ``--new-tokens`` new tokens each
   (greedy, EOS ignored); decode time = time to generate all tokens minus time to the first.
+``--prompt-len`` sets the decode prompts' length (long prompts time decode at long contexts).
 Each figure is the best of ``--repeats`` runs after a warm-up. ``--dtype`` sets the weight and
 compute dtype of both engines (bfloat16 is what serving deployments run; on CPUs with AMX its GEMMs
 are several times faster than float32, so per-step overhead weighs more).
+
+``--attention`` times only the torch attention backend's decode step (``begin_step`` plus one
+``forward`` per layer, cache store included) on the ``small`` preset's shapes (6 layers, 8 query /
+4 KV heads, head_dim 64, 16-token pages, float32) for several batches and context lengths; pages
+are handed out in a scrambled order like a busy pool's.
 """
 
 from __future__ import annotations
@@ -106,6 +114,12 @@ def main() -> int:
     parser.add_argument(
         "--batches", default=",".join(map(str, BATCH_SIZES)), help="decode batch sizes"
     )
+    parser.add_argument(
+        "--prompt-len", type=int, default=DECODE_PROMPT_LEN, help="decode prompts' length"
+    )
+    parser.add_argument(
+        "--attention", action="store_true", help="time the torch decode attention step only"
+    )
     args = parser.parse_args()
     batches = tuple(int(b) for b in args.batches.split(","))
     if args.threads:
@@ -113,6 +127,9 @@ def main() -> int:
         # gives stable figures.
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.WARNING)
+    if args.attention:
+        print_attention_table(args.repeats)
+        return 0
 
     with tempfile.TemporaryDirectory() as tmp:
         if args.model is None:
@@ -123,13 +140,15 @@ def main() -> int:
         else:
             model_dir = Path(args.model)
             label = str(model_dir)
-        rows = measure(model_dir, args.new_tokens, args.repeats, args.dtype, batches)
+        rows = measure(
+            model_dir, args.new_tokens, args.repeats, args.dtype, batches, args.prompt_len
+        )
 
     print(
         f"\nmodel: {label}, {args.dtype}; torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads"
     )
-    print(f"decode: {DECODE_PROMPT_LEN}-token prompts, {args.new_tokens} new tokens, greedy\n")
+    print(f"decode: {args.prompt_len}-token prompts, {args.new_tokens} new tokens, greedy\n")
     print(f"| {'metric':<28} | {'pdserve':>10} | {'HF':>10} | {'ratio':>6} |")
     print(f"|{'-' * 30}|{'-' * 12}|{'-' * 12}|{'-' * 8}|")
     for name, ours, theirs in rows:
@@ -143,6 +162,7 @@ def measure(
     repeats: int,
     dtype: str = "float32",
     batches: tuple[int, ...] = BATCH_SIZES,
+    prompt_len: int = DECODE_PROMPT_LEN,
 ) -> list[tuple[str, float, float]]:
     from transformers import AutoModelForCausalLM
 
@@ -151,9 +171,9 @@ def measure(
     max_batch = max(batches)
     config = EngineConfig(
         dtype=dtype,
-        num_pages=max_batch * -(-(DECODE_PROMPT_LEN + new_tokens) // 16) + 64,
+        num_pages=max_batch * -(-(prompt_len + new_tokens) // 16) + 64,
         max_num_seqs=max_batch,
-        max_num_batched_tokens=max(PREFILL_LEN, max_batch * DECODE_PROMPT_LEN),
+        max_num_batched_tokens=max(PREFILL_LEN, max_batch * prompt_len),
     )
     engine = EngineCore(model_dir, config, detokenize=False)
     rows = []
@@ -165,15 +185,113 @@ def measure(
     print(f"prefill: pdserve {ours * 1000:.0f} ms, HF {theirs * 1000:.0f} ms", flush=True)
 
     for batch in batches:
-        prompts = random_prompts(batch, DECODE_PROMPT_LEN, vocab, seed=batch)
+        prompts = random_prompts(batch, prompt_len, vocab, seed=batch)
         decoded = batch * (new_tokens - 1)
         ours = best_of(repeats, partial(lambda p: engine_run(engine, p, new_tokens)[1], prompts))
         hf_first = best_of(repeats, partial(hf_run, hf, prompts, 1))
         hf_all = best_of(repeats, partial(hf_run, hf, prompts, new_tokens))
         theirs = max(hf_all - hf_first, 1e-9)
         rows.append((f"decode batch {batch} tok/s", decoded / ours, decoded / theirs))
-        print(f"decode batch {batch}: pdserve {ours:.2f} s, HF {theirs:.2f} s", flush=True)
+        steps = new_tokens - 1
+        print(
+            f"decode batch {batch}: pdserve {ours:.2f} s ({ours / steps * 1000:.1f} ms/step), "
+            f"HF {theirs:.2f} s ({theirs / steps * 1000:.1f} ms/step)",
+            flush=True,
+        )
     return rows
+
+
+# --- decode attention alone ---------------------------------------------------------------
+
+# (label, batch, context lengths): uniform ~800 tokens (a disaggregated decode worker's load),
+# mixed 100-1200, and the engine bench's short prompts.
+ATTENTION_CASES: tuple[tuple[str, int, str], ...] = (
+    ("batch 8 x 800", 8, "800"),
+    ("batch 32 x 800", 32, "800"),
+    ("batch 8 x 100-1200", 8, "mixed"),
+    ("batch 32 x 100-1200", 32, "mixed"),
+    ("batch 16 x 48", 16, "48"),
+)
+
+
+def attention_step_seconds(
+    backend_class: Callable[[torch.Tensor, int, float], Any],
+    seq_lens: list[int],
+    repeats: int,
+    num_layers: int = 6,
+    num_heads: int = 8,
+    num_kv_heads: int = 4,
+    head_dim: int = 64,
+    page_size: int = 16,
+) -> float:
+    """Best-of-``repeats`` seconds of one decode step's attention: ``begin_step`` and one
+    ``forward`` per layer over sequences of ``seq_lens`` tokens (the last one new)."""
+    from workers.engine.attention.base import AttentionBatch
+
+    generator = torch.Generator().manual_seed(0)
+    pages_per_seq = [-(-n // page_size) for n in seq_lens]
+    num_pages = sum(pages_per_seq) + 8
+    cache = torch.randn(
+        num_layers, num_pages, 2, num_kv_heads, page_size, head_dim, generator=generator
+    )
+    free = torch.randperm(num_pages, generator=generator).tolist()
+    tables = [[free.pop() for _ in range(n)] for n in pages_per_seq]
+    width = max(pages_per_seq)
+    batch_size = len(seq_lens)
+    slots = [
+        t[(n - 1) // page_size] * page_size + (n - 1) % page_size
+        for t, n in zip(tables, seq_lens, strict=True)
+    ]
+    batch = AttentionBatch(
+        query_start_loc=torch.arange(batch_size + 1),
+        seq_lens=torch.tensor(seq_lens),
+        context_lens=torch.tensor([n - 1 for n in seq_lens]),
+        page_table=torch.tensor([t + [-1] * (width - len(t)) for t in tables]),
+        slot_mapping=torch.tensor(slots),
+        query_lens_list=(1,) * batch_size,
+        seq_lens_list=tuple(seq_lens),
+    )
+    q = torch.randn(batch_size, num_heads, head_dim, generator=generator)
+    k = torch.randn(batch_size, num_kv_heads, head_dim, generator=generator)
+    v = torch.randn(batch_size, num_kv_heads, head_dim, generator=generator)
+    backend = backend_class(cache, page_size, head_dim**-0.5)
+
+    def step() -> float:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            backend.begin_step(batch)
+            for layer in range(num_layers):
+                backend.forward(layer, q, k, v, batch)
+        return time.perf_counter() - start
+
+    return best_of(repeats, step)
+
+
+def attention_case_lens(batch: int, lengths: str) -> list[int]:
+    if lengths == "mixed":
+        generator = torch.Generator().manual_seed(batch)
+        return torch.randint(100, 1201, (batch,), generator=generator).tolist()
+    return [int(lengths)] * batch
+
+
+def print_attention_table(
+    repeats: int, backend_class: Callable[[torch.Tensor, int, float], Any] | None = None
+) -> None:
+    if backend_class is None:
+        from workers.engine.attention.torch_backend import TorchAttentionBackend
+
+        backend_class = TorchAttentionBackend
+    print(
+        f"decode attention step (6 layers), torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, best of {repeats} steps after a warm-up\n"
+    )
+    print(f"| {'case':<22} | {'ms/step':>8} |")
+    print(f"|{'-' * 24}|{'-' * 10}|")
+    for label, batch, lengths in ATTENTION_CASES:
+        seconds = attention_step_seconds(
+            backend_class, attention_case_lens(batch, lengths), repeats
+        )
+        print(f"| {label:<22} | {seconds * 1000:>8.2f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,18 @@ Figures:
 - ``raw GB/s``: the same number of writes of the same sizes (one `submit_writes` call per
   layer, like the messenger) from this process's TransferEngine to a spawned target's, first
   submit -> the target's immediate counter fired, measured right after each deferred-mode
-  request (same load). Target: messenger >= 0.9x raw.
+  request (same load). Target: messenger >= 0.9x raw. The raw target's region is filled once
+  before use, like the decoder's `torch.zeros` KV pool: a lazily mapped `np.zeros` took its page
+  faults inside the first raw measurement of every new, larger prompt length.
+
+On shm the raw path and the messenger now read from the same kind of memory. shm copies with
+CMA (the target's kernel reads the initiator's pages) at ~0.75x the rate from 4 KiB pages that
+it reaches from the 2 MiB transparent huge pages numpy gives the raw source, and the
+messenger's source is the prefill's torch KV pool (4 KiB pages). `TransferEngine.register` now
+moves shm regions to huge pages (workers/fabric/engine.py), so both sources are huge-paged.
+The roles stay swapped between the two (messenger: the decoder in this process is the target
+whose progress thread does the copies; raw: a bare spawned target does them); that difference
+is not isolated (bench/RESULTS.md, "Transfer: the shm gap").
 
 OpenMP workers of the prefill process's torch spin for a while after every parallel region
 (``OMP_WAIT_POLICY`` active by default) and then compete with both fabric progress threads for
@@ -176,7 +187,8 @@ def run_messenger(
 
 def raw_target(conn: Connection, provider: str) -> None:
     engine = TransferEngine(provider)
-    buffer = np.zeros(RAW_REGION, dtype=np.uint8)
+    buffer = np.empty(RAW_REGION, dtype=np.uint8)
+    buffer.fill(0)  # faulted in now, like the decoder's torch.zeros pool (docstring)
     _, descriptor = engine.register(buffer)
     conn.send_bytes(engine.address)
     conn.send_bytes(descriptor.to_bytes())

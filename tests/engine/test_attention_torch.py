@@ -18,13 +18,14 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("sparse_decode", [True, False], ids=["sparse", "gather"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_matches_dense_reference(name: str) -> None:
+def test_matches_dense_reference(name: str, sparse_decode: bool) -> None:
     context_lens, query_lens = CASES[name]
     case = make_mixed_case(context_lens, query_lens)
     scale = 32**-0.5
     before = case.kv_cache.clone()
-    backend = TorchAttentionBackend(case.kv_cache, 16, scale)
+    backend = TorchAttentionBackend(case.kv_cache, 16, scale, sparse_decode=sparse_decode)
     backend.begin_step(case.batch)
     out = backend.forward(1, case.q, case.k, case.v, case.batch)
 
@@ -38,6 +39,79 @@ def test_matches_dense_reference(name: str) -> None:
     torch.testing.assert_close(case.kv_cache[0], before[0])
     unused = sorted(set(range(case.kv_cache.shape[1])) - case.used_pages)
     torch.testing.assert_close(case.kv_cache[1, unused], before[1, unused])
+
+
+# Decode sequences of very different lengths, in an order that is not sorted by length: several
+# groups, masks inside groups whose lengths differ, and rows reordered for grouping and back.
+LONG_CASES = {
+    "decode-spread": ([300, 4, 140, 15, 299, 63, 150, 0, 16], [1] * 9),
+    "decode-spread-with-chunks": ([300, 4, 0, 140, 31, 299], [1, 1, 20, 1, 9, 1]),
+    "decode-equal-lengths": ([200, 200, 200], [1, 1, 1]),
+}
+
+
+@pytest.mark.parametrize("name", list(LONG_CASES))
+@pytest.mark.parametrize("group_bytes", [None, 1, 64 << 10, 1 << 30])
+def test_long_and_mixed_decode_matches_dense_reference(name: str, group_bytes: int | None) -> None:
+    """``group_bytes`` None: the sparse path (no gather); otherwise the gather path, where 1 puts
+    every decode sequence in its own group, 64 KiB (8 of this case's 8 KiB pages) splits the
+    longest buckets, 1 GiB never splits."""
+    context_lens, query_lens = LONG_CASES[name]
+    case = make_mixed_case(context_lens, query_lens, num_pages=160)
+    scale = 32**-0.5
+    if group_bytes is None:
+        backend = TorchAttentionBackend(case.kv_cache, 16, scale, sparse_decode=True)
+    else:
+        backend = TorchAttentionBackend(
+            case.kv_cache, 16, scale, gather_group_bytes=group_bytes, sparse_decode=False
+        )
+    backend.begin_step(case.batch)
+    out = backend.forward(1, case.q, case.k, case.v, case.batch)
+    torch.testing.assert_close(out.double(), reference_attention(case, scale), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("sparse_decode", [True, False], ids=["sparse", "gather"])
+def test_state_reused_across_layers_and_steps(sparse_decode: bool) -> None:
+    """The gather buffer and the sparse structure are reused by later layers and steps: a small
+    step after a large one, and layer 0 after layer 1, still read their own pages."""
+    scale = 32**-0.5
+    large = make_mixed_case([300, 120, 7], [1, 1, 1], num_pages=160, layer=1, seed=1)
+    backend = TorchAttentionBackend(large.kv_cache, 16, scale, sparse_decode=sparse_decode)
+    out_large = backend.forward(1, large.q, large.k, large.v, large.batch)
+    small = make_mixed_case([40, 3], [1, 1], num_pages=160, layer=0, seed=2)
+    # Same cache tensor for both steps: copy the small case's layer 0 into the large cache.
+    large.kv_cache[0].copy_(small.kv_cache[0])
+    out_small = backend.forward(0, small.q, small.k, small.v, small.batch)
+    torch.testing.assert_close(
+        out_large.double(), reference_attention(large, scale), atol=1e-5, rtol=1e-5
+    )
+    torch.testing.assert_close(
+        out_small.double(), reference_attention(small, scale), atol=1e-5, rtol=1e-5
+    )
+
+
+def test_non_contiguous_cache_stores_through_indexing() -> None:
+    """A cache that is a strided view (no flat row view) takes the indexed store."""
+    case = make_mixed_case([0, 17, 40], [5, 1, 1], num_layers=4)
+    strided = case.kv_cache[::2]  # layers 0 and 2 of 4
+    assert not strided.is_contiguous()
+    strided[0].copy_(case.kv_cache[1])  # put the case's layer-1 context into strided layer 0
+    scale = 32**-0.5
+    backend = TorchAttentionBackend(strided, 16, scale)
+    out = backend.forward(0, case.q, case.k, case.v, case.batch)
+    torch.testing.assert_close(out.double(), reference_attention(case, scale), atol=1e-5, rtol=1e-5)
+    pages, offsets = case.batch.slot_mapping // 16, case.batch.slot_mapping % 16
+    torch.testing.assert_close(strided[0, pages, 0, :, offsets], case.k)
+    torch.testing.assert_close(strided[0, pages, 1, :, offsets], case.v)
+
+
+def test_decode_path_choice() -> None:
+    """The sparse path is the default for a contiguous float32 CPU cache only."""
+    cache = torch.zeros(2, 4, 2, 2, 16, 8)
+    assert TorchAttentionBackend(cache, 16, 1.0).sparse_decode
+    assert not TorchAttentionBackend(cache.to(torch.bfloat16), 16, 1.0).sparse_decode
+    strided = torch.zeros(4, 4, 2, 2, 16, 8)[::2]
+    assert not TorchAttentionBackend(strided, 16, 1.0, sparse_decode=True).sparse_decode
 
 
 def test_bfloat16_cache() -> None:

@@ -37,13 +37,17 @@ class ModelRunner:
         """
         input_ids, positions, batch = self.prepare(step)
         hidden = self.model.forward(input_ids, positions, batch, self.backend, self.layer_progress)
-        sample_rows = [
-            end - 1
-            for chunk, end in zip(step.chunks, batch.query_start_loc[1:].tolist(), strict=True)
-            if chunk.samples
-        ]
+        sample_rows: list[int] = []
+        end = 0
+        for chunk, query_len in zip(step.chunks, batch.query_lens_list, strict=True):
+            end += query_len
+            if chunk.samples:
+                sample_rows.append(end - 1)
         if not sample_rows:
             return None
+        if len(sample_rows) == hidden.shape[0]:
+            # Every row samples (a pure decode step): no row gather.
+            return self.model.compute_logits(hidden)
         index = torch.tensor(sample_rows, dtype=torch.long, device=hidden.device)
         return self.model.compute_logits(hidden.index_select(0, index))
 

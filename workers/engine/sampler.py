@@ -49,13 +49,14 @@ class Sampler:
         if any(p.has_penalties for p in params):
             logits = apply_penalties(logits.clone(), rows)
 
-        greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
         token_ids = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
-            random_rows = (~greedy).nonzero().flatten()
+        # Python-side row selection: an all-greedy batch (the common case) builds no tensor.
+        random_list = [i for i, p in enumerate(params) if not p.is_greedy]
+        if random_list:
+            random_rows = torch.tensor(random_list, dtype=torch.long, device=logits.device)
             sub = logits.index_select(0, random_rows)
-            sub_params = [params[i] for i in random_rows.tolist()]
-            sub_generators = [rows[i].generator for i in random_rows.tolist()]
+            sub_params = [params[i] for i in random_list]
+            sub_generators = [rows[i].generator for i in random_list]
             probs = probabilities(sub, sub_params)
             sampled = exponential_race(probs, sub_generators, self.generator)
             token_ids = token_ids.index_copy(0, random_rows, sampled)

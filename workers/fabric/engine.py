@@ -15,11 +15,23 @@ Failures. Every operation has a deadline (`op_timeout`); a connection error comp
 missed deadline marks the peer failed: its unfinished operations end in `on_error`
 (`PeerFailedError` / `OperationTimeoutError`) and later submissions to it raise
 `PeerFailedError`. Other peers are unaffected; `peer_failure` tells why a peer failed.
+
+Huge pages (shm). libfabric 1.17's shm moves every write above its inject size by CMA: the
+target's progress thread calls process_vm_readv on the initiator's memory, and the kernel pins
+and copies the source one page at a time. From 4 KiB pages that copy runs at ~0.75x the rate it
+reaches from 2 MiB transparent huge pages (bench/RESULTS.md, "Transfer: the shm gap"). numpy
+asks for huge pages for its large arrays; torch's CPU allocator does not, so a KV pool in a
+torch tensor was the slow case. `register` therefore backs the 2 MiB-aligned interior of a host
+region with huge pages (`huge_pages`, default on for shm): MADV_HUGEPAGE, then MADV_COLLAPSE
+(Linux >= 6.1) to convert the pages already faulted in, contents kept. Nothing is done when the
+system disabled THP ("never"); a kernel or mapping that refuses only loses the speed-up.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import itertools
 import logging
 import threading
@@ -58,6 +70,10 @@ log = logging.getLogger(__name__)
 ErrorCallback = Callable[[FabricError], None]
 _engine_ids = itertools.count(1)
 _SHM_DIR = Path("/dev/shm")
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+_MADV_COLLAPSE = 25  # Linux >= 6.1; EINVAL before
+_THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 @dataclass(frozen=True)
@@ -86,6 +102,7 @@ class TransferEngine:
         spin_us: int = 50,
         idle_spin_us: int = 2000,
         idle_wait_us: int | None = None,
+        huge_pages: bool | None = None,
     ) -> None:
         self._id = next(_engine_ids)
         self._closed = False
@@ -98,6 +115,8 @@ class TransferEngine:
         self.submit_timeout = submit_timeout
         self.max_message_bytes = max_message_bytes
         provider = normalize_provider(provider)
+        # None: on where the peer's kernel reads our pages one by one (module docstring).
+        self._huge_pages = provider == "shm" if huge_pages is None else huge_pages
         # shm ignores node names; tcp needs one to stay on loopback (ENV.md).
         node_arg = None if provider == "shm" else node
         self.info, self._native = self._open(provider, node_arg, domain, max_inflight_ops)
@@ -205,8 +224,13 @@ class TransferEngine:
 
         Returns the local handle (source of writes) and the descriptor to give peers (target of
         their writes). The engine keeps `buffer` alive until `deregister` or `close`.
+        With `huge_pages`, the region's 2 MiB-aligned interior is moved to huge pages first
+        (module docstring; a copy of it, on this thread, before the provider sees the region).
         """
         self._check_open()
+        if self._huge_pages:
+            address, length, _ = buffer_extent(buffer)
+            advise_huge_pages(address, length)
         handle: MemoryRegionHandle = self._loop.call(lambda: self._register_native(buffer))
         virt = bool(self.info.mr_mode & lib.FI_MR_VIRT_ADDR)
         descriptor = MemoryRegionDescriptor(
@@ -597,6 +621,42 @@ class TransferEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def advise_huge_pages(address: int, length: int) -> int:
+    """Back the 2 MiB-aligned interior of ``[address, address + length)`` with transparent
+    huge pages; returns the bytes now advised and collapsed (0: nothing done or refused)."""
+    start = -(-address // _HUGE_PAGE) * _HUGE_PAGE
+    end = (address + length) // _HUGE_PAGE * _HUGE_PAGE
+    if end <= start or not _thp_allowed():
+        return 0
+    madvise = _libc().madvise
+    # MADV_HUGEPAGE keeps later faults (and khugepaged) on huge pages; MADV_COLLAPSE converts
+    # what is already faulted in, now: KV pools are zero-filled when allocated.
+    for advice in (_MADV_HUGEPAGE, _MADV_COLLAPSE):
+        if madvise(start, end - start, advice) != 0:
+            log.debug(
+                "madvise(%d) of %d bytes at %#x refused: errno %d",
+                advice, end - start, start, ctypes.get_errno(),
+            )  # fmt: skip
+            return 0
+    return end - start
+
+
+@functools.cache
+def _thp_allowed() -> bool:
+    try:
+        return "[never]" not in _THP_ENABLED.read_text()
+    except OSError:
+        return False
+
+
+@functools.cache
+def _libc() -> Any:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.madvise.restype = ctypes.c_int
+    return libc
 
 
 def _check_span(what: str, offset: int, length: int, limit: int) -> None:
