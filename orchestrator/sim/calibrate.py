@@ -3,7 +3,8 @@ write the JSON that `calibrated.fit` reads.
 
 The engine runs the ``small`` preset (random weights; only shapes matter for time) in mixed
 role, one process, one rank. Prefill points: one-shot prompts up to the token budget, then
-one long prompt in budget-sized chunks (so that the attention term sees context). Decode
+one long prompt (``prefill_context`` tokens) in budget-sized chunks (so that the attention term
+sees context up to the workload's longest prompts). Decode
 points: batches of short prompts (and, with ``decode_contexts``, of longer ones, so that the
 fit sees the per-KV-token cost), timing only steps that run after every sequence has its
 first token and before any finishes (pure decode steps of the whole batch). Each point is the median of its repeats, after a warm-up.
@@ -64,13 +65,14 @@ def _timed_steps(engine: Any) -> list[float]:
     return times
 
 
-def _prefill_points(engine: Any, sizes: Sequence[int], repeats: int) -> list[dict[str, float]]:
+def _prefill_points(
+    engine: Any, sizes: Sequence[int], repeats: int, long_prompt: int
+) -> list[dict[str, float]]:
     budget = engine.config.max_num_batched_tokens
     from workers.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     shapes = [(n, 0) for n in sizes if n <= budget]
-    long_prompt = 4 * budget
     shapes += [(budget, context) for context in range(budget, long_prompt, budget)]
     samples: dict[tuple[int, int], list[float]] = {shape: [] for shape in shapes}
     for repeat in range(repeats + 1):  # the first round warms up
@@ -317,6 +319,7 @@ def run_calibration(
     concurrent: int = 1,
     mixed_batches: Sequence[int] = (),
     mixed_context: int = 768,
+    prefill_context: int | None = None,
     budget: int = 256,
     fabric: bool = False,
     fabric_sizes: Sequence[int] = (64 << 10, 1 << 20, 4 << 20, 16 << 20),
@@ -325,6 +328,14 @@ def run_calibration(
 
     if concurrent < 1:
         raise ValueError(f"concurrent must be >= 1 (engine processes), got {concurrent}")
+    if prefill_context is None:
+        prefill_context = 4 * budget
+    if prefill_context < 2 * budget or prefill_context % budget:
+        # Each chunk of the long prompt is one (budget, context) point: whole chunks only.
+        raise ValueError(
+            f"prefill_context must be a multiple of the budget ({budget}) and at least two "
+            f"chunks, got {prefill_context}"
+        )
     with tempfile.TemporaryDirectory(prefix="pdserve-calibrate-") as tmp:
         model_dir = write_random_checkpoint("small", Path(tmp) / "small")
         # Decode points at long contexts need every sequence's pages at once (16 per page).
@@ -333,6 +344,7 @@ def run_calibration(
             for b in decode_batches
             for c in decode_contexts
         )
+        pages = max(pages, -(-prefill_context // 16))  # the long prefill prompt's pages
         # A mixed point runs its decoders and one more prompt at once.
         seqs = max(*decode_batches, *(b + 1 for b in mixed_batches))
         engine = _engine(model_dir, seqs, budget, max(256, pages))
@@ -353,7 +365,7 @@ def run_calibration(
 
             def steps() -> dict[str, Any]:
                 return {
-                    "prefill": _prefill_points(engine, prefill_sizes, repeats),
+                    "prefill": _prefill_points(engine, prefill_sizes, repeats, prefill_context),
                     "decode": [
                         point
                         for context in decode_contexts

@@ -56,6 +56,14 @@ def add_subcommands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "see the per-KV-token cost of long-context decode",
     )
     p.add_argument(
+        "--prefill-context",
+        type=int,
+        default=1024,
+        help="length of the long prompt whose budget-sized chunks are the prefill points with "
+        "cached context (a multiple of the 256-token chunk): at least the workload's longest "
+        "prompt, so that the attention term is fitted, not extrapolated",
+    )
+    p.add_argument(
         "--decode-batch",
         default="1,8,32",
         help="batch sizes of the decode points (comma-separated)",
@@ -238,6 +246,11 @@ def _calibrate(args: argparse.Namespace) -> int:
         against = load(args.overheads_against) if args.overheads_against else None
         if args.concurrent < 1:
             raise ValueError(f"--concurrent must be >= 1, got {args.concurrent}")
+        if args.prefill_context < 512 or args.prefill_context % 256:
+            raise ValueError(
+                f"--prefill-context must be a multiple of 256 (the chunk) and >= 512, "
+                f"got {args.prefill_context}"
+            )
     except (ValueError, OSError) as error:
         print(f"pdserve calibrate: {error}", file=sys.stderr)
         return 2
@@ -249,6 +262,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         decode_batches=batches,
         concurrent=args.concurrent,
         mixed_batches=mixed,
+        prefill_context=args.prefill_context,
     )
     model = fit(data)
     if result is not None:

@@ -112,11 +112,19 @@ def test_calibration_runs_our_engine_and_its_output_fits(tmp_path: Path) -> None
 
     out = tmp_path / "calibration.json"
     data = run_calibration(
-        out, prefill_sizes=(16, 64), decode_batches=(1, 2, 4), repeats=1, budget=64
+        out,
+        prefill_sizes=(16, 64),
+        decode_batches=(1, 2, 4),
+        repeats=1,
+        budget=64,
+        prefill_context=320,
     )
     assert json.loads(out.read_text()) == data
     assert data["num_layers"] == 6 and data["kv_capacity_tokens"] > 0
-    assert len(data["prefill"]) >= 3 and len(data["decode"]) >= 3
+    assert len(data["decode"]) >= 3
+    # One-shot prompts, then the 320-token prompt's chunks after 64..256 tokens of context.
+    shapes = [(p["tokens"], p["context"]) for p in data["prefill"]]
+    assert shapes == [(16, 0), (64, 0), (64, 64), (64, 128), (64, 192), (64, 256)]
     assert all(point["seconds"] > 0 for point in data["prefill"] + data["decode"])
     model = from_spec([str(out)])
     assert decode_seconds(model, 4, 4 * 40, 1) > 0
@@ -171,6 +179,8 @@ def test_calibration_refuses_a_bad_process_count_before_measuring(tmp_path: Path
 
     with pytest.raises(ValueError, match="concurrent"):
         run_calibration(tmp_path / "c.json", concurrent=0)
+    with pytest.raises(ValueError, match="prefill_context"):
+        run_calibration(tmp_path / "c.json", budget=256, prefill_context=300)
     assert not (tmp_path / "c.json").exists()
 
 
