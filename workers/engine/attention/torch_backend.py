@@ -49,6 +49,13 @@ _BUCKET_SLACK_FRACTION = 8
 # ~25 % slower than 2-16 MB groups (which measured within noise of each other).
 _GATHER_GROUP_BYTES = 8 << 20
 
+# The sparse path only uses CSR construction and `sampled_addmm`; torch warns once per process
+# that CSR support is "beta". A module-level filter (not `catch_warnings`, which swaps the
+# process-wide filters and is not thread-safe) keeps that out of the workers' logs.
+warnings.filterwarnings(
+    "ignore", message="Sparse CSR tensor support is in beta", category=UserWarning
+)
+
 
 @dataclass(frozen=True)
 class _DecodeGroup:
@@ -257,15 +264,13 @@ class TorchAttentionBackend(AttentionBackend):
         crow = torch.zeros(row_lens.numel() + 1, dtype=torch.long, device=device)
         torch.cumsum(row_lens, 0, out=crow[1:])
         cache_rows = self.kv_cache[0].numel() // self.kv_cache.shape[-1]
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # "sparse CSR support is in beta"
-            pattern = torch.sparse_csr_tensor(
-                crow,
-                key_rows,
-                torch.zeros(key_rows.numel(), dtype=self.kv_cache.dtype, device=device),
-                size=(row_lens.numel(), cache_rows),
-                check_invariants=False,
-            )
+        pattern = torch.sparse_csr_tensor(
+            crow,
+            key_rows,
+            torch.zeros(key_rows.numel(), dtype=self.kv_cache.dtype, device=device),
+            size=(row_lens.numel(), cache_rows),
+            check_invariants=False,
+        )
         return _SparseDecode(
             pattern=pattern,
             value_rows=key_rows + num_kv_heads * page_size,
