@@ -36,6 +36,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
+BUDGET = 256  # prefill chunk / step token budget of the calibration engine (default)
 PROMPT_LEN = 32  # decode points: prompt tokens per sequence (default; see decode_contexts)
 DECODE_STEPS = 4  # timed decode steps per batch size
 BACKGROUND_BATCH = 4  # each background engine: a decode batch of this many sequences ...
@@ -309,6 +310,22 @@ class BackgroundEngines:
                 process.join(5)
 
 
+def check_options(concurrent: int, prefill_context: int | None, budget: int) -> int:
+    """Validate `run_calibration`'s process count and long prompt before anything is measured;
+    returns the long prompt's length (default: 4 chunks)."""
+    if concurrent < 1:
+        raise ValueError(f"concurrent must be >= 1 (engine processes), got {concurrent}")
+    if prefill_context is None:
+        return 4 * budget
+    if prefill_context < 2 * budget or prefill_context % budget:
+        # Each chunk of the long prompt is one (budget, context) point: whole chunks only.
+        raise ValueError(
+            f"prefill_context must be a multiple of the budget ({budget}) and at least two "
+            f"chunks, got {prefill_context}"
+        )
+    return prefill_context
+
+
 def run_calibration(
     out: str | Path,
     *,
@@ -320,22 +337,13 @@ def run_calibration(
     mixed_batches: Sequence[int] = (),
     mixed_context: int = 768,
     prefill_context: int | None = None,
-    budget: int = 256,
+    budget: int = BUDGET,
     fabric: bool = False,
     fabric_sizes: Sequence[int] = (64 << 10, 1 << 20, 4 << 20, 16 << 20),
 ) -> dict[str, Any]:
     from workers.engine.presets import write_random_checkpoint
 
-    if concurrent < 1:
-        raise ValueError(f"concurrent must be >= 1 (engine processes), got {concurrent}")
-    if prefill_context is None:
-        prefill_context = 4 * budget
-    if prefill_context < 2 * budget or prefill_context % budget:
-        # Each chunk of the long prompt is one (budget, context) point: whole chunks only.
-        raise ValueError(
-            f"prefill_context must be a multiple of the budget ({budget}) and at least two "
-            f"chunks, got {prefill_context}"
-        )
+    prefill_context = check_options(concurrent, prefill_context, budget)
     with tempfile.TemporaryDirectory(prefix="pdserve-calibrate-") as tmp:
         model_dir = write_random_checkpoint("small", Path(tmp) / "small")
         # Decode points at long contexts need every sequence's pages at once (16 per page).

@@ -235,7 +235,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     import numpy as np
 
-    from orchestrator.sim.calibrate import run_calibration
+    from orchestrator.sim.calibrate import BUDGET, check_options, run_calibration
     from orchestrator.sim.calibrated import fit, load, mixed_errors
 
     try:
@@ -244,13 +244,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         batches = tuple(int(b) for b in args.decode_batch.split(","))
         result = json.loads(Path(args.overheads_from).read_text()) if args.overheads_from else None
         against = load(args.overheads_against) if args.overheads_against else None
-        if args.concurrent < 1:
-            raise ValueError(f"--concurrent must be >= 1, got {args.concurrent}")
-        if args.prefill_context < 512 or args.prefill_context % 256:
-            raise ValueError(
-                f"--prefill-context must be a multiple of 256 (the chunk) and >= 512, "
-                f"got {args.prefill_context}"
-            )
+        check_options(args.concurrent, args.prefill_context, BUDGET)
     except (ValueError, OSError) as error:
         print(f"pdserve calibrate: {error}", file=sys.stderr)
         return 2
