@@ -10,6 +10,11 @@ Measures, in one process with the same torch thread settings for both:
 - decode tokens/s at batch 1, 16 and 64: prompts of 32 tokens, ``--new-tokens`` new tokens each
   (greedy, EOS ignored); decode time = time to generate all tokens minus time to the first.
 ``--prompt-len`` sets the decode prompts' length (long prompts time decode at long contexts).
+Under the table, a bound per decode batch: the **projection floor**, the time to multiply a
+batch of rows by every projection weight once, in a step's order and layout, with nothing else
+(no attention, norms, sampling or Python). Any engine that keeps these weights in this dtype
+pays at least that per step, so HF's step divided by the floor is the largest ratio reachable
+on this machine at that batch.
 Each figure is the best of ``--repeats`` runs after a warm-up. ``--dtype`` sets the weight and
 compute dtype of both engines (bfloat16 is what serving deployments run; on CPUs with AMX its GEMMs
 are several times faster than float32, so per-step overhead weighs more).
@@ -177,6 +182,7 @@ def measure(
     )
     engine = EngineCore(model_dir, config, detokenize=False)
     rows = []
+    floors = []
 
     prompt = random_prompts(1, PREFILL_LEN, vocab, seed=0)
     ours = best_of(repeats, lambda: engine_run(engine, prompt, 1)[0])
@@ -198,7 +204,36 @@ def measure(
             f"HF {theirs:.2f} s ({theirs / steps * 1000:.1f} ms/step)",
             flush=True,
         )
+        floor = best_of(repeats, partial(projection_floor_seconds, engine.model, batch))
+        floors.append((batch, ours / steps, theirs / steps, floor))
+    print(f"\n| {'decode batch':<12} | {'ours ms/step':>12} | {'HF ms/step':>10} | ", end="")
+    print(f"{'projection floor ms':>19} | {'largest ratio reachable':>23} |")
+    print(f"|{'-' * 14}|{'-' * 14}|{'-' * 12}|{'-' * 21}|{'-' * 25}|")
+    for batch, ours_step, hf_step, floor in floors:
+        print(
+            f"| {batch:<12} | {ours_step * 1000:>12.1f} | {hf_step * 1000:>10.1f} | "
+            f"{floor * 1000:>19.1f} | {hf_step / floor:>22.2f}x |"
+        )
     return rows
+
+
+def projection_floor_seconds(model: torch.nn.Module, batch: int, steps: int = 20) -> float:
+    """Seconds per step of ``batch`` rows through every projection weight of ``model`` (its
+    2-D parameters but the embedding table), each once per step and in the same order as a
+    decode step, so the CPU caches hold what they would hold in one. Nothing else runs."""
+    weights: list[torch.Tensor] = [
+        p for name, p in model.named_parameters() if p.dim() == 2 and "embed" not in name
+    ]
+    lm_head = getattr(model, "lm_head", None)
+    if isinstance(lm_head, torch.Tensor) and all(lm_head is not w for w in weights):
+        weights.append(lm_head)  # tied to the embedding table: still one GEMM per step
+    inputs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype) for w in weights}
+    with torch.inference_mode():
+        start = time.perf_counter()
+        for _ in range(steps):
+            for weight in weights:
+                torch.nn.functional.linear(inputs[weight.shape[1]], weight)
+        return (time.perf_counter() - start) / steps
 
 
 # --- decode attention alone ---------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Routing policies: which decode (or mixed) worker takes a request, and which prefill worker
-fills its KV.
+fills its KV (`PrefillLoad`).
 
 Contract of `RoutingPolicy.pick`: given the ready workers with room (never empty) and the
 router's count of outstanding requests per worker id, return one of them. Policies keep no
@@ -69,10 +69,37 @@ def create_policy(name: str, seed: int | None = None) -> RoutingPolicy:
         raise ValueError(f"unknown routing policy {name!r}; known: {sorted(_POLICIES)}") from None
 
 
-def pick_prefill_source(
-    prefill_workers: Sequence[WorkerRecord], rng: random.Random
-) -> WorkerRecord:
-    """The source replica set of one request: a uniformly random ready prefill worker, so that
-    every source (and its NICs) initiates writes (DESIGN.md §4: each destination replica set is
-    mapped at random onto a source replica set)."""
-    return rng.choice(list(prefill_workers))
+class PrefillLoad:
+    """Which prefill worker fills a request's KV: the one with the fewest prompt tokens this
+    router sent it whose first token has not come back yet (the prefill work queued there, as
+    far as this router knows), ties broken at random.
+
+    A uniformly random source can queue a long prompt behind another while a second prefill
+    worker idles. Tokens, not requests, because the prefill cost grows with the prompt. Each
+    router counts only its own requests. The simulator picks prefill instances the same way.
+    The mapping of a decoder's replica sets onto the source's (DESIGN.md §4) is the
+    messenger's, per request, and stays random.
+    """
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._random = random.Random(seed)
+        self._tokens: dict[str, int] = {}
+
+    def pick(self, workers: Sequence[WorkerRecord], num_tokens: int) -> WorkerRecord:
+        """Charge ``num_tokens`` to the least-loaded of ``workers`` (not empty) and return it;
+        the caller `release`s the same amount once the prefill is over (first token or end)."""
+        least = min(self._tokens.get(w.worker_id, 0) for w in workers)
+        tied = [w for w in workers if self._tokens.get(w.worker_id, 0) == least]
+        worker = self._random.choice(tied)
+        self._tokens[worker.worker_id] = least + num_tokens
+        return worker
+
+    def release(self, worker_id: str, num_tokens: int) -> None:
+        left = self._tokens.get(worker_id, 0) - num_tokens
+        if left > 0:
+            self._tokens[worker_id] = left
+        else:
+            self._tokens.pop(worker_id, None)
+
+    def tokens(self, worker_id: str) -> int:
+        return self._tokens.get(worker_id, 0)

@@ -5,7 +5,8 @@ Request path (one asyncio task per request, the servicer's)::
     tokenize + validate (nothing allocated on bad input)
       ─▶ admit: a ready decode (or mixed) worker with room, by the routing policy; else wait in
          the queue (``router.max_queue``; beyond it: `QueueFullError`)
-      ─▶ disaggregated: a random ready prefill worker is the request's KV source
+      ─▶ disaggregated: the ready prefill worker with the fewest prompt tokens in flight from
+         this router is the request's KV source (`PrefillLoad`; charged until its first token)
       ─▶ one ``generate`` message on the worker's Connect stream (`WorkerLink`) ─▶ deltas
          ─▶ detokenize + stop strings ─▶ `StreamEvent`s
       ─▶ finally: unless it finished, an ``abort`` message (the worker aborts the request and
@@ -24,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
@@ -42,7 +42,7 @@ from orchestrator.errors import (
     UnavailableError,
     WorkerFailedError,
 )
-from orchestrator.policy import RoutingPolicy, create_policy, pick_prefill_source
+from orchestrator.policy import PrefillLoad, RoutingPolicy, create_policy
 from orchestrator.registry import Registry, WorkerRecord
 from orchestrator.text_stream import TextStream
 from orchestrator.worker_link import LinkBroken, WorkerLink
@@ -119,6 +119,15 @@ class _InFlight:
     worker_id: str = ""
     link: WorkerLink | None = None
     finished: bool = False
+    # The prefill source charged this request's prompt in `Router.prefill_load` ("": none, or
+    # released: the first token came, so its prefill is over).
+    prefill_source: str = ""
+    prompt_tokens: int = 0
+
+    def release_prefill(self, load: PrefillLoad) -> None:
+        if self.prefill_source:
+            load.release(self.prefill_source, self.prompt_tokens)
+            self.prefill_source = ""
 
 
 _ERRORS_BY_CODE: dict[int, type[Exception]] = {
@@ -149,7 +158,7 @@ class Router:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.policy = policy or create_policy(settings.policy, settings.seed)
-        self._rng = random.Random(settings.seed)
+        self.prefill_load = PrefillLoad(settings.seed)
         self._outstanding: dict[str, int] = {}
         self._requests: dict[str, _InFlight] = {}
         self._num_queued = 0
@@ -198,6 +207,7 @@ class Router:
                 yield event
         finally:
             del self._requests[request_id]
+            inflight.release_prefill(self.prefill_load)
             if worker is not None and not completed and self.metrics is not None:
                 self.metrics.count_request_success("abort")  # cancelled, timed out or failed
             if inflight.link is not None and not inflight.finished:
@@ -339,7 +349,8 @@ class Router:
         )
         tried: set[str] = set()  # prefill sources of this request
         if self.settings.is_disaggregated:
-            source = pick_prefill_source(self.registry.ready("prefill"), self._rng)
+            source = self.prefill_load.pick(self.registry.ready("prefill"), len(prompt))
+            inflight.prefill_source, inflight.prompt_tokens = source.worker_id, len(prompt)
             message.prefill_endpoint = source.prefill_endpoint
             tried.add(source.worker_id)
         text = TextStream(self.tokenizer, prompt, params.stop)
@@ -360,6 +371,7 @@ class Router:
             if delta.token_ids:
                 if num_tokens == 0:
                     first = now
+                    inflight.release_prefill(self.prefill_load)
                 elif self.metrics is not None:
                     self.metrics.inter_token_latency.observe(now - last)
                 last = now
@@ -368,7 +380,8 @@ class Router:
                 text.push(token_id)
             reason = delta.finish_reason
             if reason == "error":
-                retry = self._retry_source(delta, num_tokens, tried)
+                inflight.release_prefill(self.prefill_load)
+                retry = self._retry_source(delta, num_tokens, tried, len(prompt))
                 if retry is not None:
                     # The decoder ended the request before its first token (its KV transfer
                     # failed: prefill dead, stalled or rejecting): nothing was streamed, so the
@@ -380,6 +393,7 @@ class Router:
                         retry.worker_id,
                     )
                     tried.add(retry.worker_id)
+                    inflight.prefill_source = retry.worker_id
                     message.prefill_endpoint = retry.prefill_endpoint
                     try:
                         deltas = await link.start(message)
@@ -414,11 +428,12 @@ class Router:
     # --- failures and drain ------------------------------------------------------------------
 
     def _retry_source(
-        self, delta: wpb.RequestDelta, num_tokens: int, tried: set[str]
+        self, delta: wpb.RequestDelta, num_tokens: int, tried: set[str], prompt_tokens: int
     ) -> WorkerRecord | None:
         """Another ready prefill worker for a request whose decoder failed it before any token
         with a worker-side error (``error_code`` 0: not a refusal of the request itself), while
-        ``prefill_retries`` allows; None otherwise."""
+        ``prefill_retries`` allows (charged ``prompt_tokens`` in `prefill_load`); None
+        otherwise."""
         if (
             not self.settings.is_disaggregated
             or num_tokens > 0
@@ -427,7 +442,7 @@ class Router:
         ):
             return None
         others = [w for w in self.registry.ready("prefill") if w.worker_id not in tried]
-        return pick_prefill_source(others, self._rng) if others else None
+        return self.prefill_load.pick(others, prompt_tokens) if others else None
 
     def _suspect(self, worker: WorkerRecord, link: WorkerLink) -> None:
         """The stream to ``worker`` broke (it died, or its host is unreachable): stop choosing

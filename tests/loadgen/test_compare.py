@@ -39,12 +39,21 @@ def test_ratios_and_verdicts() -> None:
     assert rows["goodput"]["ratio"] is None
 
 
-def test_bench_configs_have_the_same_worker_processes() -> None:
-    disaggregated = load_config(CONFIGS / "bench-disagg.yaml", "/nonexistent/model")
-    colocated = load_config(CONFIGS / "bench-colocated.yaml", "/nonexistent/model")
+@pytest.mark.parametrize(
+    ("disaggregated_file", "colocated_file", "split", "mixed"),
+    [
+        ("bench-disagg.yaml", "bench-colocated.yaml", (1, 1), 2),
+        ("bench-disagg-2p1d.yaml", "bench-colocated-3m.yaml", (2, 1), 3),
+    ],
+)
+def test_bench_configs_have_the_same_worker_processes(
+    disaggregated_file: str, colocated_file: str, split: tuple[int, int], mixed: int
+) -> None:
+    disaggregated = load_config(CONFIGS / disaggregated_file, "/nonexistent/model")
+    colocated = load_config(CONFIGS / colocated_file, "/nonexistent/model")
     assert str(disaggregated.model) == "/nonexistent/model"  # --model overrides the configs'
-    assert layout_of(disaggregated) == Layout(num_prefill=1, num_decode=1)
-    assert layout_of(colocated) == Layout(num_mixed=2)
+    assert layout_of(disaggregated) == Layout(num_prefill=split[0], num_decode=split[1])
+    assert layout_of(colocated) == Layout(num_mixed=mixed)
     assert sum(g.replicas * g.tp for g in disaggregated.groups) == sum(
         g.replicas * g.tp for g in colocated.groups
     )

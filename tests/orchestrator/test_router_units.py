@@ -18,7 +18,7 @@ from orchestrator.errors import (
     UnavailableError,
     WorkerFailedError,
 )
-from orchestrator.policy import LeastOutstanding, create_policy
+from orchestrator.policy import LeastOutstanding, PrefillLoad, create_policy
 from orchestrator.registry import Registry, WorkerRecord
 from orchestrator.router import GenerationInput, Router, RouterSettings, StreamEvent
 from orchestrator.servicer import input_from_proto, status_of
@@ -75,6 +75,24 @@ def test_least_outstanding_picks_the_least_loaded() -> None:
     assert picked == {"a", "b", "c"}  # ties are spread
     with pytest.raises(ValueError):
         create_policy("fastest")
+
+
+def test_prefill_load_picks_the_fewest_tokens_in_flight_and_releases_them() -> None:
+    workers = [_record("p0"), _record("p1")]
+    load = PrefillLoad(seed=0)
+    first = load.pick(workers, 1000).worker_id
+    other = "p1" if first == "p0" else "p0"
+    # Three short prompts together weigh less than the long one: all go to the other worker.
+    assert [load.pick(workers, 100).worker_id for _ in range(3)] == [other] * 3
+    assert (load.tokens(first), load.tokens(other)) == (1000, 300)
+    load.release(first, 1000)
+    assert load.pick(workers, 50).worker_id == first
+    load.release(first, 50)
+    for _ in range(3):
+        load.release(other, 100)
+    assert load.tokens("p0") == load.tokens("p1") == 0
+    picked = {load.pick(workers, 0).worker_id for _ in range(50)}
+    assert picked == {"p0", "p1"}  # ties are spread
 
 
 def test_input_from_proto_keeps_presence() -> None:
@@ -357,6 +375,58 @@ def test_a_failed_prefill_is_retried_on_another_before_any_token(order: tuple[st
         assert b"dead" in backend.endpoints  # the retry path ran
         # Every request ended on the live source; each dead attempt was followed by a live one.
         assert backend.endpoints.count(b"live") == 6
+        await router.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        server.stop(0.1)
+
+
+def test_the_router_sends_prefill_to_the_source_with_the_fewest_prompt_tokens_in_flight() -> None:
+    backend = PrefillFailingBackend()
+    server = WorkerServer(WorkerServicer("decode-0", backend))
+
+    async def run() -> None:
+        router = _disaggregated_router(server.address, {"prefill-0": b"p0", "prefill-1": b"p1"}, 0)
+        endpoint_of = {b"p0": "prefill-0", b"p1": "prefill-1"}
+        started: list[asyncio.Task[StreamEvent]] = []
+        streams: list[AsyncGenerator[StreamEvent, None]] = []
+
+        async def start(request_id: str, prompt: str) -> str:
+            stream = router.generate(GenerationInput(request_id, prompt))
+            streams.append(stream)
+            started.append(asyncio.create_task(_next(stream)))
+            await _wait(lambda: request_id in backend.sinks)
+            return endpoint_of[backend.endpoints[-1]]
+
+        long_source = await start("long", "x" * 40)
+        other = "prefill-1" if long_source == "prefill-0" else "prefill-0"
+        assert [await start(f"short{i}", "yy") for i in range(3)] == [other] * 3
+        assert router.prefill_load.tokens(long_source) > router.prefill_load.tokens(other) > 0
+        # The long prompt's first token: its prefill is over, its source is free again.
+        backend.emit("long", ord("a"))
+        await asyncio.wait_for(started[0], 10)
+        assert router.prefill_load.tokens(long_source) == 0
+        backend.emit("short0", ord("b"), "length")  # a slot for one more (capacity 4)
+        assert (await started[1]).finish_reason == "length"
+        await streams[1].aclose()  # the stream ends: its worker slot is released
+        assert await start("next", "zz") == long_source
+        for request_id in ("short1", "short2", "next"):
+            backend.emit(request_id, ord("b"), "length")
+        for task, stream in zip(started[2:], streams[2:], strict=True):
+            assert (await task).finish_reason == "length"
+            await stream.aclose()
+        assert router.prefill_load.tokens("prefill-0") == router.prefill_load.tokens("prefill-1")
+        assert router.prefill_load.tokens("prefill-0") == 0
+        # A request that ends before its first token (the client went away) releases too.
+        gone = await start("gone", "x" * 30)
+        assert router.prefill_load.tokens(gone) > 0
+        started[-1].cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await started[-1]
+        assert router.prefill_load.tokens(gone) == 0
+        await streams[0].aclose()
         await router.close()
 
     try:
