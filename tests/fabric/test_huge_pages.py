@@ -1,6 +1,7 @@
-"""shm registrations move host regions to transparent huge pages, contents intact (engine.py).
+"""Registrations move host regions to transparent huge pages, contents intact (engine.py), on
+shm and tcp; ``huge_pages=False`` leaves them alone.
 
-The speed-up itself (CMA copies from huge pages) is measured in bench/RESULTS.md, not here.
+The speed-up itself (shm's CMA copies, tcp's socket copies) is measured in bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -51,18 +52,19 @@ def _random_tensor(seed: int) -> tuple[torch.Tensor, mmap.mmap]:
     return tensor, mapping
 
 
-def test_shm_register_collapses_a_torch_region_and_keeps_its_bytes() -> None:
+@pytest.mark.parametrize("provider", ["shm", "tcp;ofi_rxm"])
+def test_register_collapses_a_torch_region_and_keeps_its_bytes(provider: str) -> None:
     tensor, _mapping = _random_tensor(3)
     expected = tensor.numpy().copy()
     interior = REGION - 2 * MIB  # at least this much of any 8 MiB span is 2 MiB-aligned
-    engine = TransferEngine("shm")
-    target = RemoteTarget("shm", REGION)
+    engine = TransferEngine(provider)
+    target = RemoteTarget(provider, REGION)
     try:
         handle, _ = engine.register(tensor)
         assert np.array_equal(tensor.numpy(), expected)
         if _thp_available():
             assert _huge_page_bytes(handle.address, handle.length) >= interior
-        # The collapsed pages are the ones the peer's kernel reads: the bytes land exactly.
+        # The collapsed pages are the ones the write reads from: the bytes land exactly.
         peer = engine.add_peer(target.address)
         target.expect([5], 1)
         done, errors = threading.Event(), list[FabricError]()
@@ -78,13 +80,11 @@ def test_shm_register_collapses_a_torch_region_and_keeps_its_bytes() -> None:
         close_engine(engine)
 
 
-@pytest.mark.parametrize(("provider", "huge_pages"), [("tcp;ofi_rxm", None), ("shm", False)])
-def test_registration_leaves_pages_alone_when_not_asked(
-    provider: str, huge_pages: bool | None
-) -> None:
+@pytest.mark.parametrize("provider", ["shm", "tcp;ofi_rxm"])
+def test_registration_leaves_pages_alone_when_not_asked(provider: str) -> None:
     tensor, _mapping = _random_tensor(4)
     expected = tensor.numpy().copy()
-    engine = TransferEngine(provider, huge_pages=huge_pages)
+    engine = TransferEngine(provider, huge_pages=False)
     try:
         handle, _ = engine.register(tensor)
         assert _huge_page_bytes(handle.address, handle.length) == 0
