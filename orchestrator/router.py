@@ -124,11 +124,6 @@ class _InFlight:
     prefill_source: str = ""
     prompt_tokens: int = 0
 
-    def release_prefill(self, load: PrefillLoad) -> None:
-        if self.prefill_source:
-            load.release(self.prefill_source, self.prompt_tokens)
-            self.prefill_source = ""
-
 
 _ERRORS_BY_CODE: dict[int, type[Exception]] = {
     grpc.StatusCode.INVALID_ARGUMENT.value[0]: InvalidRequestError,
@@ -207,7 +202,7 @@ class Router:
                 yield event
         finally:
             del self._requests[request_id]
-            inflight.release_prefill(self.prefill_load)
+            self._release_prefill(inflight)
             if worker is not None and not completed and self.metrics is not None:
                 self.metrics.count_request_success("abort")  # cancelled, timed out or failed
             if inflight.link is not None and not inflight.finished:
@@ -349,7 +344,7 @@ class Router:
         )
         tried: set[str] = set()  # prefill sources of this request
         if self.settings.is_disaggregated:
-            source = self.prefill_load.pick(self.registry.ready("prefill"), len(prompt))
+            source = self._pick_prefill(self.registry.ready("prefill"), len(prompt))
             inflight.prefill_source, inflight.prompt_tokens = source.worker_id, len(prompt)
             message.prefill_endpoint = source.prefill_endpoint
             tried.add(source.worker_id)
@@ -371,7 +366,7 @@ class Router:
             if delta.token_ids:
                 if num_tokens == 0:
                     first = now
-                    inflight.release_prefill(self.prefill_load)
+                    self._release_prefill(inflight)
                 elif self.metrics is not None:
                     self.metrics.inter_token_latency.observe(now - last)
                 last = now
@@ -380,7 +375,7 @@ class Router:
                 text.push(token_id)
             reason = delta.finish_reason
             if reason == "error":
-                inflight.release_prefill(self.prefill_load)
+                self._release_prefill(inflight)
                 retry = self._retry_source(delta, num_tokens, tried, len(prompt))
                 if retry is not None:
                     # The decoder ended the request before its first token (its KV transfer
@@ -442,7 +437,24 @@ class Router:
         ):
             return None
         others = [w for w in self.registry.ready("prefill") if w.worker_id not in tried]
-        return self.prefill_load.pick(others, prompt_tokens) if others else None
+        return self._pick_prefill(others, prompt_tokens) if others else None
+
+    def _pick_prefill(self, workers: list[WorkerRecord], prompt_tokens: int) -> WorkerRecord:
+        source = self.prefill_load.pick(workers, prompt_tokens)
+        self._prefill_gauge(source.worker_id)
+        return source
+
+    def _release_prefill(self, inflight: _InFlight) -> None:
+        """Its prefill is over (first token) or will not happen (error, retry, end)."""
+        worker_id, inflight.prefill_source = inflight.prefill_source, ""
+        if worker_id:
+            self.prefill_load.release(worker_id, inflight.prompt_tokens)
+            self._prefill_gauge(worker_id)
+
+    def _prefill_gauge(self, worker_id: str) -> None:
+        if self.metrics is not None:
+            tokens = self.prefill_load.tokens(worker_id)
+            self.metrics.set_prefill_tokens_in_flight(worker_id, tokens)
 
     def _suspect(self, worker: WorkerRecord, link: WorkerLink) -> None:
         """The stream to ``worker`` broke (it died, or its host is unreachable): stop choosing

@@ -184,6 +184,13 @@ METRIC_SPECS: tuple[MetricSpec, ...] = (
         "Requests the router assigned to each worker.",
         labels=("worker",),
     ),
+    MetricSpec(
+        "pdserve_router_prefill_tokens_in_flight",
+        "gauge",
+        "Prompt tokens the router sent to each prefill worker whose first token has not come "
+        "back: the load it picks prefill workers by.",
+        labels=("worker",),
+    ),
 )
 
 
@@ -253,6 +260,13 @@ class Metrics:
             raise ValueError("worker_id must be a non-empty worker id")
         family = self._counters["pdserve_router_decisions_total"]
         family.labels(self.role, self.model, worker_id).inc()
+
+    def set_prefill_tokens_in_flight(self, worker_id: str, tokens: int) -> None:
+        """The router's prefill load on ``worker_id`` (a prefill worker of the registry)."""
+        if not worker_id:
+            raise ValueError("worker_id must be a non-empty worker id")
+        family = self._gauges["pdserve_router_prefill_tokens_in_flight"]
+        family.labels(self.role, self.model, worker_id).set(tokens)
 
     # --- helpers ------------------------------------------------------------------------------
 

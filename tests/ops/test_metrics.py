@@ -38,7 +38,9 @@ def _registered(registry: CollectorRegistry) -> dict[str, tuple[str, tuple[str, 
 def test_registry_equals_golden_list() -> None:
     registry = CollectorRegistry()
     metrics = Metrics(registry, role="router", model="m")
-    metrics.count_router_decision("decode-0")  # the one label with no up-front series
+    # The two per-worker metrics have no up-front series (worker ids are not known in advance).
+    metrics.count_router_decision("decode-0")
+    metrics.set_prefill_tokens_in_flight("prefill-0", 0)
     contract = load_contract()
     expected = {name: (entry.type, tuple(sorted(entry.labels))) for name, entry in contract.items()}
     assert _registered(registry) == expected
@@ -128,6 +130,7 @@ def _observe_everything(metrics: Metrics) -> None:
     metrics.count_transfer_failure("deadline")
     metrics.set_queue_depth("requested", 2)
     metrics.count_router_decision("decode-1")
+    metrics.set_prefill_tokens_in_flight("prefill-0", 300)
 
 
 def _scrape(port: int) -> str:
@@ -159,6 +162,7 @@ def test_live_scrape_parses_back_with_every_value(served: tuple[Metrics, int]) -
     assert seen["pdserve_kv_transfer_bytes_sum"] == 3 * 2**20
     assert seen["pdserve_request_success_total"] == 1  # zero-valued series for other reasons
     assert seen["pdserve_router_decisions_total"] == 1
+    assert seen["pdserve_router_prefill_tokens_in_flight"] == 300
 
 
 PROMTOOL = shutil.which("promtool")

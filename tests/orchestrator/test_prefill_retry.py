@@ -72,3 +72,8 @@ def test_requests_routed_to_a_killed_prefill_worker_are_retried_on_the_other(
         wait_until(lambda: pools_full(stub, pb), timeout=60, what="every pool full again")
     retried = [r for r in caplog.records if "retrying with prefill-1" in r.getMessage()]
     assert retried, "no request was routed to the killed prefill worker"
+    # Every charge of the router's prefill load was released (first tokens, retries).
+    for worker_id in ("prefill-0", "prefill-1"):
+        labels = {"role": "router", "model": cluster.app.config.model.name, "worker": worker_id}
+        name = "pdserve_router_prefill_tokens_in_flight"
+        assert cluster.app.metrics_registry.get_sample_value(name, labels) == 0.0, worker_id

@@ -10,6 +10,7 @@ from typing import Any
 
 import grpc
 import pytest
+from prometheus_client import CollectorRegistry
 
 from orchestrator.errors import (
     DuplicateRequestError,
@@ -28,6 +29,7 @@ from orchestrator.worker_service import WorkerServer, WorkerServicer
 from protos.pdserve.v1 import generation_pb2 as pb
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.tokenizer import ByteTokenizer
+from workers.metrics import Metrics
 
 # --- text stream -----------------------------------------------------------------------------
 
@@ -333,7 +335,9 @@ class PrefillFailingBackend(FakeBackend):
         super().submit(request_id, prompt, params, ep, sink)
 
 
-def _disaggregated_router(address: str, prefill: dict[str, bytes], retries: int) -> Router:
+def _disaggregated_router(
+    address: str, prefill: dict[str, bytes], retries: int, metrics: Metrics | None = None
+) -> Router:
     registry = Registry()
     registry.add(_record("decode-0", address))
     for i, (worker_id, endpoint) in enumerate(prefill.items()):
@@ -352,7 +356,7 @@ def _disaggregated_router(address: str, prefill: dict[str, bytes], retries: int)
         prefill_retries=retries,
         seed=0,
     )
-    return Router(settings, registry, ByteTokenizer())
+    return Router(settings, registry, ByteTokenizer(), metrics)
 
 
 @pytest.mark.parametrize("order", [("dead", "live"), ("live", "dead")])
@@ -387,8 +391,16 @@ def test_the_router_sends_prefill_to_the_source_with_the_fewest_prompt_tokens_in
     backend = PrefillFailingBackend()
     server = WorkerServer(WorkerServicer("decode-0", backend))
 
+    registry = CollectorRegistry()
+
+    def gauge(worker_id: str) -> float | None:  # what Prometheus scrapes for the worker
+        labels = {"role": "router", "model": "m", "worker": worker_id}
+        return registry.get_sample_value("pdserve_router_prefill_tokens_in_flight", labels)
+
     async def run() -> None:
-        router = _disaggregated_router(server.address, {"prefill-0": b"p0", "prefill-1": b"p1"}, 0)
+        metrics = Metrics(registry, role="router", model="m")
+        endpoints = {"prefill-0": b"p0", "prefill-1": b"p1"}
+        router = _disaggregated_router(server.address, endpoints, 0, metrics)
         endpoint_of = {b"p0": "prefill-0", b"p1": "prefill-1"}
         started: list[asyncio.Task[StreamEvent]] = []
         streams: list[AsyncGenerator[StreamEvent, None]] = []
@@ -404,10 +416,12 @@ def test_the_router_sends_prefill_to_the_source_with_the_fewest_prompt_tokens_in
         other = "prefill-1" if long_source == "prefill-0" else "prefill-0"
         assert [await start(f"short{i}", "yy") for i in range(3)] == [other] * 3
         assert router.prefill_load.tokens(long_source) > router.prefill_load.tokens(other) > 0
+        assert gauge(long_source) == router.prefill_load.tokens(long_source)
+        assert gauge(other) == router.prefill_load.tokens(other)
         # The long prompt's first token: its prefill is over, its source is free again.
         backend.emit("long", ord("a"))
         await asyncio.wait_for(started[0], 10)
-        assert router.prefill_load.tokens(long_source) == 0
+        assert router.prefill_load.tokens(long_source) == gauge(long_source) == 0
         backend.emit("short0", ord("b"), "length")  # a slot for one more (capacity 4)
         assert (await started[1]).finish_reason == "length"
         await streams[1].aclose()  # the stream ends: its worker slot is released
@@ -425,7 +439,8 @@ def test_the_router_sends_prefill_to_the_source_with_the_fewest_prompt_tokens_in
         started[-1].cancel()
         with pytest.raises(asyncio.CancelledError):
             await started[-1]
-        assert router.prefill_load.tokens(gone) == 0
+        assert router.prefill_load.tokens(gone) == gauge(gone) == 0
+        assert gauge("prefill-0") == gauge("prefill-1") == 0
         await streams[0].aclose()
         await router.close()
 
