@@ -33,8 +33,7 @@ On shm the raw path and the messenger now read from the same kind of memory. shm
 CMA (the target's kernel reads the initiator's pages) at ~0.75x the rate from 4 KiB pages that
 it reaches from the 2 MiB transparent huge pages numpy gives the raw source, and the
 messenger's source is the prefill's torch KV pool (4 KiB pages). `TransferEngine.register` now
-moves host regions to huge pages (workers/fabric/engine.py; every provider since tcp gained
-from it too), so both sources are huge-paged.
+moves shm regions to huge pages (workers/fabric/engine.py), so both sources are huge-paged.
 The roles stay swapped between the two (messenger: the decoder in this process is the target
 whose progress thread does the copies; raw: a bare spawned target does them); that difference
 is not isolated (bench/RESULTS.md, "Transfer: the shm gap").

@@ -22,12 +22,12 @@ and copies the source one page at a time. From 4 KiB pages that copy runs at ~0.
 reaches from 2 MiB transparent huge pages (bench/RESULTS.md, "Transfer: the shm gap"). numpy
 asks for huge pages for its large arrays; torch's CPU allocator does not, so a KV pool in a
 torch tensor was the slow case. `register` therefore backs the 2 MiB-aligned interior of a host
-region with huge pages (`huge_pages`, default on): MADV_HUGEPAGE, then MADV_COLLAPSE
+region with huge pages (`huge_pages`, default on for shm): MADV_HUGEPAGE, then MADV_COLLAPSE
 (Linux >= 6.1) to convert the pages already faulted in, contents kept. Nothing is done when the
 system disabled THP ("never"); a kernel or mapping that refuses only loses the speed-up.
-tcp gains too, less: its sockets copy into and out of the same pages, and in two A/B runs
-of the transfer bench the messenger moved 2048-8192-token KV ~19% faster from huge pages
-(bench/RESULTS.md, "tcp regions on huge pages").
+tcp leaves pages alone by default (`huge_pages=True` turns it on): its sockets copy the bytes
+anyway, and seven transfer-bench runs showed no clear gain (bench/RESULTS.md, "tcp regions on
+huge pages").
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ class TransferEngine:
         spin_us: int = 50,
         idle_spin_us: int = 2000,
         idle_wait_us: int | None = None,
-        huge_pages: bool = True,
+        huge_pages: bool | None = None,
     ) -> None:
         self._id = next(_engine_ids)
         self._closed = False
@@ -118,7 +118,8 @@ class TransferEngine:
         self.submit_timeout = submit_timeout
         self.max_message_bytes = max_message_bytes
         provider = normalize_provider(provider)
-        self._huge_pages = huge_pages  # host regions on 2 MiB pages (module docstring)
+        # None: on where the peer's kernel reads our pages one by one (module docstring).
+        self._huge_pages = provider == "shm" if huge_pages is None else huge_pages
         # shm ignores node names; tcp needs one to stay on loopback (ENV.md).
         node_arg = None if provider == "shm" else node
         self.info, self._native = self._open(provider, node_arg, domain, max_inflight_ops)
