@@ -13,9 +13,12 @@ Fabric points: one write of each size between two transfer engines in this proce
 
 Contention (``concurrent`` > 1): the runs this calibration predicts have several engine
 processes (the cluster's workers) stepping on the same cores, so the measuring engine can be
-timed while ``concurrent - 1`` background engine processes step without pause (each a decode
-batch of `BACKGROUND_BATCH` sequences at `BACKGROUND_CONTEXT`-token prompts: a decode worker
-with the few long requests of the validation workload). The prefill and decode points are
+timed while ``concurrent - 1`` background engine processes step without pause. Each serves
+rounds of `BACKGROUND_BATCH` requests of ``background_prompt`` tokens (prefilled in chunks)
+and ``background_output`` new tokens: by default a decode worker with the few long requests of
+the record workload (768 / 256); a prefill-heavy workload is better matched by its own mean
+prompt and output, since chunk steps contend for the cores differently from decode steps.
+The prefill and decode points are
 measured twice: alone first (under ``"alone"``), then with the background engines (the main
 ``"prefill"`` / ``"decode"``, and the mixed points); ``"contention"`` records the setup.
 `calibrated.fit` prices a step between the two by how many other instances are stepping.
@@ -39,8 +42,10 @@ logger = logging.getLogger(__name__)
 BUDGET = 256  # prefill chunk / step token budget of the calibration engine (default)
 PROMPT_LEN = 32  # decode points: prompt tokens per sequence (default; see decode_contexts)
 DECODE_STEPS = 4  # timed decode steps per batch size
-BACKGROUND_BATCH = 4  # each background engine: a decode batch of this many sequences ...
-BACKGROUND_CONTEXT = 768  # ... of prompts this long (the validation workload's mean)
+BACKGROUND_BATCH = 4  # each background engine: rounds of this many requests ...
+BACKGROUND_PROMPT = 768  # ... of prompts this long (default: the record workload's mean) ...
+BACKGROUND_OUTPUT = 256  # ... and this many new tokens
+MAX_POSITIONS = 4096  # the small preset's max_position_embeddings
 BACKGROUND_START_S = 300.0  # a background engine builds and warms up within this
 
 
@@ -250,20 +255,22 @@ def _fabric_points(sizes: Sequence[int], repeats: int) -> list[dict[str, float]]
         target.close()
 
 
-def _background_engine(model_dir: str, ready: Any, stop: Any, budget: int) -> None:
+def _background_engine(
+    model_dir: str, ready: Any, stop: Any, budget: int, prompt: int, output: int
+) -> None:
     """Runs in a spawned process: prefill then decode batches, over and over, until ``stop``
     is set (each round prefills its prompts in chunks, as a worker does between decodes)."""
     from workers.engine.sampling_params import SamplingParams
 
-    batch, context = BACKGROUND_BATCH, BACKGROUND_CONTEXT
-    pages = batch * (context + 256) // 16 + batch
+    batch = BACKGROUND_BATCH
+    pages = batch * (prompt + output) // 16 + batch
     engine = _engine(Path(model_dir), batch, budget, max(256, pages))
-    params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=output, ignore_eos=True)
     try:
         round_ = 0
         while not stop.is_set():
             for i in range(batch):
-                engine.add_request(f"bg{round_}-{i}", [11] * context, params)
+                engine.add_request(f"bg{round_}-{i}", [11] * prompt, params)
             while engine.has_unfinished() and not stop.is_set():
                 engine.step()
                 ready.set()  # stepping: the measurement may start
@@ -275,7 +282,14 @@ def _background_engine(model_dir: str, ready: Any, stop: Any, budget: int) -> No
 class BackgroundEngines:
     """``count`` engine processes stepping without pause while the calibration measures."""
 
-    def __init__(self, model_dir: Path, count: int, budget: int) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        count: int,
+        budget: int,
+        prompt: int = BACKGROUND_PROMPT,
+        output: int = BACKGROUND_OUTPUT,
+    ) -> None:
         context = multiprocessing.get_context("spawn")  # no fork of a process running torch
         self._stop = context.Event()
         self._processes = []
@@ -284,7 +298,7 @@ class BackgroundEngines:
             ready = context.Event()
             process = context.Process(
                 target=_background_engine,
-                args=(str(model_dir), ready, self._stop, budget),
+                args=(str(model_dir), ready, self._stop, budget, prompt, output),
                 daemon=True,
             )
             process.start()
@@ -310,11 +324,23 @@ class BackgroundEngines:
                 process.join(5)
 
 
-def check_options(concurrent: int, prefill_context: int | None, budget: int) -> int:
-    """Validate `run_calibration`'s process count and long prompt before anything is measured;
-    returns the long prompt's length (default: 4 chunks)."""
+def check_options(
+    concurrent: int,
+    prefill_context: int | None,
+    budget: int,
+    background: tuple[int, int] = (BACKGROUND_PROMPT, BACKGROUND_OUTPUT),
+) -> int:
+    """Validate `run_calibration`'s process count, background requests (prompt, output tokens)
+    and long prompt before anything is measured; returns the long prompt's length (default:
+    4 chunks)."""
     if concurrent < 1:
         raise ValueError(f"concurrent must be >= 1 (engine processes), got {concurrent}")
+    prompt, output = background
+    if prompt < 1 or output < 1 or prompt + output > MAX_POSITIONS:
+        raise ValueError(
+            f"background requests need >= 1 prompt and >= 1 output token and at most "
+            f"{MAX_POSITIONS} in all (the small preset's positions), got {prompt} + {output}"
+        )
     if prefill_context is None:
         return 4 * budget
     if prefill_context < 2 * budget or prefill_context % budget:
@@ -337,13 +363,14 @@ def run_calibration(
     mixed_batches: Sequence[int] = (),
     mixed_context: int = 768,
     prefill_context: int | None = None,
+    background: tuple[int, int] = (BACKGROUND_PROMPT, BACKGROUND_OUTPUT),
     budget: int = BUDGET,
     fabric: bool = False,
     fabric_sizes: Sequence[int] = (64 << 10, 1 << 20, 4 << 20, 16 << 20),
 ) -> dict[str, Any]:
     from workers.engine.presets import write_random_checkpoint
 
-    prefill_context = check_options(concurrent, prefill_context, budget)
+    prefill_context = check_options(concurrent, prefill_context, budget, background)
     with tempfile.TemporaryDirectory(prefix="pdserve-calibrate-") as tmp:
         model_dir = write_random_checkpoint("small", Path(tmp) / "small")
         # Decode points at long contexts need every sequence's pages at once (16 per page).
@@ -356,7 +383,7 @@ def run_calibration(
         # A mixed point runs its decoders and one more prompt at once.
         seqs = max(*decode_batches, *(b + 1 for b in mixed_batches))
         engine = _engine(model_dir, seqs, budget, max(256, pages))
-        background = None
+        engines = None
         try:
             config = engine.model_config
             element = engine.kv_cache.element_size()
@@ -383,17 +410,18 @@ def run_calibration(
 
             if concurrent > 1:
                 data["alone"] = steps()  # before the background engines start
-                background = BackgroundEngines(model_dir, concurrent - 1, budget)
+                engines = BackgroundEngines(model_dir, concurrent - 1, budget, *background)
                 data["contention"] = {
                     "processes": concurrent,
-                    "background": f"decode {BACKGROUND_BATCH} x {BACKGROUND_CONTEXT} tokens",
+                    "background": f"{BACKGROUND_BATCH} requests x {background[0]} prompt + "
+                    f"{background[1]} output tokens",
                 }
             data.update(steps())
             if mixed_batches:
                 data["mixed"] = _mixed_points(engine, mixed_batches, mixed_context, repeats)
         finally:
-            if background is not None:
-                background.close()
+            if engines is not None:
+                engines.close()
             engine.close()
     if fabric:
         data["transfer"] = _fabric_points(fabric_sizes, repeats)

@@ -76,6 +76,14 @@ def add_subcommands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "is measured, as the cluster's N workers share the cores (default 1: alone)",
     )
     p.add_argument(
+        "--background",
+        default=None,
+        metavar="PROMPT,OUTPUT",
+        help="with --concurrent: the background engines' requests, prompt and output tokens "
+        "(rounds of 4; default: a decode-heavy 768,256; give the workload's mean prompt and "
+        "output for a prefill-heavy one)",
+    )
+    p.add_argument(
         "--mixed-batch",
         default="4,16",
         help="decode batches of the mixed points (chunk steps with decodes; comma-separated; "
@@ -235,7 +243,13 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     import numpy as np
 
-    from orchestrator.sim.calibrate import BUDGET, check_options, run_calibration
+    from orchestrator.sim.calibrate import (
+        BACKGROUND_OUTPUT,
+        BACKGROUND_PROMPT,
+        BUDGET,
+        check_options,
+        run_calibration,
+    )
     from orchestrator.sim.calibrated import fit, load, mixed_errors
 
     try:
@@ -244,7 +258,15 @@ def _calibrate(args: argparse.Namespace) -> int:
         batches = tuple(int(b) for b in args.decode_batch.split(","))
         result = json.loads(Path(args.overheads_from).read_text()) if args.overheads_from else None
         against = load(args.overheads_against) if args.overheads_against else None
-        check_options(args.concurrent, args.prefill_context, BUDGET)
+        background = (BACKGROUND_PROMPT, BACKGROUND_OUTPUT)
+        if args.background:
+            parts = args.background.split(",")
+            if len(parts) != 2 or not all(part.strip().isdigit() for part in parts):
+                raise ValueError(
+                    f"--background wants PROMPT,OUTPUT token counts, got {args.background!r}"
+                )
+            background = (int(parts[0]), int(parts[1]))
+        check_options(args.concurrent, args.prefill_context, BUDGET, background)
     except (ValueError, OSError) as error:
         print(f"pdserve calibrate: {error}", file=sys.stderr)
         return 2
@@ -257,6 +279,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         concurrent=args.concurrent,
         mixed_batches=mixed,
         prefill_context=args.prefill_context,
+        background=background,
     )
     model = fit(data)
     if result is not None:

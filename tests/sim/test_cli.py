@@ -47,7 +47,14 @@ def test_calibrate_subcommand_exists() -> None:
 
 @pytest.mark.parametrize(
     "bad",
-    [["--concurrent", "0"], ["--decode-batch", "1,x"], ["--overheads-from", "/nonexistent.json"]],
+    [
+        ["--concurrent", "0"],
+        ["--decode-batch", "1,x"],
+        ["--overheads-from", "/nonexistent.json"],
+        ["--concurrent", "3", "--background", "1700"],
+        ["--concurrent", "3", "--background", "0,48"],
+        ["--concurrent", "3", "--background", "4000,200"],
+    ],
 )
 def test_calibrate_refuses_bad_arguments_before_measuring(
     bad: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]

@@ -181,6 +181,8 @@ def test_calibration_refuses_a_bad_process_count_before_measuring(tmp_path: Path
         run_calibration(tmp_path / "c.json", concurrent=0)
     with pytest.raises(ValueError, match="prefill_context"):
         run_calibration(tmp_path / "c.json", budget=256, prefill_context=300)
+    with pytest.raises(ValueError, match="background"):
+        run_calibration(tmp_path / "c.json", concurrent=2, background=(4000, 200))
     assert not (tmp_path / "c.json").exists()
 
 
@@ -199,8 +201,10 @@ def test_calibration_under_contention_and_its_mixed_points(tmp_path: Path) -> No
         concurrent=2,
         mixed_batches=(2,),
         mixed_context=96,
+        background=(96, 8),  # short rounds: mostly prefill chunks
     )
     assert data["contention"]["processes"] == 2
+    assert data["contention"]["background"] == "4 requests x 96 prompt + 8 output tokens"
     assert len(data["alone"]["prefill"]) == len(data["prefill"])  # measured both ways
     assert fit(data).alone_coefficients is not None
     mixed = data["mixed"]
