@@ -222,18 +222,20 @@ class TorchAttentionBackend(AttentionBackend):
                 )
             )
             first = end
-        rows = [starts[i] for i in order]
-        row_index = None
-        if rows != list(range(batch.num_tokens)):
-            row_index = torch.tensor(rows, dtype=torch.long, device=device)
-        return _DecodePlan(row_index=row_index, groups=tuple(groups))
+        return _DecodePlan(row_index=self._row_index(order, starts), groups=tuple(groups))
 
     def _sparse_decode_plan(self, seqs: list[int], starts: list[int]) -> _DecodePlan:
+        return _DecodePlan(
+            row_index=self._row_index(seqs, starts), groups=(), sparse_seqs=tuple(seqs)
+        )
+
+    def _row_index(self, seqs: list[int], starts: list[int]) -> torch.Tensor | None:
+        """The q rows of ``seqs`` in that order; None when they are every row of the step, in
+        order (`_DecodePlan.row_index`)."""
         rows = [starts[i] for i in seqs]
-        row_index = None
-        if rows != list(range(starts[-1])):  # not every row of the step decodes
-            row_index = torch.tensor(rows, dtype=torch.long, device=self.kv_cache.device)
-        return _DecodePlan(row_index=row_index, groups=(), sparse_seqs=tuple(seqs))
+        if rows == list(range(starts[-1])):
+            return None
+        return torch.tensor(rows, dtype=torch.long, device=self.kv_cache.device)
 
     def _sparse_structure(
         self, batch: AttentionBatch, seqs: tuple[int, ...], num_heads: int
@@ -355,9 +357,7 @@ class TorchAttentionBackend(AttentionBackend):
         queries = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
         outputs = []
         for group in plan.groups:
-            kv = self._gather(cache, group.page_ids)
-            if kv.dtype != q.dtype:
-                kv = kv.to(q.dtype)
+            kv = self._gather(cache, group.page_ids).to(q.dtype)  # no copy when equal
             # [2, Hk, n * pages, P, D] -> [2, n, Hk, pages * P, D] (views only).
             kv = kv.unflatten(2, (group.end - group.start, group.num_pages))
             kv = kv.flatten(3, 4).transpose(1, 2)
@@ -433,9 +433,7 @@ class TorchAttentionBackend(AttentionBackend):
                 enable_gqa=True,
             )[0]
         else:
-            kv = self._gather(cache, chunk.page_ids)  # [2, Hk, pages, P, D]
-            if kv.dtype != q.dtype:
-                kv = kv.to(q.dtype)
+            kv = self._gather(cache, chunk.page_ids).to(q.dtype)  # [2, Hk, pages, P, D]
             kv = kv.flatten(2, 3)
             out = F.scaled_dot_product_attention(
                 query[None],
