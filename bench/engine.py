@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/engine.py [--model DIR] [--new-tokens 32] [--repeats 3] [--threads N]
                                      [--dtype float32|bfloat16] [--batches 1,16,64]
-                                     [--prompt-len 32]
+                                     [--prompt-len 32] [--hf-static]
     .venv/bin/python bench/engine.py --attention [--threads N] [--repeats 3]
 
 Measures, in one process with the same torch thread settings for both:
@@ -10,6 +10,9 @@ Measures, in one process with the same torch thread settings for both:
 - decode tokens/s at batch 1, 16 and 64: prompts of 32 tokens, ``--new-tokens`` new tokens each
   (greedy, EOS ignored); decode time = time to generate all tokens minus time to the first.
 ``--prompt-len`` sets the decode prompts' length (long prompts time decode at long contexts).
+``--hf-static`` adds a column for HF with ``cache_implementation="static"``: its default cache
+grows by concatenation, copying every layer's K/V each step, which costs it more the longer the
+context; a preallocated cache does not, so that column is the stricter reference there.
 Under the table, a bound per decode batch: the **projection floor**, the time to multiply a
 batch of rows by every projection weight once, in a step's order and layout, with nothing else
 (no attention, norms, sampling or Python). Any engine that keeps these weights in this dtype
@@ -88,8 +91,13 @@ def engine_run(
 # --- HF transformers -----------------------------------------------------------------------
 
 
-def hf_run(model: Any, prompts: list[list[int]], new_tokens: int) -> float:
+def hf_run(
+    model: Any, prompts: list[list[int]], new_tokens: int, cache: str | None = None
+) -> float:
+    """``cache``: HF's ``cache_implementation`` (None: its default, a DynamicCache that grows
+    by concatenation; "static": preallocated to prompt + new tokens)."""
     input_ids = torch.tensor(prompts)
+    extra = {} if cache is None else {"cache_implementation": cache}
     start = time.perf_counter()
     with torch.no_grad():
         out = model.generate(
@@ -99,6 +107,7 @@ def hf_run(model: Any, prompts: list[list[int]], new_tokens: int) -> float:
             min_new_tokens=new_tokens,
             do_sample=False,
             pad_token_id=0,
+            **extra,
         )
     assert out.shape[1] == input_ids.shape[1] + new_tokens
     return time.perf_counter() - start
@@ -125,6 +134,11 @@ def main() -> int:
     parser.add_argument(
         "--attention", action="store_true", help="time the torch decode attention step only"
     )
+    parser.add_argument(
+        "--hf-static",
+        action="store_true",
+        help="also time HF decode with a preallocated (static) KV cache",
+    )
     args = parser.parse_args()
     batches = tuple(int(b) for b in args.batches.split(","))
     if args.threads:
@@ -146,7 +160,13 @@ def main() -> int:
             model_dir = Path(args.model)
             label = str(model_dir)
         rows = measure(
-            model_dir, args.new_tokens, args.repeats, args.dtype, batches, args.prompt_len
+            model_dir,
+            args.new_tokens,
+            args.repeats,
+            args.dtype,
+            batches,
+            args.prompt_len,
+            args.hf_static,
         )
 
     print(
@@ -154,10 +174,19 @@ def main() -> int:
         f"{torch.get_num_threads()} threads"
     )
     print(f"decode: {args.prompt_len}-token prompts, {args.new_tokens} new tokens, greedy\n")
-    print(f"| {'metric':<28} | {'pdserve':>10} | {'HF':>10} | {'ratio':>6} |")
-    print(f"|{'-' * 30}|{'-' * 12}|{'-' * 12}|{'-' * 8}|")
-    for name, ours, theirs in rows:
-        print(f"| {name:<28} | {ours:>10.1f} | {theirs:>10.1f} | {ours / theirs:>5.2f}x |")
+    static_head = f" {'HF static':>10} | {'ratio':>6} |" if args.hf_static else ""
+    print(f"| {'metric':<28} | {'pdserve':>10} | {'HF':>10} | {'ratio':>6} |{static_head}")
+    static_rule = f"{'-' * 12}|{'-' * 8}|" if args.hf_static else ""
+    print(f"|{'-' * 30}|{'-' * 12}|{'-' * 12}|{'-' * 8}|{static_rule}")
+    for name, ours, theirs, static in rows:
+        line = f"| {name:<28} | {ours:>10.1f} | {theirs:>10.1f} | {ours / theirs:>5.2f}x |"
+        if args.hf_static:
+            line += (
+                f" {static:>10.1f} | {ours / static:>5.2f}x |"
+                if static
+                else f" {'-':>10} | {'':>6} |"
+            )
+        print(line)
     return 0
 
 
@@ -168,7 +197,9 @@ def measure(
     dtype: str = "float32",
     batches: tuple[int, ...] = BATCH_SIZES,
     prompt_len: int = DECODE_PROMPT_LEN,
-) -> list[tuple[str, float, float]]:
+    hf_static: bool = False,
+) -> list[tuple[str, float, float, float | None]]:
+    """Rows of (metric, pdserve, HF, HF with a static cache or None), in tokens/s."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
@@ -181,13 +212,13 @@ def measure(
         max_num_batched_tokens=max(PREFILL_LEN, max_batch * prompt_len),
     )
     engine = EngineCore(model_dir, config, detokenize=False)
-    rows = []
+    rows: list[tuple[str, float, float, float | None]] = []
     floors = []
 
     prompt = random_prompts(1, PREFILL_LEN, vocab, seed=0)
     ours = best_of(repeats, lambda: engine_run(engine, prompt, 1)[0])
     theirs = best_of(repeats, lambda: hf_run(hf, prompt, 1))
-    rows.append((f"prefill {PREFILL_LEN} tok/s", PREFILL_LEN / ours, PREFILL_LEN / theirs))
+    rows.append((f"prefill {PREFILL_LEN} tok/s", PREFILL_LEN / ours, PREFILL_LEN / theirs, None))
     print(f"prefill: pdserve {ours * 1000:.0f} ms, HF {theirs * 1000:.0f} ms", flush=True)
 
     for batch in batches:
@@ -197,11 +228,25 @@ def measure(
         hf_first = best_of(repeats, partial(hf_run, hf, prompts, 1))
         hf_all = best_of(repeats, partial(hf_run, hf, prompts, new_tokens))
         theirs = max(hf_all - hf_first, 1e-9)
-        rows.append((f"decode batch {batch} tok/s", decoded / ours, decoded / theirs))
         steps = new_tokens - 1
+        static = None
+        static_note = ""
+        if hf_static:
+            static_first = best_of(repeats, partial(hf_run, hf, prompts, 1, "static"))
+            static_all = best_of(repeats, partial(hf_run, hf, prompts, new_tokens, "static"))
+            static = max(static_all - static_first, 1e-9)
+            static_note = f", HF static {static:.2f} s ({static / steps * 1000:.1f} ms/step)"
+        rows.append(
+            (
+                f"decode batch {batch} tok/s",
+                decoded / ours,
+                decoded / theirs,
+                decoded / static if static else None,
+            )
+        )
         print(
             f"decode batch {batch}: pdserve {ours:.2f} s ({ours / steps * 1000:.1f} ms/step), "
-            f"HF {theirs:.2f} s ({theirs / steps * 1000:.1f} ms/step)",
+            f"HF {theirs:.2f} s ({theirs / steps * 1000:.1f} ms/step){static_note}",
             flush=True,
         )
         floor = best_of(repeats, partial(projection_floor_seconds, engine.model, batch))

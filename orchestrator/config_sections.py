@@ -48,12 +48,16 @@ def join_path(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix and name else prefix or name
 
 
-def check_int(name: str, value: object, minimum: int | None = None) -> None:
+def check_int(
+    name: str, value: object, minimum: int | None = None, maximum: int | None = None
+) -> None:
     # bool is an int subclass; `tp: true` is a mistake, not 1.
     if not isinstance(value, int) or isinstance(value, bool):
         raise ConfigError(name, f"must be an integer, got {value!r}")
     if minimum is not None and value < minimum:
         raise ConfigError(name, f"must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(name, f"must be <= {maximum}, got {value}")
 
 
 def check_optional_int(name: str, value: object, minimum: int) -> None:
@@ -191,11 +195,20 @@ class GroupConfig:
     # Required for prefill and decode (the parser fills in the default); absent for mixed.
     fabric: FabricConfig | None = None
     limits: Limits = field(default_factory=Limits)
+    # CPU priority of the group's worker processes (Linux nice, 0 = normal, 19 = lowest). Where
+    # roles share a host's CPUs (no accelerator, or the local 1:N setups), a prefill group at a
+    # higher nice keeps long prompt chunks from delaying the latency-critical decode steps; on
+    # separate machines it does nothing. Only lowering is allowed: raising needs privileges.
+    nice: int = 0
+    # Intra-op (torch / OpenMP) threads of each rank's process.
+    threads: int = 1
 
     def __post_init__(self) -> None:
         check_choice("role", self.role, GROUP_ROLES)
         check_int("replicas", self.replicas, 1)
         check_int("tp", self.tp, 1)
+        check_int("nice", self.nice, 0, 19)
+        check_int("threads", self.threads, 1)
         if self.role == "mixed" and self.fabric is not None:
             raise ConfigError("fabric", "mixed workers move no KV between workers; remove it")
         if self.role != "mixed" and self.fabric is None:

@@ -96,6 +96,7 @@ class Controller:
             fabric_node=fabric.node if fabric else None,
             transfer=dataclasses.asdict(self.config.transfer),
             metrics_port=self.options.worker_metrics_port,
+            nice=group.nice,
         )
 
     async def _launch(self, group: GroupConfig, worker_id: str) -> None:
@@ -121,7 +122,12 @@ class Controller:
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement, placement_group_bundle_index=0
             ),
-            runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}},
+            runtime_env={
+                "env_vars": {
+                    "OMP_NUM_THREADS": str(group.threads),
+                    "TOKENIZERS_PARALLELISM": "false",
+                }
+            },
         ).remote(spec.to_dict())
         self._placed[worker_id] = _Placed(handle, placement)
         try:
@@ -133,6 +139,7 @@ class Controller:
         record.address = info["address"]
         record.prefill_endpoint = info["prefill_endpoint"]
         record.metrics_port = info.get("metrics_port", 0)
+        record.pid = info["pid"]
         record.load = WorkerLoad(num_total_kv_pages=info["num_total_kv_pages"])
         record.load.num_free_kv_pages = info["num_total_kv_pages"]
         self.registry.set_health(worker_id, "healthy")

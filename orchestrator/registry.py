@@ -30,7 +30,8 @@ class WorkerRecord:
     """``address``: the worker's token service (``host:port``; empty on prefill workers).
     ``prefill_endpoint``: prefill workers' serialized fabric address and KV sharding
     (`workers.kv.endpoint.PrefillEndpoint`), handed to decoders per request.
-    ``metrics_port``: the worker's ``/metrics`` port on its host (0: it serves none)."""
+    ``metrics_port``: the worker's ``/metrics`` port on its host (0: it serves none).
+    ``pid``: its (TP leader's) process id on its host, 0 until started."""
 
     worker_id: str
     role: str
@@ -40,6 +41,7 @@ class WorkerRecord:
     address: str = ""
     prefill_endpoint: bytes = b""
     metrics_port: int = 0
+    pid: int = 0
     load: WorkerLoad = field(default_factory=WorkerLoad)
     generation: int = 0
 

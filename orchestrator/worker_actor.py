@@ -34,6 +34,7 @@ class WorkerSpec:
     # ClusterConfig.transfer: deadline_seconds, drain_interval_seconds, coalesce_pages.
     transfer: dict[str, Any] = field(default_factory=dict)
     metrics_port: int | None = 0  # the worker's /metrics on ``host`` (0: any free; None: none)
+    nice: int = 0  # GroupConfig.nice: CPU priority of the process and of every thread it starts
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -43,9 +44,26 @@ class WorkerSpec:
         return cls(**data)
 
 
+def lower_cpu_priority(nice: int) -> None:
+    """Run this process at ``nice`` (never raised above where it already is).
+
+    Linux keeps a nice value per thread, and a new thread (TP rank processes too) inherits its
+    creator's: so every thread running now is set, and what starts later follows."""
+    if nice <= 0:
+        return
+    task_dir = "/proc/self/task"
+    threads = [int(tid) for tid in os.listdir(task_dir)] if os.path.isdir(task_dir) else [0]
+    for tid in threads:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
+        except ProcessLookupError:  # the thread ended meanwhile
+            continue
+
+
 class WorkerActor:
     def __init__(self, spec: dict[str, Any]) -> None:
         self.spec = WorkerSpec.from_dict(spec)
+        lower_cpu_priority(self.spec.nice)
         # Ray gives num_cpus<=1 actors OMP_NUM_THREADS=1; say so for torch's intra-op pool too.
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         import torch

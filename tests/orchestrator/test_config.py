@@ -121,6 +121,7 @@ def test_minimal_config_takes_defaults(smol_dir: Path) -> None:
     config = ClusterConfig.from_dict({"model": str(smol_dir), "groups": {"mixed": None}})
     (mixed,) = config.groups
     assert (mixed.role, mixed.replicas, mixed.tp, mixed.fabric) == ("mixed", 1, 1, None)
+    assert (mixed.nice, mixed.threads) == (0, 1)
     assert (config.dtype, config.page_size) == ("auto", 16)
     assert config.router.address == "127.0.0.1:50051"
     assert config.router.policy == "least_outstanding"
@@ -167,6 +168,9 @@ REJECTIONS: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ("groups.decode.tp", _set("groups.decode.tp", True), "must be an integer"),
     ("groups.decode.tp", _set("groups.decode.tp", "2"), "must be an integer"),
     ("groups.prefill.replicas", _set("groups.prefill.replicas", 0), "must be >= 1"),
+    ("groups.prefill.nice", _set("groups.prefill.nice", -1), "must be >= 0, got -1"),
+    ("groups.prefill.nice", _set("groups.prefill.nice", 20), "must be <= 19, got 20"),
+    ("groups.decode.threads", _set("groups.decode.threads", 0), "must be >= 1, got 0"),
     ("dtype", _set("dtype", "fp8"), "must be one of"),
     ("page_size", _set("page_size", 12), "power of two"),
     ("limits.max_num_seqs", _set("limits.max_num_seqs", 0), "must be >= 1"),

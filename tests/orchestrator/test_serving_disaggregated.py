@@ -3,6 +3,8 @@ decode workers that stream tokens through the router. 1P:3D, and 2P:2D with TP 2
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,13 +24,15 @@ from tests.orchestrator.cluster_helpers import (
 
 pytestmark = pytest.mark.slow
 
+PREFILL_NICE = 5
+
 
 @pytest.fixture(scope="module")
 def cluster(ray_local: None, tiny_model_dir: Path) -> Iterator[ServedCluster]:
+    groups = disaggregated_groups(1, 3)
+    groups["prefill"].update(nice=PREFILL_NICE, threads=2)
     served = ServedCluster(
-        cluster_config(
-            tiny_model_dir, disaggregated_groups(1, 3), transfer={"deadline_seconds": 5}
-        ),
+        cluster_config(tiny_model_dir, groups, transfer={"deadline_seconds": 5}),
         ControllerOptions(health_interval_seconds=0.5, health_timeout_seconds=5),
     )
     try:
@@ -41,6 +45,24 @@ def test_concurrent_outputs_match_the_colocated_engine(
     cluster: ServedCluster, tiny_model_dir: Path
 ) -> None:
     serving_checks.check_parity(cluster.address, tiny_model_dir)
+
+
+def test_groups_run_at_their_configured_nice_and_threads(cluster: ServedCluster) -> None:
+    """groups.prefill.nice: every thread of the prefill worker's process runs at it (so its
+    prompt chunks yield the CPU to the decode workers'); the decode workers keep Ray's 0.
+    groups.prefill.threads: 2 reaches the process as its OpenMP / torch thread count."""
+    workers = cluster.app.controller.registry.workers.values()
+    for record in workers:
+        with open(f"/proc/{record.pid}/environ", "rb") as environ:
+            variables = environ.read().split(b"\0")
+        threads = b"2" if record.role == "prefill" else b"1"
+        assert b"OMP_NUM_THREADS=" + threads in variables, record.worker_id
+        expected = PREFILL_NICE if record.role == "prefill" else 0
+        nices = set()
+        for tid in os.listdir(f"/proc/{record.pid}/task"):
+            with contextlib.suppress(ProcessLookupError):  # a thread that just ended
+                nices.add(os.getpriority(os.PRIO_PROCESS, int(tid)))
+        assert nices == {expected}, (record.worker_id, nices)
 
 
 def scrape(port: int) -> dict[str, float]:
