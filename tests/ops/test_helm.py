@@ -182,6 +182,7 @@ def test_cluster_config_parses_and_matches_values(combo: str, tmp_path: Path) ->
     for role in ("prefill", "decode"):
         group, wanted = config.group(role), values["workerGroups"][role]
         assert (group.replicas, group.tp) == (wanted["replicas"], wanted["tpPerPod"])
+        assert group.threads == wanted["cpuPerRank"]  # a rank uses the CPUs it requests
         assert group.fabric is not None and group.fabric.provider == values["fabric"]["provider"]
         assert group.resources_per_rank.bundle() == {
             "CPU": wanted["cpuPerRank"],

@@ -64,13 +64,14 @@ authOptions wires it ("ray" = true); the launcher always needs it to submit its 
 {{/*
 The cluster config (orchestrator/config.py's schema) built from values. Each worker group
 advertises a Ray custom resource pdserve_<role> and each rank asks for one unit of it, so that
-Ray places prefill ranks only on prefill pods and decode ranks only on decode pods.
+Ray places prefill ranks only on prefill pods and decode ranks only on decode pods. Each rank
+runs as many torch threads as the CPUs it requests (cpuPerRank).
 */}}
 {{- define "pdserve.clusterConfig" -}}
 {{- $groups := dict }}
 {{- range $role, $group := .Values.workerGroups }}
 {{- $resources := dict "cpu" $group.cpuPerRank "gpu" $group.gpuPerRank "custom" (dict (printf "pdserve_%s" $role) 1) }}
-{{- $entry := dict "replicas" $group.replicas "tp" $group.tpPerPod "resources_per_rank" $resources "fabric" (dict "provider" $.Values.fabric.provider) }}
+{{- $entry := dict "replicas" $group.replicas "tp" $group.tpPerPod "resources_per_rank" $resources "threads" $group.cpuPerRank "fabric" (dict "provider" $.Values.fabric.provider) }}
 {{- if $group.limits }}
 {{- $_ := set $entry "limits" $group.limits }}
 {{- end }}
