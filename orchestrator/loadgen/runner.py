@@ -49,10 +49,18 @@ async def run_open_loop(
     results: list[RequestResult] = []
     tasks: list[asyncio.Task[None]] = []
     cap_hits = 0
+    # Requests sent and not finished, counted here rather than read off the semaphore: when the
+    # loop falls behind its schedule it creates several tasks without yielding, none of which
+    # has taken a slot yet, and `slots.locked()` would miss exactly those waits.
+    in_flight = 0
 
     async def one(request: TimedRequest, result: RequestResult) -> None:
-        async with slots:
-            await client.send(request, result, now)
+        nonlocal in_flight
+        try:
+            async with slots:
+                await client.send(request, result, now)
+        finally:
+            in_flight -= 1
 
     reporter = (
         asyncio.create_task(_report(progress, client.name, results, len(requests), now))
@@ -71,8 +79,9 @@ async def run_open_loop(
                 prompt_tokens=request.num_prompt_tokens,
                 max_tokens=request.max_tokens,
             )
-            if slots.locked():
+            if in_flight >= max_concurrency:
                 cap_hits += 1
+            in_flight += 1
             results.append(result)
             tasks.append(asyncio.create_task(one(request, result)))
         await asyncio.gather(*tasks)
