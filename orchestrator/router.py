@@ -344,8 +344,8 @@ class Router:
         )
         tried: set[str] = set()  # prefill sources of this request
         if self.settings.is_disaggregated:
-            source = self._pick_prefill(self.registry.ready("prefill"), len(prompt))
-            inflight.prefill_source, inflight.prompt_tokens = source.worker_id, len(prompt)
+            inflight.prompt_tokens = len(prompt)
+            source = self._pick_prefill(inflight, self.registry.ready("prefill"))
             message.prefill_endpoint = source.prefill_endpoint
             tried.add(source.worker_id)
         text = TextStream(self.tokenizer, prompt, params.stop)
@@ -376,7 +376,7 @@ class Router:
             reason = delta.finish_reason
             if reason == "error":
                 self._release_prefill(inflight)
-                retry = self._retry_source(delta, num_tokens, tried, len(prompt))
+                retry = self._retry_source(delta, num_tokens, tried, inflight)
                 if retry is not None:
                     # The decoder ended the request before its first token (its KV transfer
                     # failed: prefill dead, stalled or rejecting): nothing was streamed, so the
@@ -388,7 +388,6 @@ class Router:
                         retry.worker_id,
                     )
                     tried.add(retry.worker_id)
-                    inflight.prefill_source = retry.worker_id
                     message.prefill_endpoint = retry.prefill_endpoint
                     try:
                         deltas = await link.start(message)
@@ -423,12 +422,11 @@ class Router:
     # --- failures and drain ------------------------------------------------------------------
 
     def _retry_source(
-        self, delta: wpb.RequestDelta, num_tokens: int, tried: set[str], prompt_tokens: int
+        self, delta: wpb.RequestDelta, num_tokens: int, tried: set[str], inflight: _InFlight
     ) -> WorkerRecord | None:
         """Another ready prefill worker for a request whose decoder failed it before any token
         with a worker-side error (``error_code`` 0: not a refusal of the request itself), while
-        ``prefill_retries`` allows (charged ``prompt_tokens`` in `prefill_load`); None
-        otherwise."""
+        ``prefill_retries`` allows (`_pick_prefill`); None otherwise."""
         if (
             not self.settings.is_disaggregated
             or num_tokens > 0
@@ -437,10 +435,13 @@ class Router:
         ):
             return None
         others = [w for w in self.registry.ready("prefill") if w.worker_id not in tried]
-        return self._pick_prefill(others, prompt_tokens) if others else None
+        return self._pick_prefill(inflight, others) if others else None
 
-    def _pick_prefill(self, workers: list[WorkerRecord], prompt_tokens: int) -> WorkerRecord:
-        source = self.prefill_load.pick(workers, prompt_tokens)
+    def _pick_prefill(self, inflight: _InFlight, workers: list[WorkerRecord]) -> WorkerRecord:
+        """Charge the request's prompt to the least-loaded of ``workers`` and make it the
+        request's source (`_release_prefill` undoes both)."""
+        source = self.prefill_load.pick(workers, inflight.prompt_tokens)
+        inflight.prefill_source = source.worker_id
         self._prefill_gauge(source.worker_id)
         return source
 

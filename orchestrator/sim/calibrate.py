@@ -45,7 +45,6 @@ DECODE_STEPS = 4  # timed decode steps per batch size
 BACKGROUND_BATCH = 4  # each background engine: rounds of this many requests ...
 BACKGROUND_PROMPT = 768  # ... of prompts this long (default: the record workload's mean) ...
 BACKGROUND_OUTPUT = 256  # ... and this many new tokens
-MAX_POSITIONS = 4096  # the small preset's max_position_embeddings
 BACKGROUND_START_S = 300.0  # a background engine builds and warms up within this
 
 
@@ -335,11 +334,14 @@ def check_options(
     4 chunks)."""
     if concurrent < 1:
         raise ValueError(f"concurrent must be >= 1 (engine processes), got {concurrent}")
+    from workers.engine.presets import PRESETS
+
+    max_positions = PRESETS["small"]["max_position_embeddings"]  # the calibrated model's
     prompt, output = background
-    if prompt < 1 or output < 1 or prompt + output > MAX_POSITIONS:
+    if prompt < 1 or output < 1 or prompt + output > max_positions:
         raise ValueError(
             f"background requests need >= 1 prompt and >= 1 output token and at most "
-            f"{MAX_POSITIONS} in all (the small preset's positions), got {prompt} + {output}"
+            f"{max_positions} in all (the small preset's positions), got {prompt} + {output}"
         )
     if prefill_context is None:
         return 4 * budget
