@@ -50,7 +50,12 @@ def add_subcommands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p = commands.add_parser(
         "validate", help="the calibrated simulator's predictions for a saved compare result"
     )
-    p.add_argument("result", help="JSON written by bench compare --json")
+    p.add_argument(
+        "result",
+        nargs="+",
+        help="JSON written by bench compare --json; several repeats of one workload on the same "
+        "configs are also checked against the median of their measurements",
+    )
     p.add_argument("--calibration", required=True, help="JSON written by pdserve calibrate")
     overheads = p.add_mutually_exclusive_group()
     overheads.add_argument(
@@ -215,13 +220,30 @@ def _validate(args: argparse.Namespace) -> int:
 
     from orchestrator.loadgen.compare import load_config
     from orchestrator.loadgen.requests import kept_specs
-    from orchestrator.loadgen.validate import compare_to_measured, format_validation, predict
+    from orchestrator.loadgen.validate import (
+        compare_to_measured,
+        format_validation,
+        median_of,
+        predict,
+    )
     from orchestrator.sim.calibrated import load
 
-    document = json.loads(Path(args.result).read_text())
-    if document.get("command") != "compare":
-        print(f"pdserve bench validate: {args.result} is not a compare result", file=sys.stderr)
-        return 2
+    documents = [json.loads(Path(result).read_text()) for result in args.result]
+    for path, document in zip(args.result, documents, strict=True):
+        if document.get("command") != "compare":
+            print(f"pdserve bench validate: {path} is not a compare result", file=sys.stderr)
+            return 2
+        if (document["workload"], document["configs"]) != (
+            documents[0]["workload"],
+            documents[0]["configs"],
+        ):
+            print(
+                f"pdserve bench validate: {path} ran another workload or other configs than "
+                f"{args.result[0]}: only repeats of one compare can share a median",
+                file=sys.stderr,
+            )
+            return 2
+    document = documents[0]
     cost = load(args.calibration)
     if args.no_overheads or args.overheads_from:
         cost = dataclasses.replace(cost, request_overhead_s=(0.0, 0.0))
@@ -248,7 +270,16 @@ def _validate(args: argparse.Namespace) -> int:
     options = _options(workload_args)
     specs = kept_specs(options.workload, options.duration_s)
     for run in document["runs"]:
-        config = load_config(document["configs"][run["name"]], None)
+        name = run["name"]
+        config = load_config(document["configs"][name], None)
         prediction = predict(cost, config, specs, options.num_warmup)
-        print(format_validation(run["name"], compare_to_measured(prediction, run["summary"])))
+        summaries = []
+        for path, other in zip(args.result, documents, strict=True):
+            summary = next(r["summary"] for r in other["runs"] if r["name"] == name)
+            summaries.append(summary)
+            label = name if len(documents) == 1 else f"{name}, {Path(path).name}"
+            print(format_validation(label, compare_to_measured(prediction, summary)))
+        if len(documents) > 1:
+            label = f"{name}, median of {len(documents)} runs"
+            print(format_validation(label, compare_to_measured(prediction, median_of(summaries))))
     return 0

@@ -73,9 +73,7 @@ def predict(
 def compare_to_measured(prediction: dict[str, float], summary: dict[str, Any]) -> dict[str, Any]:
     rows: dict[str, Any] = {}
     for key, path in COMPARED:
-        value: Any = summary
-        for part in path:
-            value = value[part]
+        value = _figure(summary, path)
         predicted = prediction[key]
         error = (predicted - value) / value if value else None
         rows[key] = {
@@ -85,6 +83,26 @@ def compare_to_measured(prediction: dict[str, float], summary: dict[str, Any]) -
             "within_tolerance": error is not None and abs(error) <= TOLERANCE,
         }
     return rows
+
+
+def median_of(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """The compared figures of several runs' summaries, each the median over the runs (in the
+    summaries' own layout, for `compare_to_measured`): repeats of one workload vary from run to
+    run on a shared machine, and their median is the steadier thing to predict."""
+    median: dict[str, Any] = {}
+    for _, path in COMPARED:
+        node = median
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = float(np.median([_figure(summary, path) for summary in summaries]))
+    return median
+
+
+def _figure(summary: dict[str, Any], path: tuple[str, ...]) -> Any:
+    value: Any = summary
+    for part in path:
+        value = value[part]
+    return value
 
 
 def format_validation(name: str, rows: dict[str, Any]) -> str:

@@ -411,21 +411,28 @@ def run_calibration(
                 }
 
             if concurrent > 1:
+                logger.info("measuring the engine alone")
                 data["alone"] = steps()  # before the background engines start
+                logger.info("starting %d background engine(s)", concurrent - 1)
                 engines = BackgroundEngines(model_dir, concurrent - 1, budget, *background)
+                logger.info("measuring the engine among them")
                 data["contention"] = {
                     "processes": concurrent,
                     "background": f"{BACKGROUND_BATCH} requests x {background[0]} prompt + "
                     f"{background[1]} output tokens",
                 }
+            else:
+                logger.info("measuring the engine")
             data.update(steps())
             if mixed_batches:
+                logger.info("measuring mixed steps (chunks with decodes)")
                 data["mixed"] = _mixed_points(engine, mixed_batches, mixed_context, repeats)
         finally:
             if engines is not None:
                 engines.close()
             engine.close()
     if fabric:
+        logger.info("measuring loopback fabric writes")
         data["transfer"] = _fabric_points(fabric_sizes, repeats)
     Path(out).write_text(json.dumps(data, indent=2) + "\n")
     return data

@@ -60,9 +60,9 @@ def test_residuals_recover_a_known_overhead_against_the_same_model() -> None:
     assert residuals(slow, config, requests).overhead == 0.0
 
 
-def _document(tmp_path: Path) -> Path:
+def _document(tmp_path: Path, ttft_p50: float = 0.4, name: str = "compare.json") -> Path:
     requests = [_request(i, 10.0 * i, 0.4, 1.0) for i in range(3)]
-    summary = {"ttft_s": {"p50": 0.4}, "itl_s": {"p99": 0.02}, "output_token_throughput": 8.0}
+    summary = {"ttft_s": {"p50": ttft_p50}, "itl_s": {"p99": 0.02}, "output_token_throughput": 8.0}
     document = {
         "command": "compare",
         "workload": {"rate": 0.1, "arrival": "poisson", "num_requests": 3, "duration": None,
@@ -72,7 +72,7 @@ def _document(tmp_path: Path) -> Path:
         "runs": [{"name": n, "summary": summary, "requests": requests}
                  for n in ("disaggregated", "colocated")],
     }  # fmt: skip
-    path = tmp_path / "compare.json"
+    path = tmp_path / name
     path.write_text(json.dumps(document))
     return path
 
@@ -89,10 +89,7 @@ def test_derive_writes_both_kinds_and_refuses_what_it_cannot_use(tmp_path: Path)
         derive(affine(overhead=(0.1, 0.0)), document, "compare.json")
 
 
-def test_validate_takes_overheads_from_a_result_or_leaves_them_out(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    result = _document(tmp_path)
+def _calibration(tmp_path: Path) -> tuple[dict[str, Any], Path]:
     calibration = {
         "num_layers": 6, "kv_bytes_per_token": 12288, "kv_capacity_tokens": 16384,
         "prefill": [{"tokens": n, "context": 0, "seconds": 0.001 + 1e-4 * n} for n in (64, 128, 256)],
@@ -101,6 +98,14 @@ def test_validate_takes_overheads_from_a_result_or_leaves_them_out(
     }  # fmt: skip
     path = tmp_path / "calibration.json"
     path.write_text(json.dumps(calibration))
+    return calibration, path
+
+
+def test_validate_takes_overheads_from_a_result_or_leaves_them_out(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = _document(tmp_path)
+    calibration, path = _calibration(tmp_path)
     base = ["bench", "validate", str(result), "--calibration", str(path)]
     assert main(base) == 0
     assert "disaggregated 0.050 s, mixed 0.040 s" in capsys.readouterr().out
@@ -117,3 +122,23 @@ def test_validate_takes_overheads_from_a_result_or_leaves_them_out(
     against = ["--overheads-from", str(result), "--overheads-against", str(tmp_path / "slow.json")]
     assert main([*base, *against]) == 0
     assert "disaggregated 0.000 s, mixed 0.000 s" in capsys.readouterr().out
+
+
+def test_validate_checks_repeats_of_one_compare_against_their_median(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, calibration = _calibration(tmp_path)
+    runs = [_document(tmp_path, p50, f"run{i}.json") for i, p50 in enumerate((0.3, 0.9, 0.5))]
+    assert main(["bench", "validate", *map(str, runs), "--calibration", str(calibration)]) == 0
+    out = capsys.readouterr().out
+    for name in ("disaggregated", "colocated"):
+        assert all(f"({name}, run{i}.json)" in out for i in range(3))
+        median = out.split(f"({name}, median of 3 runs):")[1].splitlines()[1]
+        assert "ttft_p50_s" in median and "measured     0.5000" in median
+    # Another workload (or other configs) is not a repeat: refused.
+    other = json.loads(runs[0].read_text())
+    other["workload"]["seed"] = 1
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    args = [str(runs[0]), str(tmp_path / "other.json"), "--calibration", str(calibration)]
+    assert main(["bench", "validate", *args]) == 2
+    assert "only repeats of one compare" in capsys.readouterr().err
