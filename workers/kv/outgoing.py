@@ -100,13 +100,3 @@ class Outgoing:
             "forward_end_s": stats.forward_end_s,
             "src_pages": list(self.src_pages),
         }
-
-
-def last_row_of(chunks: list[ScheduledChunk], request_id: str) -> int:
-    """Row of the pass's hidden states holding ``request_id``'s last token of this pass."""
-    row = 0
-    for chunk in chunks:
-        row += chunk.num_tokens
-        if chunk.request_id == request_id:
-            return row - 1
-    raise KeyError(f"{request_id} did not run in this pass")

@@ -63,7 +63,7 @@ from workers.engine.scheduler import ScheduledChunk
 from workers.fabric import FabricError, Message, PeerHandle, TransferEngine
 from workers.kv.checksum import ChecksumAccumulator, area_bytes, byte_view, shard_order
 from workers.kv.errors import KvTransferError, ProtocolError
-from workers.kv.outgoing import Outgoing, last_row_of
+from workers.kv.outgoing import Outgoing
 from workers.kv.pages import num_pages_for_tokens
 from workers.kv.pools import register_engine_pools
 from workers.kv.prefill_checks import CheckedRequest, RequestRejected, check_request
@@ -159,7 +159,9 @@ class PrefillMessenger:
         self.finished: OrderedDict[str, dict[str, Any]] = OrderedDict()
         # Writes ever submitted by each ended transfer, by (request id, imm): re-sent aborts.
         self._ended_writes: OrderedDict[tuple[str, int], int] = OrderedDict()
-        self._pass_chunks: list[ScheduledChunk] = []
+        # (request, its row in the pass's hidden states) of each request whose last chunk runs
+        # in the current pass: set before the pass, used at its end (`_on_forward_end`).
+        self._pass_last: list[tuple[Outgoing, int]] = []
         self._draining = False
         self._sends_lock = threading.Lock()
         self._sends_in_flight = 0
@@ -238,39 +240,45 @@ class PrefillMessenger:
                         self._send(out.peer, accepted)
                     if item is not None:
                         items.append(item)
-        self._pass_chunks = list(chunks)
+        self._pass_last = []
+        row = -1
+        for chunk in chunks:
+            row += chunk.num_tokens
+            out = self._by_id.get(chunk.request_id)
+            if out is not None and chunk.end == len(out.request.token_ids):
+                self._pass_last.append((out, row))
         self._push.submit_pass(PassPlan(pass_id, items))
 
     def _on_forward_end(self, module: object, args: object, hidden: torch.Tensor) -> None:
         """Forward hook of the model's final norm, the pass's last op the prefill role needs.
 
-        Requests whose last chunk ran in this pass enter WRITING and their context (the hidden
-        state of the last prefilled position) is staged. Then, all on the step thread before
-        the step returns: the context writes and the pass's KV writes the push thread has not
-        sent yet (all of them in the deferred baseline; `PushThread.pass_ended`), queued with
-        one wake of the fabric's progress thread (`TransferEngine.wakes_deferred`: woken by
-        the first, it would start moving bytes and, on CPU, starve this thread of the GIL and
-        the cores before the rest is queued), then a short sleep that hands it the GIL, so it
-        posts them now instead of after the rest of the step's Python.
+        Requests whose last chunk ran in this pass (`_pass_last`, found before the pass) enter
+        WRITING, and their context (the hidden state of the last prefilled position) is staged
+        and its write queued at once: it is what the decoder waits for, so nothing else runs
+        before it (this Python runs with cold caches after the pass: every line costs here).
+        Then the pass's KV writes the push thread has not sent yet (all of them in the deferred
+        baseline; `PushThread.pass_ended`). All on the step thread before the step returns,
+        queued with one wake of the fabric's progress thread (`TransferEngine.wakes_deferred`:
+        woken by the first, it would start moving bytes and, on CPU, starve this thread of the
+        GIL and the cores before the rest is queued), then a short sleep that hands it the GIL,
+        so it posts them now instead of after the rest of the step's Python.
         """
         now = time.monotonic()
-        staged: list[Outgoing] = []
-        for chunk in self._pass_chunks:
-            out = self._by_id.get(chunk.request_id)
-            if out is None or chunk.end != len(out.request.token_ids):
-                continue
-            with self._lock:
-                out.transfer.stats.forward_end_s = now
-                if out.transfer.state is PrefillState.PREFILLING:
-                    out.transfer.advance(PrefillState.WRITING, now)
-                    if out.checked.context is not None:
-                        self._stage_context(out, hidden)
-                        staged.append(out)
+        staged = False
         with self.fabric.wakes_deferred():  # the progress thread starts once all is queued
-            for out in staged:
+            for out, row in self._pass_last:
                 with self._lock:
+                    out.transfer.stats.forward_end_s = now
+                    if out.transfer.state is not PrefillState.PREFILLING:
+                        continue
+                    out.transfer.advance(PrefillState.WRITING, now)
+                    if out.checked.context is None:
+                        continue
+                    self._staged_hidden[out.context_row].copy_(hidden[row])
+                    out.context_staged = True
+                    # Checksum mode: posted once the push thread has every sum (there).
                     self._post_context_if_ready(out, now)
-            # Checksum mode: a request whose sums complete here gets its context write there.
+                    staged = True
             flushed = self._push.pass_ended(self.engine.layer_progress.read()[0])
         if flushed or staged:
             time.sleep(_HAND_OFF_S)
@@ -290,13 +298,6 @@ class PrefillMessenger:
                     self._reserved_pages -= out.num_pages_total
                 detail = f"engine ended the request ({output.finish_reason})"
                 self._give_up(out, FailReason.ENGINE_ERROR, detail)
-
-    def _stage_context(self, out: Outgoing, hidden: torch.Tensor) -> None:
-        """Copy the hidden state of the request's last position into its staging row."""
-        row = last_row_of(self._pass_chunks, out.request_id)
-        with torch.no_grad():
-            self._staged_hidden[out.context_row].copy_(hidden[row])
-        out.context_staged = True
 
     def _on_checksummed(self, item: PushItem) -> None:
         """Push thread: every layer of the request is summed; the context write may go."""
