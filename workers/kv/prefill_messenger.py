@@ -255,7 +255,8 @@ class PrefillMessenger:
         Requests whose last chunk ran in this pass (`_pass_last`, found before the pass) enter
         WRITING, and their context (the hidden state of the last prefilled position) is staged
         and its write queued at once: it is what the decoder waits for, so nothing else runs
-        before it (this Python runs with cold caches after the pass: every line costs here).
+        before it (right after a pass this Python ran ~10x slower than in a warm loop, so every
+        line before the post showed in the exposed time; bench/RESULTS.md).
         Then the pass's KV writes the push thread has not sent yet (all of them in the deferred
         baseline; `PushThread.pass_ended`). All on the step thread before the step returns,
         queued with one wake of the fabric's progress thread (`TransferEngine.wakes_deferred`:
