@@ -226,11 +226,16 @@ class PrefillMessenger:
         """Engine hook, before the pass: plan the writes of every chunk's sendable pages."""
         pass_id = self.engine.layer_progress.read()[0] + 1
         items: list[PushItem] = []
+        self._pass_last = []
+        row = -1  # the chunk's last row in the pass's hidden states
         with self._lock:
             for chunk in chunks:
+                row += chunk.num_tokens
                 out = self._by_id.get(chunk.request_id)
                 if out is None:
                     continue
+                if chunk.end == len(out.request.token_ids):
+                    self._pass_last.append((out, row))
                 if out.transfer.state is PrefillState.QUEUED:
                     out.transfer.advance(PrefillState.PREFILLING, time.monotonic())
                 out.src_pages.extend(chunk.page_ids)
@@ -240,13 +245,6 @@ class PrefillMessenger:
                         self._send(out.peer, accepted)
                     if item is not None:
                         items.append(item)
-        self._pass_last = []
-        row = -1
-        for chunk in chunks:
-            row += chunk.num_tokens
-            out = self._by_id.get(chunk.request_id)
-            if out is not None and chunk.end == len(out.request.token_ids):
-                self._pass_last.append((out, row))
         self._push.submit_pass(PassPlan(pass_id, items))
 
     def _on_forward_end(self, module: object, args: object, hidden: torch.Tensor) -> None:
