@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/engine.py [--model DIR] [--new-tokens 32] [--repeats 3] [--threads N]
                                      [--dtype float32|bfloat16] [--batches 1,16,64]
-                                     [--prompt-len 32] [--hf-static]
+                                     [--prompt-len 32] [--hf-static] [--device cpu|cuda]
     .venv/bin/python bench/engine.py --attention [--threads N] [--repeats 3]
 
 Measures, in one process with the same torch thread settings for both:
@@ -21,6 +21,9 @@ on this machine at that batch.
 Each figure is the best of ``--repeats`` runs after a warm-up. ``--dtype`` sets the weight and
 compute dtype of both engines (bfloat16 is what serving deployments run; on CPUs with AMX its GEMMs
 are several times faster than float32, so per-step overhead weighs more).
+
+``--device cuda`` runs both engines on the GPU (timings synchronise the device; on CUDA our
+engine runs eagerly, without CUDA graphs, and uses FlashInfer for bfloat16 when it is installed).
 
 ``--attention`` times only the torch attention backend's decode step (``begin_step`` plus one
 ``forward`` per layer, cache store included) on the ``small`` preset's shapes (6 layers, 8 query /
@@ -46,6 +49,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from workers.engine.config import EngineConfig
+from workers.engine.device import DeviceError, resolve_device
 from workers.engine.engine_core import EngineCore
 from workers.engine.sampling_params import SamplingParams
 
@@ -91,12 +95,19 @@ def engine_run(
 # --- HF transformers -----------------------------------------------------------------------
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so that a timer read after it covers that work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def hf_run(
     model: Any, prompts: list[list[int]], new_tokens: int, cache: str | None = None
 ) -> float:
     """``cache``: HF's ``cache_implementation`` (None: its default, a DynamicCache that grows
     by concatenation; "static": preallocated to prompt + new tokens)."""
-    input_ids = torch.tensor(prompts)
+    input_ids = torch.tensor(prompts, device=model.device)
+    synchronize(model.device)
     extra = {} if cache is None else {"cache_implementation": cache}
     start = time.perf_counter()
     with torch.no_grad():
@@ -109,6 +120,7 @@ def hf_run(
             pad_token_id=0,
             **extra,
         )
+    synchronize(model.device)
     assert out.shape[1] == input_ids.shape[1] + new_tokens
     return time.perf_counter() - start
 
@@ -135,6 +147,9 @@ def main() -> int:
     )
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument(
+        "--device", default="cpu", help="cpu, cuda or cuda:N: where both engines run"
+    )
+    parser.add_argument(
         "--batches", default=",".join(map(str, BATCH_SIZES)), help="decode batch sizes"
     )
     parser.add_argument(
@@ -150,6 +165,10 @@ def main() -> int:
     )
     args = parser.parse_args()
     batches = tuple(int(b) for b in args.batches.split(","))
+    try:
+        resolve_device(args.device)
+    except DeviceError as error:
+        parser.error(str(error))
     if args.threads:
         # On shared machines extra OpenMP threads spin against other processes; one thread
         # gives stable figures.
@@ -176,12 +195,13 @@ def main() -> int:
             batches,
             args.prompt_len,
             args.hf_static,
+            args.device,
         )
 
-    print(
-        f"\nmodel: {label}, {args.dtype}; torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads"
-    )
+    where = f"{torch.get_num_threads()} threads"
+    if args.device.startswith("cuda"):
+        where = f"{torch.cuda.get_device_name(torch.device(args.device))}, {where}"
+    print(f"\nmodel: {label}, {args.dtype}; torch {torch.__version__}, {where}")
     print(f"decode: {args.prompt_len}-token prompts, {args.new_tokens} new tokens, greedy\n")
     static_head = f" {'HF static':>10} | {'ratio':>6} |" if args.hf_static else ""
     print(f"| {'metric':<28} | {'pdserve':>10} | {'HF':>10} | {'ratio':>6} |{static_head}")
@@ -207,15 +227,19 @@ def measure(
     batches: tuple[int, ...] = BATCH_SIZES,
     prompt_len: int = DECODE_PROMPT_LEN,
     hf_static: bool = False,
+    device: str = "cpu",
 ) -> list[tuple[str, float, float, float | None]]:
     """Rows of (metric, pdserve, HF, HF with a static cache or None), in tokens/s."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+    hf.to(torch.device(device))  # type: ignore[arg-type]  # transformers types .to() oddly
+    hf.eval()
     vocab = min(int(hf.config.vocab_size), 256 if hf.config.vocab_size < 1000 else 10**9)
     max_batch = max(batches)
     config = EngineConfig(
         dtype=dtype,
+        device=device,
         num_pages=max_batch * -(-(prompt_len + new_tokens) // 16) + 64,
         max_num_seqs=max_batch,
         max_num_batched_tokens=max(PREFILL_LEN, max_batch * prompt_len),
@@ -277,12 +301,16 @@ def projection_floor_seconds(model: torch.nn.Module, batch: int, steps: int = 20
     lm_head = getattr(model, "lm_head", None)
     if isinstance(lm_head, torch.Tensor) and all(lm_head is not w for w in weights):
         weights.append(lm_head)  # tied to the embedding table: still one GEMM per step
-    inputs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype) for w in weights}
+    inputs = {
+        w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype, device=w.device) for w in weights
+    }
     with torch.inference_mode():
+        synchronize(weights[0].device)
         start = time.perf_counter()
         for _ in range(steps):
             for weight in weights:
                 torch.nn.functional.linear(inputs[weight.shape[1]], weight)
+        synchronize(weights[0].device)
         return (time.perf_counter() - start) / steps
 
 

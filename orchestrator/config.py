@@ -4,6 +4,7 @@ Layout (every key optional unless marked; `configs/*.yaml` are complete examples
 
     model: DIR                      # required; HF checkpoint directory
     dtype: auto | float32 | bfloat16 | float16
+    device: cpu | cuda | cuda:N | auto  # where every worker's engine runs (see ClusterConfig)
     page_size: 16                   # tokens per KV page, a power of two
     limits: {max_model_len, max_num_seqs, max_num_batched_tokens,
              num_pages | kv_memory_bytes, enable_chunked_prefill}
@@ -63,6 +64,7 @@ from orchestrator.config_sections import (
     join_path,
 )
 from workers.engine.config import DTYPES, EngineConfig
+from workers.engine.device import DeviceError, check_device_name
 from workers.engine.errors import UnsupportedCheckpointError
 from workers.engine.model_config import ModelConfig
 
@@ -111,6 +113,10 @@ class ClusterConfig:
     """One cluster: the model, its worker groups, KV transfers and the router.
 
     ``groups`` holds prefill then decode (disaggregated), or mixed alone (colocated baseline).
+    ``device``: where the workers' engines run (`workers.engine.device`). On ``cuda`` every
+    group reserves a GPU per rank (``resources_per_rank.gpu``: Ray then sets each worker's
+    ``CUDA_VISIBLE_DEVICES``), runs with ``tp: 1``, and KV transfers need a provider that
+    registers GPU memory (FI_HMEM: ``verbs``, ``efa``), which ``tcp`` and ``shm`` cannot.
     Cross-field rules run here, so that `dataclasses.replace` (and `with_overrides`)
     revalidate the result.
     """
@@ -118,6 +124,7 @@ class ClusterConfig:
     model: Path
     groups: tuple[GroupConfig, ...]
     dtype: str = "auto"
+    device: str = "cpu"
     page_size: int = 16
     limits: Limits = field(default_factory=Limits)
     transfer: TransferConfig = field(default_factory=TransferConfig)
@@ -127,6 +134,10 @@ class ClusterConfig:
         if not isinstance(self.model, Path) or not str(self.model):
             raise ConfigError("model", f"must be a checkpoint directory, got {self.model!r}")
         check_choice("dtype", self.dtype, DTYPES)
+        try:
+            check_device_name(self.device)
+        except DeviceError as exc:
+            raise ConfigError("device", str(exc)) from None
         check_int("page_size", self.page_size, 1)
         if self.page_size & (self.page_size - 1):
             raise ConfigError("page_size", f"must be a power of two, got {self.page_size}")
@@ -154,6 +165,28 @@ class ClusterConfig:
                     "groups",
                     f"prefill:decode replicas {prefill.replicas}:{decode.replicas} is beyond "
                     f"1:{MAX_GROUP_RATIO} either way; one side would sit idle",
+                )
+        if self.device.startswith("cuda"):
+            self._check_cuda_groups()
+
+    def _check_cuda_groups(self) -> None:
+        for group in self.groups:
+            path = f"groups.{group.role}"
+            if group.resources_per_rank.gpu < 1:
+                raise ConfigError(
+                    f"{path}.resources_per_rank.gpu",
+                    f"device {self.device} needs a GPU per rank, got "
+                    f"{group.resources_per_rank.gpu}",
+                )
+            if group.tp > 1:
+                raise ConfigError(
+                    f"{path}.tp", "tensor parallelism on CUDA is not implemented; use tp: 1"
+                )
+            if group.fabric is not None and group.fabric.provider in ("tcp;ofi_rxm", "shm"):
+                raise ConfigError(
+                    f"{path}.fabric.provider",
+                    f"{group.fabric.provider} cannot register GPU memory for KV transfers; "
+                    "use verbs or efa (FI_HMEM)",
                 )
 
     def _check_limits(self, limits: Limits, path: str) -> None:
@@ -232,6 +265,7 @@ class ClusterConfig:
             enable_chunked_prefill=limits.enable_chunked_prefill,
             max_model_len=self.limits.max_model_len,
             dtype=self.dtype,
+            device=self.device,
         )
 
     def with_overrides(
@@ -301,6 +335,7 @@ class ClusterConfig:
             model=model,
             groups=groups,
             dtype=data.get("dtype", "auto"),
+            device=data.get("device", "cpu"),
             page_size=data.get("page_size", 16),
             limits=limits,
             transfer=_build(TransferConfig, data.get("transfer"), "transfer"),

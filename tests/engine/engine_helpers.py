@@ -18,18 +18,21 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 
 
 @functools.cache
-def _hf_model(model_dir: str) -> Any:
+def _hf_model(model_dir: str, device: str = "cpu") -> Any:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.to(device)  # type: ignore[arg-type]  # transformers types .to() for its own wrappers
     return model.eval()
 
 
-def hf_greedy(model_dir: Path | str, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
-    """HF ``generate`` (float32, ``do_sample=False``), stopping at the checkpoint's EOS."""
-    model = _hf_model(str(model_dir))
-    input_ids = torch.tensor([list(prompt)])
+def hf_greedy(
+    model_dir: Path | str, prompt: Sequence[int], max_new_tokens: int, device: str = "cpu"
+) -> list[int]:
+    """HF ``generate`` (float32, ``do_sample=False``) on ``device``, stopping at the EOS."""
+    model = _hf_model(str(model_dir), device)
+    input_ids = torch.tensor([list(prompt)], device=device)
     with torch.no_grad():
         out = model.generate(
             input_ids,

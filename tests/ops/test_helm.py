@@ -435,6 +435,7 @@ def test_defaults_and_combos_pass_the_schema(chart: Any) -> None:
         ({"fabric": {"provider": "sockets"}}, "provider"),
         ({"fabric": {"provider": "shm"}}, "provider"),
         ({"clusterConfig": {"page_size": 24}}, "page_size"),
+        ({"clusterConfig": {"device": "gpu"}}, "device"),
         ({"clusterConfig": {"limits": {"max_num_seq": 8}}}, "max_num_seq"),
         ({"clusterConfig": {"router": {"address": "0.0.0.0:1"}}}, "address"),
         ({"clusterConfig": {"router": {"policy": "fastest"}}}, "policy"),

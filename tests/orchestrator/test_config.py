@@ -172,6 +172,8 @@ REJECTIONS: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ("groups.prefill.nice", _set("groups.prefill.nice", 20), "must be <= 19, got 20"),
     ("groups.decode.threads", _set("groups.decode.threads", 0), "must be >= 1, got 0"),
     ("dtype", _set("dtype", "fp8"), "must be one of"),
+    ("device", _set("device", "gpu"), "device must be cpu, cuda, cuda:N or auto"),
+    ("groups.prefill.resources_per_rank.gpu", _set("device", "cuda"), "needs a GPU per rank"),
     ("page_size", _set("page_size", 12), "power of two"),
     ("limits.max_num_seqs", _set("limits.max_num_seqs", 0), "must be >= 1"),
     ("limits.max_num_batched_tokens", _set("limits.max_num_batched_tokens", 250), "page-aligned"),
@@ -255,6 +257,22 @@ def test_ratio_limit_applies_both_ways(smol_dir: Path) -> None:
     ClusterConfig.from_dict(raw)  # 16:1 is the edge, still allowed
     raw["groups"]["prefill"]["replicas"] = 17
     with pytest.raises(ConfigError, match=r"^groups: prefill:decode replicas 17:1"):
+        ClusterConfig.from_dict(raw)
+
+
+def test_cuda_groups_need_single_rank_and_a_gpu_memory_provider(smol_dir: Path) -> None:
+    raw = base_dict(smol_dir)
+    raw["device"] = "cuda"
+    for role in ("prefill", "decode"):
+        raw["groups"][role]["resources_per_rank"] = {"cpu": 1, "gpu": 1}
+    with pytest.raises(ConfigError, match=r"^groups\.prefill\.fabric\.provider: tcp;ofi_rxm "):
+        ClusterConfig.from_dict(copy.deepcopy(raw))  # checked on the config host: no GPU needed
+    for role in ("prefill", "decode"):
+        raw["groups"][role]["fabric"] = {"provider": "verbs"}
+    config = ClusterConfig.from_dict(copy.deepcopy(raw))
+    assert config.engine_config("decode").device == "cuda"
+    raw["groups"]["decode"]["tp"] = 2
+    with pytest.raises(ConfigError, match=r"^groups\.decode\.tp: tensor parallelism on CUDA"):
         ClusterConfig.from_dict(raw)
 
 

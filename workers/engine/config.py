@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from workers.engine.device import check_device_name
+
 Role = Literal["mixed", "prefill", "decode"]
 
 ROLES: tuple[str, ...] = ("mixed", "prefill", "decode")
@@ -32,6 +34,8 @@ class EngineConfig:
         neither, ``DEFAULT_KV_MEMORY_BYTES`` is used.
     max_num_batched_tokens: token budget of one step (prefill chunk tokens + one per decode).
     max_model_len: prompt + output limit per request; ``None`` means the model's own limit.
+    device: ``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (`workers.engine.device`); whether the
+        device exists is checked when the engine starts, before anything is loaded.
     tensor_parallel_size: ranks (processes) the model is split over; rank 0 runs the engine.
         Whether the model's heads divide is checked when it is loaded. With TP, ``num_pages``
         / ``kv_memory_bytes`` size each rank's pool (its share of the KV heads).
@@ -46,6 +50,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     max_model_len: int | None = None
     dtype: str = "float32"
+    device: str = "cpu"
     attention_backend: str = "auto"
     seed: int = 0
     tensor_parallel_size: int = 1
@@ -85,6 +90,7 @@ class EngineConfig:
                 )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        check_device_name(self.device)
         if self.tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"

@@ -18,6 +18,9 @@ Roles (``EngineConfig.role``):
 
 Tensor parallelism (``tensor_parallel_size > 1``): this process is rank 0 and spawns the other
 ranks (`parallel_runner`); ``rank_kv_caches`` lists every rank's KV pool; ``close()`` stops them.
+
+Device (``EngineConfig.device``): the host CPU unless set; ``cuda`` puts the weights, the KV pool
+and the step tensors on the GPU (`workers.engine.device`, checked before anything is loaded).
 """
 
 from __future__ import annotations
@@ -33,9 +36,10 @@ import torch
 from workers.engine.attention import create_attention_backend
 from workers.engine.block_manager import BlockManager
 from workers.engine.config import DEFAULT_KV_MEMORY_BYTES, EngineConfig
+from workers.engine.device import resolve_device
 from workers.engine.errors import InvalidRequestError
 from workers.engine.kv_cache import allocate_kv_cache, num_pages_for_budget
-from workers.engine.layer_progress import LayerProgress
+from workers.engine.layer_progress import create_layer_progress
 from workers.engine.model import load_model
 from workers.engine.model_config import ModelConfig
 from workers.engine.model_runner import ModelRunner
@@ -72,6 +76,7 @@ class EngineCore:
     ) -> None:
         self.config = config = config or EngineConfig()
         self.model_config = ModelConfig.from_dir(model_dir)
+        device = resolve_device(config.device, config.tensor_parallel_size)
         torch.manual_seed(config.seed)
         # Tensor parallelism: this process is rank 0 and holds its shard; followers the rest.
         self.tp: TensorParallelRuntime | None = None
@@ -79,7 +84,7 @@ class EngineCore:
             self.tp = start_tensor_parallel(model_dir, config, self.model_config)
             self.model = self.tp.model
         else:
-            self.model, _ = load_model(model_dir, dtype=config.dtype)
+            self.model, _ = load_model(model_dir, dtype=config.dtype, device=device)
         param = next(self.model.parameters())
         self.dtype, self.device = param.dtype, param.device
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
@@ -103,7 +108,7 @@ class EngineCore:
             config.page_size,
             scale=self.model_config.head_dim**-0.5,
         )
-        self.layer_progress = LayerProgress(self.model_config.num_layers)
+        self.layer_progress = create_layer_progress(self.model_config.num_layers, self.device)
         self.block_manager = BlockManager(self.num_pages, config.page_size)
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = (

@@ -234,11 +234,13 @@ def load_checkpoint(
     *,
     shard: ShardSpec | None = None,
     reduce: Reduce | None = None,
+    device: torch.device | str = "cpu",
 ) -> tuple[CausalLM, ModelConfig]:
     """Read config and weights of ``model_dir``; returns the model in inference mode (eval).
 
     With ``shard`` the model has that rank's shapes and only its slices are read; the returned
-    config is the full model's either way.
+    config is the full model's either way. The weights are read on the host, then moved to
+    ``device``.
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -277,13 +279,15 @@ def load_checkpoint(
             f"unexpected tensors {sorted(unexpected)[:8]}"
             f"{'...' if len(unexpected) > 8 else ''}"
         )
+    model.to(device)  # in place: a tied LM head stays the embedding's Parameter
     _column_major_projections(model)
     logger.info(
-        "loaded %s (%s, %d layers) from %s as %s",
+        "loaded %s (%s, %d layers) from %s as %s on %s",
         config.architecture,
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params",
         config.num_layers,
         model_dir,
         torch_dtype,
+        device,
     )
     return model.eval(), config

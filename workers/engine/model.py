@@ -98,8 +98,9 @@ def load_model(
     *,
     shard: ShardSpec | None = None,
     reduce: Reduce | None = None,
+    device: torch.device | str = "cpu",
 ) -> tuple[CausalLM, ModelConfig]:
-    """Build a `CausalLM` from an HF checkpoint directory.
+    """Build a `CausalLM` from an HF checkpoint directory, its weights on ``device``.
 
     ``dtype``: None or "auto" keeps the checkpoint's ``torch_dtype``; otherwise "float32",
     "bfloat16", "float16" or a torch dtype. With ``shard`` only that rank's slices are read and
@@ -107,4 +108,4 @@ def load_model(
     """
     from workers.engine.loader import load_checkpoint
 
-    return load_checkpoint(model_dir, dtype, shard=shard, reduce=reduce)
+    return load_checkpoint(model_dir, dtype, shard=shard, reduce=reduce, device=device)

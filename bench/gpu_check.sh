@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The GPU checks, as one prepared run for a session that is lent a device machine:
+#   device.run  command: "bash bench/gpu_check.sh"  timeout_s: 540
+# It uses the machine's own python3 (torch with CUDA, transformers, safetensors, tokenizers,
+# pytest are there; nothing is installed) and writes every log under $OUT (or /tmp/gpu-check):
+#   gpu.txt              the GPU, torch, CUDA and transformers versions
+#   pytest-gpu.txt       the suite's GPU tests (-m gpu): engine on CUDA against HF on CUDA,
+#                        CUDA layer progress, FlashInfer attention (skips if not installed)
+#   engine-cuda-*.txt    bench/engine.py --device cuda, float32 and bfloat16
+# Record the figures in bench/RESULTS.md ("Engine on a GPU"). Without CUDA it stops at once.
+set -u -o pipefail
+out=${OUT:-/tmp/gpu-check}
+mkdir -p "$out"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+python3 - <<'PY' | tee "$out/gpu.txt" || exit 1
+import sys, torch, transformers
+if not torch.cuda.is_available():
+    sys.exit("gpu_check: torch sees no CUDA device")
+print(torch.cuda.get_device_name(0), "| torch", torch.__version__, "| CUDA", torch.version.cuda,
+      "| transformers", transformers.__version__)
+PY
+status=0
+timeout 240 python3 -m pytest -p no:cacheprovider -q -m gpu tests/engine 2>&1 \
+    | tee "$out/pytest-gpu.txt" || status=1
+for dtype in float32 bfloat16; do
+    timeout 120 python3 bench/engine.py --device cuda --dtype "$dtype" --repeats 3 --hf-static \
+        2>&1 | tee "$out/engine-cuda-$dtype.txt" || status=1
+done
+exit $status

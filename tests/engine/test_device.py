@@ -1,0 +1,90 @@
+"""The ``device`` option: checked before anything is loaded; CUDA runs match HF (GPU only)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import workers.engine.engine_core as engine_core
+from tests.engine.engine_helpers import hf_greedy, make_engine, prompts_of_lengths, run_engine
+from workers.engine.config import EngineConfig
+from workers.engine.device import DeviceError, resolve_device
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("name", ["gpu", "cuda:", "cuda:x", "CPU", "", "cuda:0:1"])
+def test_malformed_device_is_refused_by_the_config(name: str) -> None:
+    with pytest.raises(DeviceError, match="device must be cpu, cuda, cuda:N or auto"):
+        EngineConfig(device=name)
+
+
+def test_cpu_and_auto_resolve_on_this_host() -> None:
+    assert resolve_device("cpu") == torch.device("cpu")
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert resolve_device("auto").type == expected
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without CUDA")
+def test_cuda_without_a_gpu_fails_before_the_checkpoint_is_read(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    loads: list[Any] = []
+    real_load = engine_core.load_model
+
+    def spy(*args: Any, **kwargs: Any) -> Any:  # counts calls, then loads for real
+        loads.append(args)
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(engine_core, "load_model", spy)
+    for name in ("cuda", "cuda:1"):
+        with pytest.raises(DeviceError, match="torch sees no CUDA device here"):
+            make_engine(tiny_model_dir, device=name)
+    assert loads == []
+    make_engine(tiny_model_dir, device="auto")  # the spy does load when the device is fine
+    assert len(loads) == 1
+
+
+def test_engine_places_weights_and_kv_on_its_device(tiny_model_dir: Path) -> None:
+    engine = make_engine(tiny_model_dir, device="auto")
+    device = resolve_device("auto")
+    assert engine.device.type == device.type
+    assert all(p.device.type == device.type for p in engine.model.parameters())
+    assert engine.kv_cache.device.type == device.type
+
+
+@pytest.mark.gpu
+@cuda_only
+def test_tensor_parallel_on_cuda_is_refused() -> None:
+    with pytest.raises(DeviceError, match="tensor parallelism on CUDA"):
+        resolve_device("cuda", tensor_parallel_size=2)
+
+
+@pytest.mark.gpu
+@cuda_only
+@pytest.mark.parametrize("chunk", [16, 2048])
+def test_cuda_greedy_matches_hf_on_cuda(tiny_model_dir: Path, chunk: int) -> None:
+    prompts = prompts_of_lengths([1, 7, 16, 17, 50, 300])
+    reference = [hf_greedy(tiny_model_dir, p, 8, device="cuda") for p in prompts]
+    engine = make_engine(tiny_model_dir, device="cuda", max_num_batched_tokens=chunk)
+    assert engine.kv_cache.is_cuda
+    assert type(engine.layer_progress).__name__ == "CudaLayerProgress"
+    assert run_engine(engine, prompts) == reference
+
+
+@pytest.mark.gpu
+@cuda_only
+def test_cuda_layer_progress_publishes_every_layer_of_each_pass(tiny_model_dir: Path) -> None:
+    engine = make_engine(tiny_model_dir, device="cuda")
+    layers = engine.model_config.num_layers
+    seen: list[tuple[int, int]] = []
+    for prompt in prompts_of_lengths([40, 5]):
+        run_engine(engine, [prompt])
+        torch.cuda.synchronize()
+        seen.append(engine.layer_progress.read())
+    # The word the device wrote last: every layer of the latest pass, in a later pass each time.
+    assert seen[0][1] == seen[1][1] == layers
+    assert seen[1][0] > seen[0][0] > 0
