@@ -3,6 +3,7 @@
     .venv/bin/python bench/engine.py [--model DIR] [--new-tokens 32] [--repeats 3] [--threads N]
                                      [--dtype float32|bfloat16] [--batches 1,16,64]
                                      [--prompt-len 32] [--hf-static] [--device cpu|cuda]
+                                     [--eager]
     .venv/bin/python bench/engine.py --attention [--threads N] [--repeats 3]
 
 Measures, in one process with the same torch thread settings for both:
@@ -22,8 +23,9 @@ Each figure is the best of ``--repeats`` runs after a warm-up. ``--dtype`` sets 
 compute dtype of both engines (bfloat16 is what serving deployments run; on CPUs with AMX its GEMMs
 are several times faster than float32, so per-step overhead weighs more).
 
-``--device cuda`` runs both engines on the GPU (timings synchronise the device; on CUDA our
-engine runs eagerly, without CUDA graphs, and uses FlashInfer for bfloat16 when it is installed).
+``--device cuda`` runs both engines on the GPU (timings synchronise the device). There our
+engine replays CUDA graphs for decode steps (``--eager``: it does not) and uses FlashInfer for
+bfloat16 prefill when it is installed; HF runs eagerly.
 
 ``--attention`` times only the torch attention backend's decode step (``begin_step`` plus one
 ``forward`` per layer, cache store included) on the ``small`` preset's shapes (6 layers, 8 query /
@@ -150,6 +152,9 @@ def main() -> int:
         "--device", default="cpu", help="cpu, cuda or cuda:N: where both engines run"
     )
     parser.add_argument(
+        "--eager", action="store_true", help="on CUDA, run our decode steps without CUDA graphs"
+    )
+    parser.add_argument(
         "--batches", default=",".join(map(str, BATCH_SIZES)), help="decode batch sizes"
     )
     parser.add_argument(
@@ -196,11 +201,13 @@ def main() -> int:
             args.prompt_len,
             args.hf_static,
             args.device,
+            args.eager,
         )
 
     where = f"{torch.get_num_threads()} threads"
     if args.device.startswith("cuda"):
-        where = f"{torch.cuda.get_device_name(torch.device(args.device))}, {where}"
+        graphs = "eager" if args.eager else "CUDA graphs for decode"
+        where = f"{torch.cuda.get_device_name(torch.device(args.device))} ({graphs}), {where}"
     print(f"\nmodel: {label}, {args.dtype}; torch {torch.__version__}, {where}")
     print(f"decode: {args.prompt_len}-token prompts, {args.new_tokens} new tokens, greedy\n")
     static_head = f" {'HF static':>10} | {'ratio':>6} |" if args.hf_static else ""
@@ -228,6 +235,7 @@ def measure(
     prompt_len: int = DECODE_PROMPT_LEN,
     hf_static: bool = False,
     device: str = "cpu",
+    eager: bool = False,
 ) -> list[tuple[str, float, float, float | None]]:
     """Rows of (metric, pdserve, HF, HF with a static cache or None), in tokens/s."""
     from transformers import AutoModelForCausalLM
@@ -240,6 +248,7 @@ def measure(
     config = EngineConfig(
         dtype=dtype,
         device=device,
+        cuda_graph_max_batch=0 if eager else max(batches),
         num_pages=max_batch * -(-(prompt_len + new_tokens) // 16) + 64,
         max_num_seqs=max_batch,
         max_num_batched_tokens=max(PREFILL_LEN, max_batch * prompt_len),

@@ -5,9 +5,10 @@
 # pytest are there; nothing is installed) and writes every log under $OUT (or /tmp/gpu-check):
 #   gpu.txt              the GPU, torch, CUDA and transformers versions
 #   pytest-gpu.txt       the GPU tests (-m gpu; only their files, so that nothing else needs
-#                        importing there): engine on CUDA against HF on CUDA,
-#                        CUDA layer progress, FlashInfer attention (skips if not installed)
-#   engine-cuda-*.txt    bench/engine.py --device cuda, float32 and bfloat16
+#                        importing there): engine on CUDA against HF on CUDA, with and
+#                        without CUDA graphs, CUDA layer progress, FlashInfer attention
+#                        (skips if flashinfer is not installed)
+#   engine-cuda-*.txt    bench/engine.py --device cuda: float32, bfloat16, bfloat16 --eager
 # Record the figures in bench/RESULTS.md (Engine, "On a GPU"). Without CUDA it stops at once.
 set -u -o pipefail
 out=${OUT:-/tmp/gpu-check}
@@ -22,12 +23,13 @@ print(torch.cuda.get_device_name(0), "| torch", torch.__version__, "| CUDA", tor
 PY
 status=0
 timeout 240 python3 -m pytest -p no:cacheprovider -q -m gpu tests/engine/test_device.py \
-    tests/engine/test_attention_flashinfer.py 2>&1 \
+    tests/engine/test_decode_graphs.py tests/engine/test_attention_flashinfer.py 2>&1 \
     | tee "$out/pytest-gpu.txt" || status=1
-for dtype in float32 bfloat16; do
-    # No --hf-static: on CUDA, HF may torch.compile a static-cache generate, minutes of a
-    # 15-minute device budget.
-    timeout 120 python3 bench/engine.py --device cuda --dtype "$dtype" --repeats 3 \
-        2>&1 | tee "$out/engine-cuda-$dtype.txt" || status=1
+# No --hf-static: on CUDA, HF may torch.compile a static-cache generate, minutes of a
+# 15-minute device budget.
+for run in "float32" "bfloat16" "bfloat16 --eager"; do
+    set -- $run
+    timeout 120 python3 bench/engine.py --device cuda --dtype "$1" ${2:-} --repeats 3 \
+        2>&1 | tee "$out/engine-cuda-$1${2:-}.txt" || status=1
 done
 exit $status

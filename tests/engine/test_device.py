@@ -65,12 +65,15 @@ def test_tensor_parallel_on_cuda_is_refused() -> None:
 
 @pytest.mark.gpu
 @cuda_only
-@pytest.mark.parametrize("chunk", [16, 2048])
-def test_cuda_greedy_matches_hf_on_cuda(tiny_model_dir: Path, chunk: int) -> None:
+@pytest.mark.parametrize(("chunk", "graphs"), [(16, 64), (2048, 0)])
+def test_cuda_greedy_matches_hf_on_cuda(tiny_model_dir: Path, chunk: int, graphs: int) -> None:
     prompts = prompts_of_lengths([1, 7, 16, 17, 50, 300])
     reference = [hf_greedy(tiny_model_dir, p, 8, device="cuda") for p in prompts]
-    engine = make_engine(tiny_model_dir, device="cuda", max_num_batched_tokens=chunk)
+    engine = make_engine(
+        tiny_model_dir, device="cuda", max_num_batched_tokens=chunk, cuda_graph_max_batch=graphs
+    )
     assert engine.kv_cache.is_cuda
+    assert (engine.runner.decode_graphs is None) == (graphs == 0)
     assert type(engine.layer_progress).__name__ == "CudaLayerProgress"
     assert run_engine(engine, prompts) == reference
 
@@ -88,3 +91,8 @@ def test_cuda_layer_progress_publishes_every_layer_of_each_pass(tiny_model_dir: 
     # The word the device wrote last: every layer of the latest pass, in a later pass each time.
     assert seen[0][1] == seen[1][1] == layers
     assert seen[1][0] > seen[0][0] > 0
+
+
+def test_negative_cuda_graph_batch_is_refused() -> None:
+    with pytest.raises(ValueError, match="cuda_graph_max_batch must be >= 0, got -1"):
+        EngineConfig(cuda_graph_max_batch=-1)

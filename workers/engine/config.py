@@ -36,6 +36,8 @@ class EngineConfig:
     max_model_len: prompt + output limit per request; ``None`` means the model's own limit.
     device: ``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (`workers.engine.device`); whether the
         device exists is checked when the engine starts, before anything is loaded.
+    cuda_graph_max_batch: on CUDA, decode steps of up to this many sequences replay CUDA
+        graphs (`workers.engine.decode_graphs`); 0 runs every step eagerly. Ignored on CPU.
     tensor_parallel_size: ranks (processes) the model is split over; rank 0 runs the engine.
         Whether the model's heads divide is checked when it is loaded. With TP, ``num_pages``
         / ``kv_memory_bytes`` size each rank's pool (its share of the KV heads).
@@ -51,6 +53,7 @@ class EngineConfig:
     max_model_len: int | None = None
     dtype: str = "float32"
     device: str = "cpu"
+    cuda_graph_max_batch: int = 64
     attention_backend: str = "auto"
     seed: int = 0
     tensor_parallel_size: int = 1
@@ -91,6 +94,8 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         check_device_name(self.device)
+        if self.cuda_graph_max_batch < 0:
+            raise ValueError(f"cuda_graph_max_batch must be >= 0, got {self.cuda_graph_max_batch}")
         if self.tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"

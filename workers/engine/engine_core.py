@@ -20,7 +20,8 @@ Tensor parallelism (``tensor_parallel_size > 1``): this process is rank 0 and sp
 ranks (`parallel_runner`); ``rank_kv_caches`` lists every rank's KV pool; ``close()`` stops them.
 
 Device (``EngineConfig.device``): the host CPU unless set; ``cuda`` puts the weights, the KV pool
-and the step tensors on the GPU (`workers.engine.device`, checked before anything is loaded).
+and the step tensors on the GPU (`workers.engine.device`, checked before anything is loaded),
+where pure-decode steps replay CUDA graphs (`workers.engine.decode_graphs`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import torch
 from workers.engine.attention import create_attention_backend
 from workers.engine.block_manager import BlockManager
 from workers.engine.config import DEFAULT_KV_MEMORY_BYTES, EngineConfig
+from workers.engine.decode_graphs import DecodeGraphs
 from workers.engine.device import resolve_device
 from workers.engine.errors import InvalidRequestError
 from workers.engine.kv_cache import allocate_kv_cache, num_pages_for_budget
@@ -120,6 +122,23 @@ class EngineCore:
                 self.model, backend, config.page_size, self.layer_progress, self.device
             )
         )
+        if (
+            self.device.type == "cuda"
+            and config.cuda_graph_max_batch > 0
+            and self.tp is None
+            and isinstance(self.runner, ModelRunner)
+            and not self.model.rotary.is_dynamic
+        ):
+            self.runner.decode_graphs = DecodeGraphs(
+                self.model,
+                self.kv_cache,
+                config.page_size,
+                self.layer_progress,
+                scale=backend.scale,
+                max_batch=min(config.cuda_graph_max_batch, config.max_num_seqs),
+                max_model_len=self.max_model_len,
+                capture=True,
+            )
         self.sampler = Sampler(config.seed)
         self.stop_checker = StopChecker(
             model_dir, self.model_config, self.max_model_len, detokenize

@@ -77,7 +77,9 @@ class CausalLM(nn.Module):
         if self.rotary.is_dynamic:
             query_lens = torch.tensor(batch.query_lens_list, device=batch.seq_lens.device)
             token_seq_lens = torch.repeat_interleave(batch.seq_lens, query_lens)
-        rotary = self.rotary.tables(positions, self.dtype, token_seq_lens)
+        # A token's position is below its sequence's length: a bound known on the host.
+        bound = max(batch.seq_lens_list, default=0)
+        rotary = self.rotary.tables(positions, self.dtype, token_seq_lens, bound)
         hidden = F.embedding(input_ids, self.embed_tokens)
         backend.begin_step(batch)
         if progress is not None:

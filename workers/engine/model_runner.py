@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -10,6 +11,9 @@ from workers.engine.attention.base import AttentionBackend, AttentionBatch
 from workers.engine.layer_progress import LayerProgress
 from workers.engine.model import CausalLM
 from workers.engine.scheduler import SchedulerOutput
+
+if TYPE_CHECKING:
+    from workers.engine.decode_graphs import DecodeGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +32,8 @@ class ModelRunner:
         self.page_size = page_size
         self.layer_progress = layer_progress
         self.device = device
+        # Pure-decode steps at fixed shapes (CUDA graphs on a GPU), set by the engine.
+        self.decode_graphs: DecodeGraphs | None = None
 
     @torch.inference_mode()
     def run(self, step: SchedulerOutput) -> torch.Tensor | None:
@@ -35,6 +41,8 @@ class ModelRunner:
 
         Returns None when no sequence samples (the prefill role): the LM head is skipped.
         """
+        if self.decode_graphs is not None and self.decode_graphs.accepts(step):
+            return self.decode_graphs.run(step)
         input_ids, positions, batch = self.prepare(step)
         hidden = self.model.forward(input_ids, positions, batch, self.backend, self.layer_progress)
         sample_rows: list[int] = []

@@ -144,6 +144,12 @@ class RotaryEmbedding(torch.nn.Module):
         # Long-context models (128k-1M positions) would spend hundreds of MB up front.
         self._grow(min(config.max_position_embeddings, _INITIAL_TABLE_POSITIONS), inv_freq.device)
 
+    def reserve(self, num_positions: int, device: torch.device) -> None:
+        """Hold at least ``num_positions`` positions on ``device`` now, so that no later step
+        regrows the table (a CUDA graph keeps reading the tensor it captured)."""
+        if num_positions > self.cos_sin_cache.shape[0] or self.cos_sin_cache.device != device:
+            self._grow(max(num_positions, self.cos_sin_cache.shape[0]), device)
+
     def _grow(self, num_positions: int, device: torch.device) -> None:
         self.inv_freq = self.inv_freq.to(device)
         positions = torch.arange(num_positions, dtype=torch.float32, device=device)
@@ -170,12 +176,18 @@ class RotaryEmbedding(torch.nn.Module):
         return positions.to(torch.float32)[:, None] * inv_freq
 
     def cos_sin(
-        self, positions: torch.Tensor, token_seq_lens: torch.Tensor | None = None
+        self,
+        positions: torch.Tensor,
+        token_seq_lens: torch.Tensor | None = None,
+        bound: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [T, head_dim] (float32) for absolute ``positions`` [T].
 
         ``token_seq_lens`` [T] is each token's sequence length after this step; only the
         ``dynamic`` type uses it, and only once a sequence outgrows max_position_embeddings.
+        ``bound``: a number every position is below, known on the host (the step's longest
+        sequence); without it the table size is checked against ``positions.max()``, which on
+        a GPU waits for the device (and cannot be captured in a CUDA graph).
         """
         if (
             self.is_dynamic
@@ -185,7 +197,10 @@ class RotaryEmbedding(torch.nn.Module):
         ):
             table = self._table(self._dynamic_angles(positions, token_seq_lens))
         else:
-            needed = int(positions.max()) + 1 if positions.numel() else 0
+            if bound is not None:
+                needed = bound
+            else:
+                needed = int(positions.max()) + 1 if positions.numel() else 0
             if (
                 needed > self.cos_sin_cache.shape[0]
                 or self.cos_sin_cache.device != positions.device
@@ -203,9 +218,10 @@ class RotaryEmbedding(torch.nn.Module):
         positions: torch.Tensor,
         dtype: torch.dtype,
         token_seq_lens: torch.Tensor | None = None,
+        bound: int | None = None,
     ) -> RotaryTables:
         """`RotaryTables` for one step; cos/sin are cast to ``dtype`` like HF does."""
-        cos, sin = self.cos_sin(positions, token_seq_lens)
+        cos, sin = self.cos_sin(positions, token_seq_lens, bound)
         half = cos.shape[-1] // 2
         sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
         return RotaryTables(cos.to(dtype).unsqueeze(1), sin_signed.to(dtype).unsqueeze(1))
