@@ -191,7 +191,7 @@ def _plan(args: argparse.Namespace) -> int:
     import yaml
 
     from orchestrator.sim.cost import create_cost_model
-    from orchestrator.sim.emit import cluster_config, helm_values
+    from orchestrator.sim.emit import cluster_config, cuda_ready, helm_values
     from orchestrator.sim.planner import PlanSpec, format_table, plan
 
     cost = create_cost_model(args.cost)
@@ -218,7 +218,13 @@ def _plan(args: argparse.Namespace) -> int:
         return 1
     best = candidates[0].layout
     config = cluster_config(best, limits, model_path=args.model_path, provider=args.provider)
-    print(f"\nbest: {best.label}\n--- cluster config ---")
+    print(f"\nbest: {best.label}")
+    if not cuda_ready(best):
+        print(
+            "note: pdserve does not run tensor parallelism on CUDA yet (cuMem-shared KV pools "
+            "are not implemented), so this config leaves `device` at cpu"
+        )
+    print("--- cluster config ---")
     print(yaml.safe_dump(config, sort_keys=False), end="")
     if args.emit_config:
         with open(args.emit_config, "w") as out:

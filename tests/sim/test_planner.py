@@ -73,8 +73,15 @@ def test_emitted_config_loads_and_helm_values_match_the_chart(tmp_path: Path) ->
     config = ClusterConfig.from_yaml(path)
     assert (config.group("prefill").replicas, config.group("prefill").tp) == (1, 8)
     assert (config.group("decode").replicas, config.group("decode").tp) == (3, 4)
+    assert config.device == "cpu"  # TP on CUDA is not implemented: the config says cpu
     mixed = ClusterConfig.from_dict(cluster_config(Layout(num_mixed=2, tp_mixed=2), EngineLimits()))
     assert mixed.group("mixed").tp == 2
+    # Single-rank groups run on the GPU each rank reserves.
+    single = Layout(num_prefill=2, num_decode=2)
+    gpu = ClusterConfig.from_dict(cluster_config(single, EngineLimits()))
+    assert gpu.device == "cuda" and gpu.group("decode").resources_per_rank.gpu == 1
+    single_values = helm_values(single, EngineLimits())
+    assert single_values is not None and single_values["clusterConfig"]["device"] == "cuda"
     chart = yaml.safe_load(Path("helm/pdserve/values.yaml").read_text())
     values = helm_values(layout, EngineLimits())
     assert values is not None and helm_values(Layout(num_mixed=1), EngineLimits()) is None
