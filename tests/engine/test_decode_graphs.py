@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.engine.attention_cases import make_mixed_case, reference_attention
 from tests.engine.engine_helpers import hf_greedy, make_engine, prompts_of_lengths, run_engine
-from workers.engine.decode_graphs import DecodeGraphs
+from workers.engine.attention.base import AttentionBatch
+from workers.engine.decode_graphs import DecodeGraphs, StaticDecodeAttention
 from workers.engine.engine_core import EngineCore
 from workers.engine.sampling_params import SamplingParams
 
@@ -86,3 +88,40 @@ def test_cuda_graphs_match_hf_on_cuda(tiny_model_dir: Path) -> None:
     assert run_engine(engine, prompts, PARAMS) == reference
     assert graphs.steps >= PARAMS.max_tokens - 1
     assert graphs.graphs  # captured, and replayed by the later steps of each shape
+
+
+@pytest.mark.parametrize("extra_pages", [0, 3])
+def test_static_attention_with_padded_rows_and_pages_matches_the_reference(
+    extra_pages: int,
+) -> None:
+    case = make_mixed_case([0, 15, 16, 40, 5], [1, 1, 1, 1, 1])
+    before = case.kv_cache.clone()
+    real, rows = 5, 8  # three padding rows repeat row 0
+    tables = [[p for p in t if p >= 0] for t in case.batch.page_table.tolist()]
+    pages = max(len(t) for t in tables) + extra_pages
+    padded = [t + [t[0]] * (pages - len(t)) for t in tables]  # no -1: padded with own pages
+    pick = list(range(real)) + [0] * (rows - real)
+    batch = AttentionBatch(
+        query_start_loc=torch.arange(rows + 1),
+        seq_lens=case.batch.seq_lens[pick],
+        context_lens=case.batch.context_lens[pick],
+        page_table=torch.tensor([padded[i] for i in pick]),
+        slot_mapping=case.batch.slot_mapping[pick],
+        query_lens_list=(1,) * rows,
+        seq_lens_list=(pages * 16,) * rows,
+    )
+    scale = 32**-0.5
+    backend = StaticDecodeAttention(case.kv_cache, 16, scale)
+    backend.begin_step(batch)
+    out = backend.forward(1, case.q[pick], case.k[pick], case.v[pick], batch)
+    expected = reference_attention(case, scale)
+    torch.testing.assert_close(out[:real].double(), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[real:], out[[0] * (rows - real)])
+    # The new tokens' K/V are in their slots, and nothing else changed (the padding rows
+    # rewrote row 0's slot with row 0's values).
+    slots = case.batch.slot_mapping
+    after = case.kv_cache.clone()
+    torch.testing.assert_close(after[1, slots // 16, 0, :, slots % 16], case.k, atol=0, rtol=0)
+    torch.testing.assert_close(after[1, slots // 16, 1, :, slots % 16], case.v, atol=0, rtol=0)
+    after[1, slots // 16, :, :, slots % 16] = before[1, slots // 16, :, :, slots % 16]
+    assert torch.equal(after, before)
