@@ -18,7 +18,7 @@ from workers.fabric import (
     query_fabric,
     select_nics,
 )
-from workers.fabric.counters import ImmCounters
+from workers.fabric.counters import ImmCounters, Inline, run_inline
 from workers.fabric.errors import EngineClosedError
 from workers.fabric.providers import FabricInfo
 
@@ -131,3 +131,21 @@ def test_query_and_nic_selection() -> None:
     assert select_nics(nics, numa_node=0)[0].domain == "mlx5_0"
     assert select_nics(nics)[0].link_speed == 200
     assert np.all(np.array([n.imm_bits for n in nics]) == base.imm_bits)
+
+
+def test_inline_reached_callbacks_run_where_the_count_completes() -> None:
+    counters = ImmCounters()
+    where: list[str] = []
+    queued = counters.expect(1, 2, Inline(lambda: where.append("inline")))
+    counters.expect(2, 1, lambda: where.append("queued"))
+    rest = run_inline(counters.record({1: 2, 2: 1}))
+    assert where == ["inline"]  # ran in run_inline; the plain one is handed back
+    _run(rest)
+    assert where == ["inline", "queued"] and queued == []
+    # Buffered arrivals complete it at arming: it runs in the caller's run_inline.
+    counters.record({3: 1})
+    assert run_inline(counters.expect(3, 1, Inline(lambda: where.append("at arming")))) == []
+    assert where[-1] == "at arming"
+    # A raising inline callback is logged, never raised into the progress loop.
+    counters.expect(4, 1, Inline(lambda: 1 / 0))  # type: ignore[arg-type]
+    assert run_inline(counters.record({4: 1})) == []

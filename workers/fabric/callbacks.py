@@ -1,8 +1,10 @@
 """The callback thread: where every user callback of an engine runs.
 
-The progress thread never runs user code. It hands `(callback, args)` to this thread through
-a FIFO, so a slow or blocking callback delays only later callbacks, never polling (a stalled
-poller would stall every peer's transfers, and on `tcp` the target's own incoming writes).
+The progress thread runs no user code (one exception: counter callbacks registered
+``inline``, which only hand the event on; `workers.fabric.counters`). It hands
+`(callback, args)` to this thread through a FIFO, so a slow or blocking callback delays only
+later callbacks, never polling (a stalled poller would stall every peer's transfers, and on
+`tcp` the target's own incoming writes).
 Callbacks of one engine run one at a time, in the order their events were observed (messages
 from one peer therefore arrive in submission order). Exceptions are logged and counted.
 """

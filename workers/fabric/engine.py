@@ -49,7 +49,7 @@ import numpy as np
 from workers.fabric import paging
 from workers.fabric._lib import ffi, lib, strerror
 from workers.fabric.callbacks import CallbackDispatcher
-from workers.fabric.counters import ImmCounters, ImmStats
+from workers.fabric.counters import ImmCounters, ImmStats, Inline, run_inline
 from workers.fabric.descriptors import MemoryRegionDescriptor
 from workers.fabric.errors import (
     AddressError,
@@ -512,17 +512,21 @@ class TransferEngine:
         on_reached: Callable[[], None],
         on_error: ErrorCallback | None = None,
         timeout: float | None = None,
+        inline: bool = False,
     ) -> None:
         """Call `on_reached()` once when `count` writes carrying `imm` have landed here.
 
         Writes that landed before this call count. See `workers.fabric.counters` for the exact
-        semantics (surplus, cancel tombstones, timeouts).
+        semantics (surplus, cancel tombstones, timeouts). ``inline``: `on_reached` runs where
+        the count completes (the progress thread, or here), not on the callback thread; only
+        for a callback that hands the event on without blocking (`counters.Inline`).
         """
         self._check_open()
         self._check_imm(imm)
         deadline = None if timeout is None else time.monotonic() + timeout
+        reached = Inline(on_reached) if inline else on_reached
         self._dispatcher.submit_all(
-            self.counters.expect(imm, count, on_reached, on_error, deadline)
+            run_inline(self.counters.expect(imm, count, reached, on_error, deadline))
         )
 
     def imm_arrivals(self, imm: int) -> int:

@@ -200,7 +200,7 @@ class DecodeMessenger:
         self.context_states: OrderedDict[str, torch.Tensor] = OrderedDict()
         fabric.on_message(self._on_message)
 
-    # -- fabric callbacks (enqueue only) ------------------------------------------------------
+    # -- fabric callbacks (enqueue only; _on_reached on the progress thread, see _arm) --------
 
     def _on_message(self, message: Message) -> None:
         self._inbox.put(message)
@@ -327,7 +327,9 @@ class DecodeMessenger:
     def _arm(self, incoming: _Incoming, count: int) -> None:
         assert incoming.transfer is not None
         imm = incoming.transfer.imm
-        self.fabric.expect_imm(imm, count, partial(self._on_reached, imm))
+        # Inline: it only enqueues and wakes the step thread, so it runs on the fabric's
+        # progress thread as the last write lands, without the hop to the callback thread.
+        self.fabric.expect_imm(imm, count, partial(self._on_reached, imm), inline=True)
         incoming.armed = True
 
     def abort(self, request_id: str) -> bool:
