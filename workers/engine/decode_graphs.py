@@ -20,8 +20,8 @@ shape's graph is captured on first use, with that step's real inputs (a warm-up 
 the same K/V the replay writes again), and kept; all graphs share one memory pool.
 
 With ``capture=False`` the same fixed-shape pass runs eagerly: that is how CPU tests check it
-token for token against the regular path, and it is the fallback where graphs cannot be used.
-Not used for models with dynamic RoPE scaling, whose tables depend on each step's lengths.
+token for token against HF. Not used for models with dynamic RoPE scaling, whose tables depend
+on each step's lengths (the engine then runs every step eagerly).
 """
 
 from __future__ import annotations

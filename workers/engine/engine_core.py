@@ -122,11 +122,10 @@ class EngineCore:
                 self.model, backend, config.page_size, self.layer_progress, self.device
             )
         )
+        # (No tensor parallelism here: resolve_device refuses it on CUDA.)
         if (
             self.device.type == "cuda"
             and config.cuda_graph_max_batch > 0
-            and self.tp is None
-            and isinstance(self.runner, ModelRunner)
             and not self.model.rotary.is_dynamic
         ):
             self.runner.decode_graphs = DecodeGraphs(
