@@ -149,7 +149,7 @@ def main() -> int:
     )
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument(
-        "--device", default="cpu", help="cpu, cuda or cuda:N: where both engines run"
+        "--device", default="cpu", help="cpu, cuda, cuda:N or auto: where both engines run"
     )
     parser.add_argument(
         "--eager", action="store_true", help="on CUDA, run our decode steps without CUDA graphs"
@@ -171,7 +171,7 @@ def main() -> int:
     args = parser.parse_args()
     batches = tuple(int(b) for b in args.batches.split(","))
     try:
-        resolve_device(args.device)
+        device = str(resolve_device(args.device))  # "auto" becomes what it means here
     except DeviceError as error:
         parser.error(str(error))
     if args.threads:
@@ -200,14 +200,14 @@ def main() -> int:
             batches,
             args.prompt_len,
             args.hf_static,
-            args.device,
+            device,
             args.eager,
         )
 
     where = f"{torch.get_num_threads()} threads"
-    if args.device.startswith("cuda"):
+    if device.startswith("cuda"):
         graphs = "eager" if args.eager else "CUDA graphs for decode"
-        where = f"{torch.cuda.get_device_name(torch.device(args.device))} ({graphs}), {where}"
+        where = f"{torch.cuda.get_device_name(torch.device(device))} ({graphs}), {where}"
     print(f"\nmodel: {label}, {args.dtype}; torch {torch.__version__}, {where}")
     print(f"decode: {args.prompt_len}-token prompts, {args.new_tokens} new tokens, greedy\n")
     static_head = f" {'HF static':>10} | {'ratio':>6} |" if args.hf_static else ""
