@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -18,7 +19,8 @@ from workers.fabric import (
     query_fabric,
     select_nics,
 )
-from workers.fabric.counters import ImmCounters, Inline, run_inline
+from workers.fabric.callbacks import CallbackDispatcher, Inline
+from workers.fabric.counters import ImmCounters
 from workers.fabric.errors import EngineClosedError
 from workers.fabric.providers import FabricInfo
 
@@ -135,17 +137,30 @@ def test_query_and_nic_selection() -> None:
 
 def test_inline_reached_callbacks_run_where_the_count_completes() -> None:
     counters = ImmCounters()
+    dispatcher = CallbackDispatcher("test-callbacks")
     where: list[str] = []
-    queued = counters.expect(1, 2, Inline(lambda: where.append("inline")))
-    counters.expect(2, 1, lambda: where.append("queued"))
-    rest = run_inline(counters.record({1: 2, 2: 1}))
-    assert where == ["inline"]  # ran in run_inline; the plain one is handed back
-    _run(rest)
-    assert where == ["inline", "queued"] and queued == []
-    # Buffered arrivals complete it at arming: it runs in the caller's run_inline.
+    queued = threading.Event()
+
+    def record(label: str) -> Callable[[], None]:
+        return lambda: where.append(f"{label} on {threading.current_thread().name}")
+
+    here = threading.current_thread().name
+    assert counters.expect(1, 2, Inline(record("inline"))) == []
+
+    def on_queue() -> None:
+        record("queued")()
+        queued.set()
+
+    counters.expect(2, 1, on_queue)
+    dispatcher.submit_all(counters.record({1: 2, 2: 1}))
+    assert where[0] == f"inline on {here}"  # ran while being handed over
+    assert queued.wait(5) and where[1] == "queued on test-callbacks"
+    # Buffered arrivals complete it at arming: it runs on the arming thread.
     counters.record({3: 1})
-    assert run_inline(counters.expect(3, 1, Inline(lambda: where.append("at arming")))) == []
-    assert where[-1] == "at arming"
-    # A raising inline callback is logged, never raised into the progress loop.
+    dispatcher.submit_all(counters.expect(3, 1, Inline(record("at arming"))))
+    assert where[-1] == f"at arming on {here}"
+    # A raising inline callback is logged and counted, never raised into the caller.
     counters.expect(4, 1, Inline(lambda: 1 / 0))  # type: ignore[arg-type]
-    assert run_inline(counters.record({4: 1})) == []
+    dispatcher.submit_all(counters.record({4: 1}))
+    assert dispatcher.errors == 1
+    dispatcher.close(5)

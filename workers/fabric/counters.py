@@ -27,11 +27,8 @@ Every write posted with `imm` produces, on the target, one completion carrying `
 * **Close.** Armed counters get `on_error(EngineClosedError)`.
 
 The class is thread-safe and never calls user code itself: it returns the callbacks to run so
-the engine can hand them to its callback thread. The one exception is an `Inline` reached
-callback (``expect_imm(..., inline=True)``): `run_inline` calls it where the count completed
-(the fabric's progress thread, or the caller of `expect` when buffered arrivals complete it),
-which saves the hop to the callback thread (~75 us per transfer on the bench machine). It is
-for callbacks that only hand the event on (a queue put, an event set) and never block.
+the engine can hand them to its callback dispatcher (which runs an `Inline` one at once, on
+the handing thread: `workers.fabric.callbacks`).
 """
 
 from __future__ import annotations
@@ -42,36 +39,12 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from workers.fabric.callbacks import Fire
 from workers.fabric.errors import FabricError, ImmError, ImmTimeoutError
 
 log = logging.getLogger(__name__)
 
 ErrorCallback = Callable[[FabricError], None]
-Fire = tuple[Callable[..., None], tuple[object, ...]]
-
-
-@dataclass(frozen=True)
-class Inline:
-    """A reached callback to run where the count completes (see the module docstring)."""
-
-    callback: Callable[[], None]
-
-    def __call__(self) -> None:
-        self.callback()
-
-
-def run_inline(fires: list[Fire]) -> list[Fire]:
-    """Call the `Inline` callbacks of ``fires`` here; return the rest, for the callback thread."""
-    rest: list[Fire] = []
-    for callback, args in fires:
-        if not isinstance(callback, Inline):
-            rest.append((callback, args))
-            continue
-        try:
-            callback(*args)
-        except Exception:  # never into the progress loop
-            log.exception("inline counter callback %r raised", callback.callback)
-    return rest
 
 
 @dataclass

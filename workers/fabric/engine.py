@@ -48,8 +48,8 @@ import numpy as np
 
 from workers.fabric import paging
 from workers.fabric._lib import ffi, lib, strerror
-from workers.fabric.callbacks import CallbackDispatcher
-from workers.fabric.counters import ImmCounters, ImmStats, Inline, run_inline
+from workers.fabric.callbacks import CallbackDispatcher, Inline
+from workers.fabric.counters import ImmCounters, ImmStats
 from workers.fabric.descriptors import MemoryRegionDescriptor
 from workers.fabric.errors import (
     AddressError,
@@ -519,15 +519,13 @@ class TransferEngine:
         Writes that landed before this call count. See `workers.fabric.counters` for the exact
         semantics (surplus, cancel tombstones, timeouts). ``inline``: `on_reached` runs where
         the count completes (the progress thread, or here), not on the callback thread; only
-        for a callback that hands the event on without blocking (`counters.Inline`).
+        for a callback that hands the event on without blocking (`callbacks.Inline`).
         """
         self._check_open()
         self._check_imm(imm)
         deadline = None if timeout is None else time.monotonic() + timeout
         reached = Inline(on_reached) if inline else on_reached
-        self._dispatcher.submit_all(
-            run_inline(self.counters.expect(imm, count, reached, on_error, deadline))
-        )
+        self._dispatcher.submit_all(self.counters.expect(imm, count, reached, on_error, deadline))
 
     def imm_arrivals(self, imm: int) -> int:
         """Writes carrying `imm` that landed here since it was last armed (see counters)."""

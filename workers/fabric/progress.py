@@ -51,7 +51,7 @@ from typing import Any
 
 from workers.fabric._lib import ffi, lib, strerror
 from workers.fabric.callbacks import CallbackDispatcher, Fire
-from workers.fabric.counters import ImmCounters, run_inline
+from workers.fabric.counters import ImmCounters
 from workers.fabric.errors import (
     EngineClosedError,
     FabricError,
@@ -399,7 +399,7 @@ class ProgressLoop:
                 if kind == lib.PD_EV_IMM_RECV:
                     self.pools.repost_receive(self.native, ids[row])
         if imm_counts:
-            self.dispatcher.submit_all(run_inline(self.counters.record(imm_counts)))
+            self.dispatcher.submit_all(self.counters.record(imm_counts))
         if error:
             self._error_completion()
         return rows > 0 or error
