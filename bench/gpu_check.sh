@@ -8,6 +8,9 @@
 #                        importing there): engine on CUDA against HF on CUDA, with and
 #                        without CUDA graphs, CUDA layer progress, FlashInfer attention
 #                        (skips if flashinfer is not installed)
+#   pytest-fabric-gpu.txt  CUDA pools over the fabric (FI_HMEM registration, GPU to GPU writes,
+#                        disaggregated parity on CUDA), only where the libfabric binding imports
+#                        (carry workers/fabric/_fabric_cffi*.so; the machine needs libfabric)
 #   engine-cuda-*.txt    bench/engine.py --device cuda: float32, bfloat16, bfloat16 --eager
 # Record the figures in bench/RESULTS.md (Engine, "On a GPU"). Without CUDA it stops at once.
 set -u -o pipefail
@@ -25,6 +28,12 @@ status=0
 timeout 240 python3 -m pytest -p no:cacheprovider -q -m gpu tests/engine/test_device.py \
     tests/engine/test_decode_graphs.py tests/engine/test_attention_flashinfer.py 2>&1 \
     | tee "$out/pytest-gpu.txt" || status=1
+if python3 -c 'import workers.fabric' 2>"$out/pytest-fabric-gpu.txt"; then
+    timeout 120 python3 -m pytest -p no:cacheprovider -q -m gpu tests/fabric/test_hmem.py \
+        tests/kv/test_messenger_gpu.py 2>&1 | tee "$out/pytest-fabric-gpu.txt" || status=1
+else
+    echo "skipped: the libfabric binding does not import here" >>"$out/pytest-fabric-gpu.txt"
+fi
 # No --hf-static: on CUDA, HF may torch.compile a static-cache generate, minutes of a
 # 15-minute device budget.
 for run in "float32" "bfloat16" "bfloat16 --eager"; do

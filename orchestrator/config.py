@@ -116,7 +116,8 @@ class ClusterConfig:
     ``device``: where the workers' engines run (`workers.engine.device`). On ``cuda`` every
     group reserves a GPU per rank (``resources_per_rank.gpu``: Ray then sets each worker's
     ``CUDA_VISIBLE_DEVICES``), runs with ``tp: 1``, and KV transfers need a provider that
-    registers GPU memory (FI_HMEM: ``verbs``, ``efa``), which ``tcp`` and ``shm`` cannot.
+    registers GPU memory (FI_HMEM: ``verbs``, ``efa``; ``shm`` on one node when libfabric was
+    built with CUDA, which the workers find out at start), which ``tcp`` cannot.
     Cross-field rules run here, so that `dataclasses.replace` (and `with_overrides`)
     revalidate the result.
     """
@@ -182,11 +183,11 @@ class ClusterConfig:
                 raise ConfigError(
                     f"{path}.tp", "tensor parallelism on CUDA is not implemented; use tp: 1"
                 )
-            if group.fabric is not None and group.fabric.provider in ("tcp;ofi_rxm", "shm"):
+            if group.fabric is not None and group.fabric.provider == "tcp;ofi_rxm":
                 raise ConfigError(
                     f"{path}.fabric.provider",
                     f"{group.fabric.provider} cannot register GPU memory for KV transfers; "
-                    "use verbs or efa (FI_HMEM)",
+                    "use verbs or efa (FI_HMEM), or shm on one node",
                 )
 
     def _check_limits(self, limits: Limits, path: str) -> None:

@@ -268,6 +268,9 @@ def test_cuda_groups_need_single_rank_and_a_gpu_memory_provider(smol_dir: Path) 
     with pytest.raises(ConfigError, match=r"^groups\.prefill\.fabric\.provider: tcp;ofi_rxm "):
         ClusterConfig.from_dict(copy.deepcopy(raw))  # checked on the config host: no GPU needed
     for role in ("prefill", "decode"):
+        raw["groups"][role]["fabric"] = {"provider": "shm"}
+    ClusterConfig.from_dict(copy.deepcopy(raw))  # one node, CUDA IPC
+    for role in ("prefill", "decode"):
         raw["groups"][role]["fabric"] = {"provider": "verbs"}
     config = ClusterConfig.from_dict(copy.deepcopy(raw))
     assert config.engine_config("decode").device == "cuda"

@@ -28,6 +28,13 @@ system disabled THP ("never"); a kernel or mapping that refuses only loses the s
 tcp leaves pages alone by default (`huge_pages=True` turns it on): its sockets copy the bytes
 anyway, and seven transfer-bench runs showed no clear gain (bench/RESULTS.md, "tcp regions on
 huge pages").
+
+Device memory. `TransferEngine(..., hmem=True)` asks the provider for FI_HMEM (and FI_MR_HMEM),
+so `register` also takes CUDA tensors: the region is registered with ``FI_HMEM_CUDA`` and its
+device, and the NIC reads and writes GPU pages directly (GPUDirect RDMA on verbs / efa; CUDA IPC
+on a libfabric shm built with CUDA). A provider without it fails at open with
+`FabricUnavailableError`; a CUDA tensor given to an engine opened without it fails in
+`register` with `RegistrationError`, before the provider sees it. tcp has no FI_HMEM.
 """
 
 from __future__ import annotations
@@ -63,7 +70,7 @@ from workers.fabric.errors import (
     ProviderError,
     RegistrationError,
 )
-from workers.fabric.handles import MemoryRegionHandle, PeerHandle, buffer_extent
+from workers.fabric.handles import BufferExtent, MemoryRegionHandle, PeerHandle, buffer_extent
 from workers.fabric.messages import MAX_ADDRESS_BYTES, Message, MessagePools
 from workers.fabric.progress import SEND, WRITE, Job, ProgressLoop, ProgressStats
 from workers.fabric.providers import FabricInfo, describe, fi_info_list, normalize_provider
@@ -106,6 +113,7 @@ class TransferEngine:
         idle_spin_us: int = 2000,
         idle_wait_us: int | None = None,
         huge_pages: bool | None = None,
+        hmem: bool = False,
     ) -> None:
         self._id = next(_engine_ids)
         self._closed = False
@@ -122,7 +130,7 @@ class TransferEngine:
         self._huge_pages = provider == "shm" if huge_pages is None else huge_pages
         # shm ignores node names; tcp needs one to stay on loopback (ENV.md).
         node_arg = None if provider == "shm" else node
-        self.info, self._native = self._open(provider, node_arg, domain, max_inflight_ops)
+        self.info, self._native = self._open(provider, node_arg, domain, max_inflight_ops, hmem)
         try:
             self.address = self._getname()
             self._pools = MessagePools(max_message_bytes, num_send_buffers, num_receive_buffers)
@@ -157,6 +165,11 @@ class TransferEngine:
         return self.info.provider
 
     @property
+    def hmem(self) -> bool:
+        """Opened with FI_HMEM: `register` takes CUDA tensors too."""
+        return self.info.hmem
+
+    @property
     def imm_bits(self) -> int:
         """Width of immediate data here: 8 * fi_info cq_data_size, at most 64."""
         return self.info.imm_bits
@@ -178,9 +191,9 @@ class TransferEngine:
 
     @staticmethod
     def _open(
-        provider: str, node: str | None, domain: str | None, num_slots: int
+        provider: str, node: str | None, domain: str | None, num_slots: int, hmem: bool
     ) -> tuple[FabricInfo, Any]:
-        with fi_info_list(provider, node) as info_list:
+        with fi_info_list(provider, node, want_hmem=hmem) as info_list:
             infos = describe(info_list)
             index = 0
             if domain is not None:
@@ -203,37 +216,57 @@ class TransferEngine:
         return bytes(ffi.buffer(buffer, length[0]))
 
     def _register_native(self, owner: object) -> MemoryRegionHandle:
-        address, length, keep_alive = buffer_extent(owner)
+        extent = self._extent(owner)
         key = self._next_key
         self._next_key += 1
         mr = ffi.new("struct fid_mr **")
         key_out = ffi.new("uint64_t *")
         desc = ffi.new("void **")
         rc = lib.pd_mr_reg(
-            self._native, ffi.cast("void *", address), length, key, mr, key_out, desc
+            self._native,
+            ffi.cast("void *", extent.address),
+            extent.length,
+            key,
+            extent.cuda_device,
+            mr,
+            key_out,
+            desc,
         )
         if rc != 0:
-            raise RegistrationError(f"fi_mr_reg of {length} bytes: {strerror(rc)} ({rc})")
+            where = "host" if extent.cuda_device < 0 else f"cuda:{extent.cuda_device}"
+            raise RegistrationError(
+                f"fi_mr_regattr of {extent.length} bytes of {where} memory: {strerror(rc)} ({rc})"
+            )
         handle = MemoryRegionHandle(
-            address, length, int(key_out[0]), self._id, mr[0], desc[0], keep_alive
+            extent.address, extent.length, int(key_out[0]), self._id, mr[0], desc[0], owner
         )
         self._regions[id(handle)] = handle
         return handle
 
     # -- memory and peers -----------------------------------------------------------------------
 
+    def _extent(self, buffer: object) -> BufferExtent:
+        extent = buffer_extent(buffer)
+        if extent.cuda_device >= 0 and not self.hmem:
+            raise RegistrationError(
+                f"cuda:{extent.cuda_device} memory needs an engine opened with hmem=True "
+                f"(FI_HMEM); this {self.provider} engine registers host memory only"
+            )
+        return extent
+
     def register(self, buffer: object) -> tuple[MemoryRegionHandle, MemoryRegionDescriptor]:
-        """Register host memory (torch CPU tensor, numpy array, bytearray, memoryview).
+        """Register host memory (torch CPU tensor, numpy array, bytearray, memoryview) or, on
+        an engine opened with ``hmem=True``, a CUDA tensor (`BufferExtent.cuda_device`).
 
         Returns the local handle (source of writes) and the descriptor to give peers (target of
         their writes). The engine keeps `buffer` alive until `deregister` or `close`.
-        With `huge_pages`, the region's 2 MiB-aligned interior is moved to huge pages first
+        With `huge_pages`, a host region's 2 MiB-aligned interior is moved to huge pages first
         (module docstring; a copy of it, on this thread, before the provider sees the region).
         """
         self._check_open()
-        if self._huge_pages:
-            address, length, _ = buffer_extent(buffer)
-            advise_huge_pages(address, length)
+        extent = self._extent(buffer)  # typed errors on this thread, before the provider
+        if self._huge_pages and extent.cuda_device < 0:
+            advise_huge_pages(extent.address, extent.length)
         handle: MemoryRegionHandle = self._loop.call(lambda: self._register_native(buffer))
         virt = bool(self.info.mr_mode & lib.FI_MR_VIRT_ADDR)
         descriptor = MemoryRegionDescriptor(

@@ -36,11 +36,22 @@ class MemoryRegionHandle:
     owner: object = field(repr=False)
 
 
-def buffer_extent(obj: object) -> tuple[int, int, object]:
-    """(address, length, keep-alive object) of a writable, contiguous host buffer.
+@dataclass(frozen=True)
+class BufferExtent:
+    """Where a buffer's bytes are: ``cuda_device`` is -1 for host memory, else the CUDA
+    device whose memory they are (registered with FI_HMEM_CUDA)."""
 
-    Accepts torch CPU tensors, numpy arrays, bytearray, writable memoryviews and anything else
-    exporting a writable contiguous buffer.
+    address: int
+    length: int
+    keep_alive: object
+    cuda_device: int = -1
+
+
+def buffer_extent(obj: object) -> BufferExtent:
+    """The extent of a writable, contiguous buffer.
+
+    Accepts torch CPU and CUDA tensors, numpy arrays, bytearray, writable memoryviews and
+    anything else exporting a writable contiguous buffer.
     """
     torch_tensor = _torch_extent(obj)
     if torch_tensor is not None:
@@ -50,35 +61,34 @@ def buffer_extent(obj: object) -> tuple[int, int, object]:
             raise RegistrationError("numpy array must be C-contiguous and writable")
         if obj.nbytes == 0:
             raise RegistrationError("cannot register an empty array")
-        return int(obj.ctypes.data), int(obj.nbytes), obj
+        return BufferExtent(int(obj.ctypes.data), int(obj.nbytes), obj)
     try:
         cdata = ffi.from_buffer(obj, require_writable=True)
     except (TypeError, BufferError, ValueError) as exc:
         raise RegistrationError(
             f"cannot register {type(obj).__name__}: need a writable contiguous buffer "
-            "(torch CPU tensor, numpy array, bytearray, memoryview)"
+            "(torch CPU or CUDA tensor, numpy array, bytearray, memoryview)"
         ) from exc
     if len(cdata) == 0:
         raise RegistrationError("cannot register an empty buffer")
     if isinstance(obj, memoryview) and not obj.contiguous:
         raise RegistrationError("memoryview must be contiguous")
-    return int(ffi.cast("uintptr_t", cdata)), len(cdata), (obj, cdata)
+    return BufferExtent(int(ffi.cast("uintptr_t", cdata)), len(cdata), (obj, cdata))
 
 
-def _torch_extent(obj: object) -> tuple[int, int, object] | None:
+def _torch_extent(obj: object) -> BufferExtent | None:
     torch = _torch_module(obj)
     if torch is None or not isinstance(obj, torch.Tensor):
         return None
-    if obj.device.type != "cpu":
-        raise RegistrationError(
-            f"tensor on {obj.device} needs FI_HMEM registration, not supported by this build"
-        )
+    if obj.device.type not in ("cpu", "cuda"):
+        raise RegistrationError(f"cannot register a tensor on {obj.device} (cpu or cuda only)")
     if not obj.is_contiguous():
         raise RegistrationError("tensor must be contiguous")
     nbytes = obj.numel() * obj.element_size()
     if nbytes == 0:
         raise RegistrationError("cannot register an empty tensor")
-    return int(obj.data_ptr()), int(nbytes), obj
+    device = -1 if obj.device.type == "cpu" else int(obj.device.index or 0)
+    return BufferExtent(int(obj.data_ptr()), int(nbytes), obj, device)
 
 
 def _torch_module(obj: object) -> Any:

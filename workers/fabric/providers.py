@@ -41,6 +41,11 @@ class FabricInfo:
     numa_node: int | None
 
     @property
+    def hmem(self) -> bool:
+        """Registers device (GPU) memory: FI_HMEM."""
+        return bool(self.caps & lib.FI_HMEM)
+
+    @property
     def imm_bits(self) -> int:
         """Usable width of immediate data (FI_REMOTE_CQ_DATA), capped at 64."""
         return min(64, 8 * self.cq_data_size)
@@ -59,9 +64,10 @@ def fi_info_list(provider: str, node: str | None, want_hmem: bool = False) -> It
         normalize_provider(provider).encode(), node_arg, ffi.NULL, int(want_hmem), out
     )
     if rc != 0:
+        hmem = " + FI_HMEM (device memory registration)" if want_hmem else ""
         raise FabricUnavailableError(
             f"provider {provider!r} (node {node!r}) offers no RDM endpoint with FI_RMA + "
-            f"FI_MSG and remote CQ data here: fi_getinfo: {strerror(rc)} ({rc})"
+            f"FI_MSG{hmem} and remote CQ data here: fi_getinfo: {strerror(rc)} ({rc})"
         )
     try:
         yield out[0]

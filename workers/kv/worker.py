@@ -113,6 +113,12 @@ def group_pools(engine: EngineCore) -> dict[str, Any]:
     return {"rank_pools": list(engine.rank_kv_caches), "sharding": engine.tp.spec.kv_sharding}
 
 
+def open_fabric(engine: EngineCore, provider: str, node: str | None) -> TransferEngine:
+    """The worker's transfer engine; with FI_HMEM when the KV pool is GPU memory, so the
+    provider moves pages between GPUs directly (`TransferEngine` docstring)."""
+    return TransferEngine(provider, node, hmem=engine.device.type == "cuda")
+
+
 class PrefillWorker:
     """A prefill-role engine whose prefilled KV is pushed to decoders (no sampling)."""
 
@@ -128,7 +134,7 @@ class PrefillWorker:
         config = _engine_config(engine_config, "prefill")
         self.engine = EngineCore(model_dir, config, detokenize=False)
         try:
-            self.fabric = TransferEngine(provider, node)
+            self.fabric = open_fabric(self.engine, provider, node)
         except BaseException:
             self.engine.close()
             raise
@@ -225,7 +231,7 @@ class DecodeWorker:
         config = _engine_config(engine_config, "decode")
         self.engine = EngineCore(model_dir, config, detokenize=False)
         try:
-            self.fabric = TransferEngine(provider, node)
+            self.fabric = open_fabric(self.engine, provider, node)
         except BaseException:
             self.engine.close()
             raise
