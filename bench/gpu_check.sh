@@ -7,12 +7,15 @@
 #   pytest-gpu.txt       the GPU tests (-m gpu; only their files, so that nothing else needs
 #                        importing there): engine on CUDA against HF on CUDA, with and
 #                        without CUDA graphs, CUDA layer progress, FlashInfer attention
-#                        (skips if flashinfer is not installed)
+#                        (skips if flashinfer is not installed), a cuMem pool exported by one
+#                        process and mapped by another
 #   pytest-fabric-gpu.txt  CUDA pools over the fabric (FI_HMEM registration, GPU to GPU writes,
 #                        disaggregated parity on CUDA), only where the libfabric binding imports
 #                        (carry workers/fabric/_fabric_cffi*.so; the machine needs libfabric)
 #   engine-cuda-*.txt    bench/engine.py --device cuda: float32, bfloat16, bfloat16 --eager
 # Record the figures in bench/RESULTS.md (Engine, "On a GPU"). Without CUDA it stops at once.
+# pytest runs with addopts cleared: the image may lack pytest-timeout, whose `timeout` marker
+# some of these files use, and --strict-markers would turn that into an error.
 set -u -o pipefail
 out=${OUT:-/tmp/gpu-check}
 mkdir -p "$out"
@@ -25,12 +28,14 @@ print(torch.cuda.get_device_name(0), "| torch", torch.__version__, "| CUDA", tor
       "| transformers", transformers.__version__)
 PY
 status=0
-timeout 240 python3 -m pytest -p no:cacheprovider -q -m gpu tests/engine/test_device.py \
-    tests/engine/test_decode_graphs.py tests/engine/test_attention_flashinfer.py 2>&1 \
+timeout 240 python3 -m pytest -p no:cacheprovider -o addopts=-ra -q -m gpu tests/engine/test_device.py \
+    tests/engine/test_decode_graphs.py tests/engine/test_attention_flashinfer.py \
+    tests/engine/test_shared_kv_cuda.py 2>&1 \
     | tee "$out/pytest-gpu.txt" || status=1
 if python3 -c 'import workers.fabric' 2>"$out/pytest-fabric-gpu.txt"; then
-    timeout 120 python3 -m pytest -p no:cacheprovider -q -m gpu tests/fabric/test_hmem.py \
-        tests/kv/test_messenger_gpu.py 2>&1 | tee "$out/pytest-fabric-gpu.txt" || status=1
+    timeout 120 python3 -m pytest -p no:cacheprovider -o addopts=-ra -q -m gpu \
+        tests/fabric/test_hmem.py tests/kv/test_messenger_gpu.py 2>&1 \
+        | tee "$out/pytest-fabric-gpu.txt" || status=1
 else
     echo "skipped: the libfabric binding does not import here" >>"$out/pytest-fabric-gpu.txt"
 fi

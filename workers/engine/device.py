@@ -8,8 +8,9 @@ later inside a kernel.
 What runs where on CUDA: weights, the KV pool and every step tensor live on the device; the
 attention backend is FlashInfer for half-precision caches when ``flashinfer`` is installed, else
 the torch backend's gather path; layer progress is published by stream-ordered copies
-(`workers.engine.layer_progress_cuda`). Tensor parallelism on CUDA needs the cuMem-shared pools
-of `workers.engine.shared_kv_cuda`, which are not implemented, so it is refused here.
+(`workers.engine.layer_progress_cuda`). Tensor parallelism on CUDA is refused here: its
+cuMem-shared KV pools exist (`workers.engine.shared_kv_cuda`), but the group itself (a device
+per rank, nccl all-reduces, the step broadcast on device) is not wired for CUDA yet.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def resolve_device(name: str, tensor_parallel_size: int = 1) -> torch.device:
         raise DeviceError(f"device {name!r}: this host has {count} CUDA device(s)")
     if tensor_parallel_size > 1:
         raise DeviceError(
-            "tensor parallelism on CUDA needs the cuMem-shared KV pools of "
-            "workers.engine.shared_kv_cuda, which are not implemented; use tensor_parallel_size 1"
+            "tensor parallelism on CUDA is not implemented (the TP group runs on CPU only); "
+            "use tensor_parallel_size 1"
         )
     return torch.device("cuda", index)

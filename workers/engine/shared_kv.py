@@ -14,8 +14,9 @@ Life cycle (named per group, so concurrent groups never collide):
    unmaps, so nothing can leak in ``/dev/shm`` even if a process is killed later.
    A failed start unlinks them too.
 
-GPU design (not implemented; `create_cuda_pool_handle` / `open_cuda_pool_handle` are stubs in
-``shared_kv_cuda``): each rank allocates its pool with ``cuMemCreate`` (``CU_MEM_HANDLE_TYPE_
+GPU (``shared_kv_cuda``: `create_cuda_pool_handle`, `send_pool_handle`, `open_cuda_pool_handle`;
+the TP group itself does not run on CUDA yet, so `workers.engine.device` refuses TP > 1 there):
+each rank allocates its pool with ``cuMemCreate`` (``CU_MEM_HANDLE_TYPE_
 POSIX_FILE_DESCRIPTOR``, its own device), maps it with ``cuMemMap`` / ``cuMemSetAccess`` and
 wraps the address as a tensor (DLPack). It exports a file descriptor with
 ``cuMemExportToShareableHandle`` and passes it to the leader over a Unix socket
