@@ -8,7 +8,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from workers.fabric import OutOfRangeError, TransferEngine, coalesce_page_runs
+from workers.fabric import FabricError, OutOfRangeError, TransferEngine, coalesce_page_runs
 from workers.fabric.counters import ImmCounters
 
 pytestmark = pytest.mark.timeout(120)
@@ -39,6 +39,37 @@ def test_submit_writes_posts_exactly_the_rows(make_engine: Callable[..., Transfe
         sender.submit_writes(handle, peer, descriptor, np.array([[0, 0, 0]]))
     with pytest.raises(OutOfRangeError):
         sender.submit_writes(handle, peer, descriptor, np.array([0, 0, 8]))
+
+
+def test_prepared_writes_post_in_row_ranges(make_engine: Callable[..., TransferEngine]) -> None:
+    sender, receiver = make_engine(), make_engine()
+    source = np.arange(1 << 16, dtype=np.uint8)
+    target = np.zeros(1 << 16, dtype=np.uint8)
+    handle, _ = sender.register(source)
+    _, descriptor = receiver.register(target)
+    peer = sender.add_peer(receiver.address)
+    rows = np.array([[0, 0, 1000], [2000, 5000, 300], [4000, 9000, 50], [8000, 20000, 7]])
+    prepared = sender.prepare_writes(handle, peer, descriptor, rows)
+    assert len(prepared) == 4 and sender.stats().progress.ops_posted == 0
+    with pytest.raises(OutOfRangeError):
+        sender.submit_prepared(prepared, 2, 5)
+    with pytest.raises(OutOfRangeError):
+        sender.submit_prepared(prepared, 1, 1)
+    for start, stop, imm in ((1, 3, 41), (0, 1, 42), (3, 4, 43)):  # any order, disjoint
+        landed = threading.Event()
+        receiver.expect_imm(imm, stop - start, landed.set)
+        sender.submit_prepared(prepared, start, stop, imm=imm)
+        assert landed.wait(30)
+        for src, dst, length in rows[start:stop].tolist():
+            assert np.array_equal(target[dst : dst + length], source[src : src + length])
+    assert sender.stats().progress.ops_posted == 4
+    assert sender.stats().progress.bytes_written == int(rows[:, 2].sum())
+    with pytest.raises(OutOfRangeError):  # checked when prepared: nothing is laid out
+        sender.prepare_writes(handle, peer, descriptor, np.array([[0, (1 << 16) - 4, 8]]))
+    sender.deregister(handle)
+    with pytest.raises(FabricError):  # the region went away since: refused at submit
+        sender.submit_prepared(prepared, 0, 1)
+    assert sender.stats().progress.ops_posted == 4
 
 
 def test_arrivals_are_counted_armed_buffered_and_after_cancel() -> None:

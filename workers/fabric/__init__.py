@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from workers.fabric.counters import ImmStats
 from workers.fabric.descriptors import MemoryRegionDescriptor
-from workers.fabric.engine import EngineStats, TransferEngine
+from workers.fabric.engine import EngineStats, PreparedWrites, TransferEngine
 from workers.fabric.errors import (
     AddressError,
     DescriptorError,
@@ -52,6 +52,7 @@ __all__ = [
     "OutOfRangeError",
     "PeerFailedError",
     "PeerHandle",
+    "PreparedWrites",
     "ProgressStats",
     "ProviderError",
     "RegistrationError",

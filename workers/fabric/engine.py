@@ -47,7 +47,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +91,22 @@ class EngineStats:
     progress: ProgressStats
     imm: ImmStats
     callback_errors: int
+
+
+@dataclass(frozen=True, eq=False)
+class PreparedWrites:
+    """Writes checked and laid out by `TransferEngine.prepare_writes`, to be queued later in
+    row ranges by `submit_prepared`; valid only with the engine that prepared them."""
+
+    src: MemoryRegionHandle
+    peer: PeerHandle
+    dst: MemoryRegionDescriptor
+    pointers: tuple[Any, Any, Any] = field(repr=False)  # native local addr, length, remote addr
+    arrays: tuple[np.ndarray, ...] = field(repr=False)  # what the pointers point into
+    ends: list[int] = field(repr=False)  # ends[i]: bytes of rows [0, i)
+
+    def __len__(self) -> int:
+        return len(self.ends) - 1
 
 
 class TransferEngine:
@@ -413,17 +429,11 @@ class TransferEngine:
             coalesce=paging.can_coalesce(page_bytes, src_stride, dst_stride),
             max_pages_per_run=self.max_pages_per_run(page_bytes),
         )
-        if runs.shape[0] == 0:
-            self._check_open()
-            if on_done is not None:
-                self._dispatcher.submit(on_done)
-            return 0
         ops = np.empty((runs.shape[0], 3), dtype=np.int64)
         ops[:, 0] = src_offset + runs[:, 0] * src_stride
         ops[:, 1] = dst_offset + runs[:, 1] * dst_stride
         ops[:, 2] = runs[:, 2] * page_bytes
-        self._submit_ops(src, peer, dst, ops, imm, on_done, on_error)
-        return int(runs.shape[0])
+        return self.submit_writes(src, peer, dst, ops, imm, on_done, on_error)
 
     def submit_writes(
         self,
@@ -450,24 +460,32 @@ class TransferEngine:
             if on_done is not None:
                 self._dispatcher.submit(on_done)
             return 0
-        if int(rows[:, 2].min()) <= 0:
-            raise OutOfRangeError("every write needs a positive length")
-        self._submit_ops(src, peer, dst, rows, imm, on_done, on_error)
-        return int(rows.shape[0])
+        self._check_imm(imm)
+        prepared = self.prepare_writes(src, peer, dst, rows)
+        self.submit_prepared(prepared, 0, len(prepared), imm, on_done, on_error)
+        return len(prepared)
 
-    def _submit_ops(
+    def prepare_writes(
         self,
         src: MemoryRegionHandle,
         peer: PeerHandle,
         dst: MemoryRegionDescriptor,
         ops: np.ndarray,
-        imm: int | None,
-        on_done: Callable[[], None] | None,
-        on_error: ErrorCallback | None,
-    ) -> None:
-        """`ops` rows: (src byte offset, dst byte offset, length); checked, then queued."""
-        self._check_write(src, peer, dst, imm)
-        src_off, dst_off, lengths = ops[:, 0], ops[:, 1], ops[:, 2]
+    ) -> PreparedWrites:
+        """Check and lay out writes now, post them later (`submit_prepared`, in row ranges).
+
+        Rows as for `submit_writes`. Everything that depends only on the rows (range checks,
+        native address arrays) is done here, so a caller that knows its writes ahead of the
+        moment they may go (the KV messenger, before the forward pass) leaves that moment
+        only the queueing. Raises as `submit_writes` would.
+        """
+        rows = np.asarray(ops, dtype=np.int64)
+        if rows.ndim != 2 or rows.shape[1] != 3 or rows.shape[0] == 0:
+            raise OutOfRangeError(f"ops must be rows of (src, dst, length), got {rows.shape}")
+        self._check_write(src, peer, dst, None)
+        src_off, dst_off, lengths = rows[:, 0], rows[:, 1], rows[:, 2]
+        if int(lengths.min()) <= 0:
+            raise OutOfRangeError("every write needs a positive length")
         _check_extent("source region", src_off, lengths, src.length)
         _check_extent("destination descriptor", dst_off, lengths, dst.length)
         if int(lengths.max()) > self.max_write_bytes:
@@ -475,11 +493,37 @@ class TransferEngine:
         laddr = (src_off + src.address).astype(np.uint64)
         raddr = (dst_off + dst.base).astype(np.uint64)
         lens = lengths.astype(np.uint64)
-        arrays = tuple(ffi.cast("uint64_t *", ffi.from_buffer(a)) for a in (laddr, lens, raddr))
-        keep_alive = (laddr, lens, raddr)
-        total_bytes = int(lengths.sum())
+        pointers = tuple(ffi.cast("uint64_t *", ffi.from_buffer(a)) for a in (laddr, lens, raddr))
+        ends = np.concatenate(([0], np.cumsum(lengths))).tolist()
+        return PreparedWrites(src, peer, dst, pointers, (laddr, lens, raddr), ends)
+
+    def submit_prepared(
+        self,
+        prepared: PreparedWrites,
+        start: int,
+        stop: int,
+        imm: int | None = None,
+        on_done: Callable[[], None] | None = None,
+        on_error: ErrorCallback | None = None,
+    ) -> None:
+        """Queue rows ``[start, stop)`` of ``prepared`` (checked when prepared); `on_done` fires
+        once after all of them completed locally. Only the engine, region, peer and ``imm`` are
+        checked again (the region may have been deregistered or the peer failed since)."""
+        if not 0 <= start < stop <= len(prepared):
+            raise OutOfRangeError(f"rows [{start}, {stop}) of {len(prepared)} prepared writes")
+        self._check_write(prepared.src, prepared.peer, prepared.dst, imm)
+        laddr, lens, raddr = prepared.pointers
         self._queue_write(
-            src, peer, dst, arrays, keep_alive, len(lens), total_bytes, imm, on_done, on_error
+            prepared.src,
+            prepared.peer,
+            prepared.dst,
+            (laddr + start, lens + start, raddr + start),
+            prepared,
+            stop - start,
+            prepared.ends[stop] - prepared.ends[start],
+            imm,
+            on_done,
+            on_error,
         )
 
     def _check_write(

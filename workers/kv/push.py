@@ -2,9 +2,10 @@
 
 Life cycle of one pass::
 
-    step thread: on_step_scheduled(chunks) ──PassPlan(pass_id, items)──▶ plan queue
+    step thread: on_step_scheduled(chunks) ──PassPlan(pass_id, items)──▶ submit_pass:
+                 every item's writes of all layers prepared (checked, laid out) ──▶ plan queue
     push thread: take plan ─▶ wait for a LayerProgress update ─▶ layers done since last look
-                 ─▶ gate(item, l) for each ─▶ one submit_writes per rank pair for all of them
+                 ─▶ gate(item, l) for each ─▶ one submit_prepared per rank pair for all of them
                  (repeat until all layers of the pass are sent)
 
 A `PassPlan` names the pass by the id `LayerProgress.begin_pass` will give it (the step thread
@@ -25,9 +26,14 @@ step thread in the final-norm hook, instead of waking the push thread and waitin
 win the GIL from the step thread (both advance the plan under one lock, so each layer is sent
 once, by whichever comes first). When several layers are done at
 its look (the deferred baseline, or a push thread that fell behind), an item's writes of all
-of them go in one `submit_writes` call per rank pair: one row array, one job for the fabric's
-progress thread, one GIL-holding stretch of Python instead of one per layer (on CPU the push,
-step and fabric threads share the GIL, and each call delayed the fabric's posting).
+of them go in one `submit_prepared` call per rank pair: one job for the fabric's progress
+thread, one GIL-holding stretch of Python instead of one per layer (on CPU the push, step and
+fabric threads share the GIL, and each call delayed the fabric's posting). The rows themselves
+were checked and laid out before the pass (`TransferEngine.prepare_writes`, rows in layer
+order, so layers ``[a, b)`` are one row range): at the moment a layer may go only the queueing
+is left. Right after a pass every line of Python runs several times slower than warm, and
+preparing ahead took ~0.45 ms off the deferred baseline's 256-token transfer
+(bench/RESULTS.md, "Prepared writes").
 
 `gate(item, layer)` (the messenger's, under its lock) decides whether the item's writes of that
 layer may still go (transfer not aborted, deadline not passed) and records them as submitted
@@ -59,6 +65,7 @@ from workers.fabric import (
     MemoryRegionDescriptor,
     MemoryRegionHandle,
     PeerHandle,
+    PreparedWrites,
     TransferEngine,
 )
 from workers.kv.checksum import ChecksumAccumulator, shard_order
@@ -157,6 +164,17 @@ class PassPlan:
     items: list[PushItem]
 
 
+@dataclass
+class _Prepared:
+    """An item's writes of every layer, prepared before its pass (`PushThread.submit_pass`):
+    one `PreparedWrites` per rank pair, rows in layer order, ``rows_per_layer`` each; or the
+    error preparing them raised, reported when the first layer goes."""
+
+    item: PushItem
+    writes: tuple[tuple[PreparedWrites, int], ...] = ()
+    error: FabricError | None = None
+
+
 Gate = Callable[[PushItem, int], bool]
 ChecksummedCallback = Callable[[PushItem], None]
 DoneCallback = Callable[[str, int], None]
@@ -204,7 +222,9 @@ class PushThread:
         self._src_views = tuple(src_views)
         self._on_checksummed = on_checksummed
         self._ended_pass_id = 0  # latest pass the step thread reported finished
-        self._plans: queue.SimpleQueue[PassPlan | None] = queue.SimpleQueue()
+        self._plans: queue.SimpleQueue[tuple[PassPlan, list[_Prepared]] | None] = (
+            queue.SimpleQueue()
+        )
         self._stopped = threading.Event()
         # Set by the counter's listener, `pass_ended` and `close`; cleared before each look.
         self._wake = threading.Event()
@@ -213,6 +233,7 @@ class PushThread:
         # so does `pass_ended` on the step thread, one at a time.
         self._lock = threading.Lock()
         self._current: PassPlan | None = None
+        self._prepared: list[_Prepared] = []
         self._sent = 0
         self.num_passes = 0
         self.num_layers_pushed = 0
@@ -222,8 +243,30 @@ class PushThread:
         self.thread.start()
 
     def submit_pass(self, plan: PassPlan) -> None:
+        """Queue ``plan`` (step thread, before its pass): each item's writes are checked and
+        laid out here for every layer, so a finished layer (and, in the deferred baseline, the
+        whole pass) costs only the gate and the queueing at the moment it may go."""
         if plan.items:
-            self._plans.put(plan)
+            self._plans.put((plan, [self._prepare(item) for item in plan.items]))
+
+    def _prepare(self, item: PushItem) -> _Prepared:
+        layers = range(self._num_layers)
+        try:
+            writes = tuple(
+                (
+                    self._engine.prepare_writes(
+                        self._src_handles[ops.src_rank],
+                        item.peer,
+                        item.dst_descriptors[ops.dst_rank],
+                        item.layers_rows(ops, layers),
+                    ),
+                    len(ops.rows),
+                )
+                for ops in item.ops
+            )
+        except FabricError as error:
+            return _Prepared(item, error=error)
+        return _Prepared(item, writes)
 
     def pass_ended(self, pass_id: int) -> bool:
         """The forward pass ``pass_id`` is over (its last op ran). Called on the step thread:
@@ -251,18 +294,19 @@ class PushThread:
 
     def _run(self) -> None:
         while True:
-            plan = self._plans.get()
-            if plan is None:
+            entry = self._plans.get()
+            if entry is None:
                 return
+            plan, prepared = entry
             with self._lock:
-                self._current, self._sent = plan, 0
+                self._current, self._prepared, self._sent = plan, prepared, 0
             try:
                 self._push_pass(plan)
             except Exception:
                 log.exception("push of pass %d failed", plan.pass_id)
             finally:
                 with self._lock:
-                    self._current = None
+                    self._current, self._prepared = None, []
 
     def _push_pass(self, plan: PassPlan) -> None:
         while True:
@@ -290,36 +334,41 @@ class PushThread:
             return False
         layers = range(sent, done)
         self._sent = done
-        for item in plan.items:
-            self._push_item_layers(item, layers)
+        for prepared in self._prepared:
+            self._push_item_layers(prepared, layers)
         self.num_layers_pushed += done - sent
         return True
 
-    def _push_item_layers(self, item: PushItem, layers: range) -> None:
-        """Gate each of ``layers`` for ``item``, then post the writes of those let through: one
-        `submit_writes` per rank pair (checksum mode: summed layer by layer before)."""
+    def _push_item_layers(self, prepared: _Prepared, layers: range) -> None:
+        """Gate each of ``layers`` for the item, then queue the writes of those let through:
+        one `submit_prepared` per rank pair and run of consecutive layers (checksum mode:
+        summed layer by layer before)."""
+        item = prepared.item
         allowed = [layer for layer in layers if self._gate(item, layer)]
         if not allowed:
             return
         if item.checksums is not None:
             for layer in allowed:
                 self._checksum(item, layer, item.layer_ops(layer))
-        for ops in item.ops:
-            rows = item.layers_rows(ops, allowed)
-            count = int(rows.shape[0])
-            self.num_submit_calls += 1
-            try:
-                self._engine.submit_writes(
-                    self._src_handles[ops.src_rank],
-                    item.peer,
-                    item.dst_descriptors[ops.dst_rank],
-                    rows,
-                    imm=item.imm,
-                    on_done=partial(self._on_done, item.request_id, count),
-                    on_error=partial(self._on_error, item.request_id, count),
-                )
-            except FabricError as error:
-                self._on_error(item.request_id, count, error)
+        for first, last in _runs(allowed):
+            if prepared.error is not None:
+                count = item.num_writes * (last - first)
+                self._on_error(item.request_id, count, prepared.error)
+                continue
+            for writes, per_layer in prepared.writes:
+                count = per_layer * (last - first)
+                self.num_submit_calls += 1
+                try:
+                    self._engine.submit_prepared(
+                        writes,
+                        first * per_layer,
+                        last * per_layer,
+                        imm=item.imm,
+                        on_done=partial(self._on_done, item.request_id, count),
+                        on_error=partial(self._on_error, item.request_id, count),
+                    )
+                except FabricError as error:
+                    self._on_error(item.request_id, count, error)
 
     def _checksum(
         self, item: PushItem, layer: int, layer_ops: list[tuple[int, int, np.ndarray]]
@@ -329,6 +378,17 @@ class PushThread:
         checksum_layer(item, layer, layer_ops, self._src_views)
         if checksums.complete and self._on_checksummed is not None:
             self._on_checksummed(item)
+
+
+def _runs(layers: list[int]) -> list[tuple[int, int]]:
+    """Ascending ``layers`` as runs ``[first, last)`` of consecutive layers."""
+    runs: list[tuple[int, int]] = []
+    for layer in layers:
+        if runs and runs[-1][1] == layer:
+            runs[-1] = (runs[-1][0], layer + 1)
+        else:
+            runs.append((layer, layer + 1))
+    return runs
 
 
 def checksum_layer(
