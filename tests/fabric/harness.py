@@ -10,6 +10,8 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from tests.fabric import remote
 from workers.fabric import MemoryRegionDescriptor, TransferEngine
 
@@ -123,9 +125,18 @@ class Sender:
         return self.process.exitcode
 
 
+def assert_rows_landed(target: np.ndarray, source: np.ndarray, rows: np.ndarray) -> None:
+    """Every row ``(src, dst, length)`` of ``source`` is in ``target``, and nothing else is."""
+    written = np.zeros(target.size, dtype=bool)
+    for src, dst, length in rows.tolist():
+        assert np.array_equal(target[dst : dst + length], source[src : src + length])
+        written[dst : dst + length] = True
+    assert not target[~written].any()
+
+
 def close_engine(engine: TransferEngine) -> None:
     engine.close()
     assert not any(thread.is_alive() for thread in engine.threads), "engine threads leaked"
 
 
-__all__ = ["SPAWN", "Connection", "RemoteTarget", "Sender", "close_engine"]
+__all__ = ["SPAWN", "Connection", "RemoteTarget", "Sender", "assert_rows_landed", "close_engine"]

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from tests.fabric.harness import close_engine
+from tests.fabric.harness import assert_rows_landed, close_engine
 from workers.fabric import FabricUnavailableError, RegistrationError, TransferEngine
 from workers.fabric.handles import buffer_extent
 
@@ -44,13 +44,7 @@ def test_hmem_engine_moves_host_pages_bit_exact(
     receiver.expect_imm(9, len(rows), landed.set)
     sender.submit_writes(handle, peer, descriptor, rows, imm=9, on_done=done.set)
     assert landed.wait(30) and done.wait(30)
-    src = source.numpy()
-    for s, d, n in rows.tolist():
-        assert np.array_equal(target[d : d + n], src[s : s + n])
-    written = np.zeros(target.size, dtype=bool)
-    for _, d, n in rows.tolist():
-        written[d : d + n] = True
-    assert not target[~written].any()
+    assert_rows_landed(target, source.numpy(), rows)
 
 
 def test_provider_without_hmem_fails_at_open() -> None:

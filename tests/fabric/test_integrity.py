@@ -133,7 +133,10 @@ def test_register_accepts_host_buffers(make_engine: Callable[..., TransferEngine
     tensor = torch.zeros(1024, dtype=torch.float16)
     handle, descriptor = engine.register(tensor)
     assert handle.length == descriptor.length == 2048
-    assert engine.register(bytearray(100))[1].length == 100
+    pinned = bytearray(100)
+    assert engine.register(pinned)[1].length == 100
+    with pytest.raises(BufferError):  # registered: it must not move while peers write into it
+        pinned.extend(b"x")
     assert engine.register(memoryview(bytearray(64)))[1].length == 64
     with pytest.raises(RegistrationError):
         engine.register(bytes(10))  # read-only

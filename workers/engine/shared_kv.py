@@ -18,7 +18,7 @@ GPU (``shared_kv_cuda``: `create_cuda_pool_handle`, `send_pool_handle`, `open_cu
 the TP group itself does not run on CUDA yet, so `workers.engine.device` refuses TP > 1 there):
 each rank allocates its pool with ``cuMemCreate`` (``CU_MEM_HANDLE_TYPE_
 POSIX_FILE_DESCRIPTOR``, its own device), maps it with ``cuMemMap`` / ``cuMemSetAccess`` and
-wraps the address as a tensor (DLPack). It exports a file descriptor with
+wraps the address as a tensor (``__cuda_array_interface__``). It exports a file descriptor with
 ``cuMemExportToShareableHandle`` and passes it to the leader over a Unix socket
 (``SCM_RIGHTS``; descriptors cannot travel through the TCP store). The leader imports it with
 ``cuMemImportFromShareableHandle``, reserves address space, maps it and grants its own device

@@ -254,7 +254,13 @@ class TransferEngine:
                 f"fi_mr_regattr of {extent.length} bytes of {where} memory: {strerror(rc)} ({rc})"
             )
         handle = MemoryRegionHandle(
-            extent.address, extent.length, int(key_out[0]), self._id, mr[0], desc[0], owner
+            extent.address,
+            extent.length,
+            int(key_out[0]),
+            self._id,
+            mr[0],
+            desc[0],
+            extent.keep_alive,  # for a bytearray: its cffi view, which pins it against resizing
         )
         self._regions[id(handle)] = handle
         return handle

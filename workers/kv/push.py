@@ -167,7 +167,7 @@ class PassPlan:
 @dataclass
 class _Prepared:
     """An item's writes of every layer, prepared before its pass (`PushThread.submit_pass`):
-    one `PreparedWrites` per rank pair, rows in layer order, ``rows_per_layer`` each; or the
+    per rank pair, its `PreparedWrites` (rows in layer order) and its rows per layer; or the
     error preparing them raised, reported when the first layer goes."""
 
     item: PushItem
