@@ -8,7 +8,7 @@
 #                        importing there): engine on CUDA against HF on CUDA, with and
 #                        without CUDA graphs, CUDA layer progress, FlashInfer attention
 #                        (skips if flashinfer is not installed), a cuMem pool exported by one
-#                        process and mapped by another
+#                        process and mapped by another, two TP ranks on CUDA against one
 #   pytest-fabric-gpu.txt  CUDA pools over the fabric (FI_HMEM registration, GPU to GPU writes,
 #                        disaggregated parity on CUDA), only where the libfabric binding imports
 #                        (carry workers/fabric/_fabric_cffi*.so; the machine needs libfabric)

@@ -221,8 +221,9 @@ def _plan(args: argparse.Namespace) -> int:
     print(f"\nbest: {best.label}")
     if not cuda_ready(best):
         print(
-            "note: pdserve does not run tensor parallelism on CUDA yet (cuMem-shared KV pools "
-            "are not implemented), so this config leaves `device` at cpu"
+            "note: pdserve clusters do not place tensor-parallel groups on CUDA yet (a worker's "
+            "Ray actor holds one GPU, its TP ranks need one each), so this config leaves "
+            "`device` at cpu"
         )
     print("--- cluster config ---")
     print(yaml.safe_dump(config, sort_keys=False), end="")

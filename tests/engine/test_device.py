@@ -12,6 +12,7 @@ import workers.engine.engine_core as engine_core
 from tests.engine.engine_helpers import hf_greedy, make_engine, prompts_of_lengths, run_engine
 from workers.engine.config import EngineConfig
 from workers.engine.device import DeviceError, resolve_device
+from workers.engine.parallel import rank_devices
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -56,11 +57,36 @@ def test_engine_places_weights_and_kv_on_its_device(tiny_model_dir: Path) -> Non
     assert engine.kv_cache.device.type == device.type
 
 
+def test_rank_devices_give_each_rank_its_own_gpu_when_there_are_enough() -> None:
+    cpu = torch.device("cpu")
+    assert rank_devices(cpu, 3, 0) == ([cpu] * 3, "gloo")
+    cuda = [torch.device("cuda", i) for i in range(4)]
+    assert rank_devices(torch.device("cuda", 1), 4, 4) == (
+        [cuda[1], cuda[2], cuda[3], cuda[0]],
+        "nccl",
+    )
+    assert rank_devices(torch.device("cuda", 0), 2, 8) == (cuda[:2], "nccl")
+    # Fewer GPUs than ranks: they share (NCCL refuses two ranks on one GPU), gloo reduces.
+    assert rank_devices(torch.device("cuda", 0), 4, 2) == ([cuda[0], cuda[1]] * 2, "gloo")
+
+
 @pytest.mark.gpu
 @cuda_only
-def test_tensor_parallel_on_cuda_is_refused() -> None:
-    with pytest.raises(DeviceError, match="tensor parallelism on CUDA"):
-        resolve_device("cuda", tensor_parallel_size=2)
+def test_tensor_parallel_on_cuda_matches_one_rank(tiny_model_dir: Path) -> None:
+    """Two ranks on CUDA (on a one-GPU host both on it, all-reduce over gloo): the followers'
+    cuMem pools are mapped in the leader, and greedy tokens match the single-rank engine."""
+    prompts = prompts_of_lengths([3, 17, 120])
+    reference = run_engine(make_engine(tiny_model_dir, device="cuda"), prompts)
+    engine = make_engine(tiny_model_dir, device="cuda", tensor_parallel_size=2)
+    try:
+        assert engine.runner.decode_graphs is None
+        assert [pool.device.type for pool in engine.rank_kv_caches] == ["cuda", "cuda"]
+        assert run_engine(engine, prompts) == reference
+        torch.cuda.synchronize()
+        assert all(bool(pool.abs().sum() > 0) for pool in engine.rank_kv_caches)
+    finally:
+        engine.close()
+    assert engine.tp is not None and [p.exitcode for p in engine.tp.processes] == [0]
 
 
 @pytest.mark.gpu

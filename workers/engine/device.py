@@ -8,9 +8,10 @@ later inside a kernel.
 What runs where on CUDA: weights, the KV pool and every step tensor live on the device; the
 attention backend is FlashInfer for half-precision caches when ``flashinfer`` is installed, else
 the torch backend's gather path; layer progress is published by stream-ordered copies
-(`workers.engine.layer_progress_cuda`). Tensor parallelism on CUDA is refused here: its
-cuMem-shared KV pools exist (`workers.engine.shared_kv_cuda`), but the group itself (a device
-per rank, nccl all-reduces, the step broadcast on device) is not wired for CUDA yet.
+(`workers.engine.layer_progress_cuda`). Under tensor parallelism rank ``r`` runs on the
+``r``-th device after this one (`workers.engine.parallel.rank_devices`; NCCL all-reduces when
+each rank has its own GPU), and the followers' pools are cuMem allocations the leader maps
+(`workers.engine.shared_kv_cuda`); decode steps then run eagerly (no CUDA graphs).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def check_device_name(name: str) -> None:
         raise DeviceError(f"device must be cpu, cuda, cuda:N or auto, got {name!r}")
 
 
-def resolve_device(name: str, tensor_parallel_size: int = 1) -> torch.device:
+def resolve_device(name: str) -> torch.device:
     """The torch device ``name`` means on this host; `DeviceError` if it cannot be used."""
     import torch
 
@@ -55,9 +56,4 @@ def resolve_device(name: str, tensor_parallel_size: int = 1) -> torch.device:
     count = torch.cuda.device_count()
     if index >= count:
         raise DeviceError(f"device {name!r}: this host has {count} CUDA device(s)")
-    if tensor_parallel_size > 1:
-        raise DeviceError(
-            "tensor parallelism on CUDA is not implemented (the TP group runs on CPU only); "
-            "use tensor_parallel_size 1"
-        )
     return torch.device("cuda", index)

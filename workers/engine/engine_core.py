@@ -78,12 +78,12 @@ class EngineCore:
     ) -> None:
         self.config = config = config or EngineConfig()
         self.model_config = ModelConfig.from_dir(model_dir)
-        device = resolve_device(config.device, config.tensor_parallel_size)
+        device = resolve_device(config.device)
         torch.manual_seed(config.seed)
         # Tensor parallelism: this process is rank 0 and holds its shard; followers the rest.
         self.tp: TensorParallelRuntime | None = None
         if config.tensor_parallel_size > 1:
-            self.tp = start_tensor_parallel(model_dir, config, self.model_config)
+            self.tp = start_tensor_parallel(model_dir, config, self.model_config, device)
             self.model = self.tp.model
         else:
             self.model, _ = load_model(model_dir, dtype=config.dtype, device=device)
@@ -122,9 +122,11 @@ class EngineCore:
                 self.model, backend, config.page_size, self.layer_progress, self.device
             )
         )
-        # (No tensor parallelism here: resolve_device refuses it on CUDA.)
+        # Not under tensor parallelism: a replayed graph would skip the step's broadcast to
+        # the followers (`ParallelModelRunner.prepare`).
         if (
-            self.device.type == "cuda"
+            self.tp is None
+            and self.device.type == "cuda"
             and config.cuda_graph_max_batch > 0
             and not self.model.rotary.is_dynamic
         ):

@@ -21,8 +21,11 @@ seq_lens[B] | context_lens[B] | page_table[B*max_pages] | slot_mapping[T]. ``SHU
 payload. Followers wait for a header with a very long timeout (an idle engine is normal); every
 other collective uses the group's timeout, so a dead or stuck rank surfaces as an error.
 
-Only gloo (CPU) is implemented. On GPU the model's all-reduce would run on an NCCL group over
-the same store, while the step broadcast may stay on gloo (its tensors are host-side ints).
+The step broadcast always runs on gloo (its tensors are host-side ints). The model's all-reduce
+runs on that gloo group on CPU; on CUDA (`rank_devices`) on an NCCL group over the same store
+when every rank has a GPU of its own, else on gloo, which reduces CUDA tensors through the host
+(ranks sharing one GPU, which NCCL refuses: tests on a one-GPU machine). Followers move each
+received step to their device.
 """
 
 from __future__ import annotations
@@ -123,31 +126,66 @@ def shard_spec(config: ModelConfig, tp_size: int, rank: int) -> ShardSpec:
     )
 
 
+def rank_devices(
+    leader: torch.device, tp_size: int, device_count: int
+) -> tuple[list[torch.device], str]:
+    """Every rank's device (index = rank) and the all-reduce backend (``gloo`` or ``nccl``).
+
+    CPU: all on the CPU, gloo. CUDA: rank ``r`` on the ``r``-th device after the leader's
+    (wrapping around); NCCL when that gives every rank its own GPU, else gloo.
+    """
+    if leader.type != "cuda":
+        return [torch.device("cpu")] * tp_size, "gloo"
+    first = leader.index or 0
+    devices = [torch.device("cuda", (first + rank) % device_count) for rank in range(tp_size)]
+    return devices, "nccl" if device_count >= tp_size else "gloo"
+
+
 class TPGroup:
-    """One rank's end of the gloo group: the all-reduce of the model and the step broadcast.
+    """One rank's end of the group: the all-reduce of the model and the step broadcast.
 
     Built unconnected so the model can take `all_reduce` as its hook before the ranks meet;
-    `connect` then rendezvouses through ``store`` (every rank must call it).
+    `connect` then rendezvouses through ``store`` (every rank must call it). ``device``: where
+    this rank computes (received steps are moved there); ``reduce_backend``: `rank_devices`.
     """
 
     def __init__(
-        self, store: dist.Store, rank: int, size: int, timeout: timedelta = COLLECTIVE_TIMEOUT
+        self,
+        store: dist.Store,
+        rank: int,
+        size: int,
+        timeout: timedelta = COLLECTIVE_TIMEOUT,
+        *,
+        device: torch.device | None = None,
+        reduce_backend: str = "gloo",
     ) -> None:
         self.rank = rank
         self.size = size
         self.timeout = timeout
+        self.device = device or torch.device("cpu")
+        self.reduce_backend = reduce_backend
         self._store = store
-        # Any: torch's stubs declare the collectives on ProcessGroup only, not on the Gloo backend.
+        # Any: torch's stubs declare the collectives on ProcessGroup only, not on the backends.
         self._pg: Any = None
+        self._reduce_pg: Any = None
 
     def connect(self) -> None:
         self._pg = dist.ProcessGroupGloo(
             dist.PrefixStore("tp", self._store), self.rank, self.size, self.timeout
         )
+        self._reduce_pg = self._pg
+        if self.reduce_backend == "nccl":
+            nccl: Any = getattr(dist, "ProcessGroupNCCL", None)
+            if nccl is None:
+                raise RuntimeError("tensor parallelism on CUDA needs a torch built with NCCL")
+            options = nccl.Options()
+            options._timeout = self.timeout
+            store = dist.PrefixStore("tp-nccl", self._store)
+            self._reduce_pg = nccl(store, self.rank, self.size, options)
 
     def close(self) -> None:
         """Drop the connections (peers blocked on this rank see them close)."""
-        self._pg = None
+        self._pg = self._reduce_pg = None
 
     @property
     def pg(self) -> Any:
@@ -157,7 +195,9 @@ class TPGroup:
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` over all ranks, in place (the row-parallel projections' outputs)."""
-        self.pg.allreduce([tensor]).wait()
+        if self._reduce_pg is None:
+            raise RuntimeError("the tensor-parallel group is not connected")
+        self._reduce_pg.allreduce([tensor]).wait()
 
     def _broadcast(self, tensor: torch.Tensor, timeout: timedelta | None = None) -> None:
         options = dist.BroadcastOptions()
@@ -205,16 +245,19 @@ class TPGroup:
         sizes += [num_seqs * max_pages, num_tokens]
         if sum(sizes) != payload_len:
             raise RuntimeError(f"TP header {header.tolist()} does not match its payload")
-        ids, pos, starts, seq_lens, context_lens, table, slots = payload.split(sizes)
-        query_lens = torch.diff(starts)
+        fields = payload.split(sizes)
+        query_lens, seq_lens_list = torch.diff(fields[2]).tolist(), fields[3].tolist()
+        ids, pos, starts, seq_lens, context_lens, table, slots = (
+            field.to(self.device) for field in fields
+        )
         batch = AttentionBatch(
             query_start_loc=starts,
             seq_lens=seq_lens,
             context_lens=context_lens,
             page_table=table.reshape(num_seqs, max_pages),
             slot_mapping=slots,
-            query_lens_list=tuple(query_lens.tolist()),
-            seq_lens_list=tuple(seq_lens.tolist()),
+            query_lens_list=tuple(query_lens),
+            seq_lens_list=tuple(seq_lens_list),
         )
         return ids, pos, batch
 

@@ -5,11 +5,13 @@
 1. checks that the model splits over ``tp`` ranks (`TensorParallelConfigError`, before any
    process exists) and sizes the per-rank KV pool (``kv_memory_bytes`` is a per-rank budget);
 2. opens a TCP store on 127.0.0.1 (the OS picks a free port), creates one pool file per
-   follower in ``/dev/shm`` and spawns the followers (`workers.engine.tp_worker`);
+   follower in ``/dev/shm`` (CUDA: one socket per follower for its pool handle,
+   `workers.engine.shared_kv_cuda.PoolExchange`) and spawns the followers
+   (`workers.engine.tp_worker`), each on its device (`workers.engine.parallel.rank_devices`);
 3. loads rank 0's shard and allocates rank 0's pool while the followers load theirs;
 4. waits until every follower is ready (a follower that fails or dies makes it raise
-   `TensorParallelError` with the reason), maps their pools, unlinks the pool files and joins
-   the gloo group.
+   `TensorParallelError` with the reason), maps their pools (CUDA: imports their handles),
+   unlinks the pool files and joins the group.
 
 `ParallelModelRunner` is the ordinary `ModelRunner` plus the step broadcast: the leader sends
 each step's inputs before its own forward pass, and the all-reduces inside the model keep the
@@ -26,6 +28,7 @@ import time
 import weakref
 from multiprocessing.process import BaseProcess
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,7 +42,7 @@ from workers.engine.loader import resolve_dtype
 from workers.engine.model import CausalLM
 from workers.engine.model_config import ModelConfig
 from workers.engine.model_runner import ModelRunner
-from workers.engine.parallel import ShardSpec, TPGroup, shard_spec
+from workers.engine.parallel import ShardSpec, TPGroup, rank_devices, shard_spec
 from workers.engine.scheduler import SchedulerOutput
 from workers.engine.shared_kv import (
     create_pool_file,
@@ -78,12 +81,15 @@ class TensorParallelRuntime:
         rank_kv_caches: list[torch.Tensor],
         processes: list[BaseProcess],
         store: dist.TCPStore,
+        cuda_pools: list[Any] | None = None,
     ) -> None:
         self.spec = spec
         self.group = group
         self.model = model
         self.rank_kv_caches = rank_kv_caches
         self.processes = processes
+        # CUDA: the followers' pools mapped here (`CudaPool`), unmapped once they are stopped.
+        self._cuda_pools = cuda_pools or []
         self._store = store  # followers keep a connection to it for their whole life
         self._failure: str | None = None
         self._closed = False
@@ -134,6 +140,8 @@ class TensorParallelRuntime:
             self.group.close()
             self._reaper.detach()
             _reap(self.processes, grace_s)
+            for pool in self._cuda_pools:
+                pool.close()
 
 
 class ParallelModelRunner(ModelRunner):
@@ -167,9 +175,13 @@ class ParallelModelRunner(ModelRunner):
 
 
 def start_tensor_parallel(
-    model_dir: str | Path, config: EngineConfig, model_config: ModelConfig
+    model_dir: str | Path,
+    config: EngineConfig,
+    model_config: ModelConfig,
+    device: torch.device | None = None,
 ) -> TensorParallelRuntime:
-    """Launch the group of ``config.tensor_parallel_size`` ranks; this process is rank 0.
+    """Launch the group of ``config.tensor_parallel_size`` ranks; this process is rank 0, on
+    ``device`` (default cpu).
 
     Followers are ``spawn``ed: a script that builds an engine must guard its entry point with
     ``if __name__ == "__main__":`` (the child re-imports the main module).
@@ -188,14 +200,29 @@ def start_tensor_parallel(
         config.page_size,
         local_config.head_dim,
     ).as_tuple()
+    device = device or torch.device("cpu")
+    on_cuda = device.type == "cuda"
+    devices, reduce_backend = rank_devices(device, tp, torch.cuda.device_count() if on_cuda else 1)
+    if on_cuda and reduce_backend == "gloo":
+        logger.warning(
+            "%d TP ranks share %d GPU(s): all-reduce over gloo through the host (slow)",
+            tp,
+            torch.cuda.device_count(),
+        )
     group_name = new_group_name()
-    paths = [pool_path(group_name, rank) for rank in range(1, tp)]
+    paths = [] if on_cuda else [pool_path(group_name, rank) for rank in range(1, tp)]
+    exchange: Any = None
+    cuda_pools: list[Any] = []
     store = dist.TCPStore(STORE_HOST, 0, is_master=True, timeout=STARTUP_TIMEOUT)
     processes: list[BaseProcess] = []
     try:
         for path in paths:
             create_pool_file(path, pool_nbytes(shape, dtype))
-        for rank, path in enumerate(paths, start=1):
+        if on_cuda:
+            from workers.engine.shared_kv_cuda import PoolExchange
+
+            exchange = PoolExchange(range(1, tp))
+        for rank in range(1, tp):
             follower = FollowerSpec(
                 model_dir=str(model_dir),
                 dtype=config.dtype,
@@ -204,26 +231,54 @@ def start_tensor_parallel(
                 tp_size=tp,
                 rank=rank,
                 store_port=store.port,
-                pool_path=str(path),
+                pool_path="" if on_cuda else str(paths[rank - 1]),
                 pool_shape=shape,
                 pool_dtype=dtype_name(dtype),
                 num_threads=follower_num_threads(tp),
+                device=str(devices[rank]),
+                reduce_backend=reduce_backend,
+                pool_socket=exchange.path(rank) if on_cuda else "",
             )
             processes.append(_spawn(follower))
-        group = TPGroup(store, 0, tp)
+        group = TPGroup(store, 0, tp, device=device, reduce_backend=reduce_backend)
         model, _ = load_shard(str(model_dir), config.dtype, tp, 0, group)
-        kv_cache = allocate_kv_cache(local_config, num_pages, config.page_size, dtype)
+        kv_cache = allocate_kv_cache(local_config, num_pages, config.page_size, dtype, device)
         _wait_ready(store, processes)
-        rank_kv_caches = [kv_cache, *(map_pool(path, shape, dtype) for path in paths)]
+        if on_cuda:
+            cuda_pools = _import_pools(exchange, tp, shape, dtype)
+            rank_kv_caches = [kv_cache, *(pool.tensor for pool in cuda_pools)]
+        else:
+            rank_kv_caches = [kv_cache, *(map_pool(path, shape, dtype) for path in paths)]
         group.connect()
     except BaseException:
         _reap(processes, 0.0)
+        for pool in cuda_pools:
+            pool.close()
         raise
     finally:
         # Every rank has mapped its file by now (or failed): the names are no longer needed.
         unlink_pool_files(paths)
+        if exchange is not None:
+            exchange.close()
     logger.info("tensor-parallel group of %d ranks ready (%s)", tp, group_name)
-    return TensorParallelRuntime(spec, group, model, rank_kv_caches, processes, store)
+    return TensorParallelRuntime(spec, group, model, rank_kv_caches, processes, store, cuda_pools)
+
+
+def _import_pools(exchange: Any, tp: int, shape: tuple[int, ...], dtype: torch.dtype) -> list[Any]:
+    """Map every follower's cuMem pool here (rank order); each sent its handle before it
+    reported ready."""
+    from workers.engine.shared_kv_cuda import open_cuda_pool_handle
+
+    pools: list[Any] = []
+    try:
+        for rank in range(1, tp):
+            handle = exchange.receive(rank, STARTUP_TIMEOUT.total_seconds())
+            pools.append(open_cuda_pool_handle(handle, shape, dtype))
+    except BaseException:
+        for pool in pools:
+            pool.close()
+        raise
+    return pools
 
 
 def follower_num_threads(tp: int) -> int:

@@ -14,16 +14,16 @@ Life cycle (named per group, so concurrent groups never collide):
    unmaps, so nothing can leak in ``/dev/shm`` even if a process is killed later.
    A failed start unlinks them too.
 
-GPU (``shared_kv_cuda``: `create_cuda_pool_handle`, `send_pool_handle`, `open_cuda_pool_handle`;
-the TP group itself does not run on CUDA yet, so `workers.engine.device` refuses TP > 1 there):
+GPU (``shared_kv_cuda``; `workers.engine.parallel_runner` and `tp_worker` use it on CUDA):
 each rank allocates its pool with ``cuMemCreate`` (``CU_MEM_HANDLE_TYPE_
 POSIX_FILE_DESCRIPTOR``, its own device), maps it with ``cuMemMap`` / ``cuMemSetAccess`` and
 wraps the address as a tensor (``__cuda_array_interface__``). It exports a file descriptor with
 ``cuMemExportToShareableHandle`` and passes it to the leader over a Unix socket
 (``SCM_RIGHTS``; descriptors cannot travel through the TCP store). The leader imports it with
-``cuMemImportFromShareableHandle``, reserves address space, maps it and grants its own device
-read access; the transfer engine registers that range with ``FI_HMEM_CUDA`` on the NIC nearest
-the owning GPU. Handles are closed on shutdown, after the messenger deregistered the memory.
+``cuMemImportFromShareableHandle``, reserves address space, maps it and grants the owning
+device access to that range; its transfer engine (``hmem=True``) registers the range with
+``FI_HMEM_CUDA``. The leader unmaps the pools after its followers stopped, which is after the
+messenger deregistered the memory.
 """
 
 from __future__ import annotations

@@ -26,7 +26,9 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import shutil
 import socket
+import tempfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -340,3 +342,53 @@ def recv_pool_handle(sock: socket.socket) -> CudaPoolHandle:
     except (ValueError, KeyError, TypeError) as error:
         os.close(fds[0])
         raise CudaPoolError(f"malformed pool handle message: {error}") from error
+
+
+class PoolExchange:
+    """The leader's end of a TP group's handle exchange: one listening Unix socket per
+    follower rank, in a private temporary directory (removed by `close`)."""
+
+    def __init__(self, ranks: range) -> None:
+        self.directory = tempfile.mkdtemp(prefix="pdserve-kv-")
+        self._listeners: dict[int, socket.socket] = {}
+        try:
+            for rank in ranks:
+                listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self._listeners[rank] = listener
+                listener.bind(self.path(rank))
+                listener.listen(1)
+        except BaseException:
+            self.close()
+            raise
+
+    def path(self, rank: int) -> str:
+        return os.path.join(self.directory, f"rank{rank}.sock")
+
+    def receive(self, rank: int, timeout_s: float) -> CudaPoolHandle:
+        """Rank ``rank``'s handle (it connected and sent it before reporting ready)."""
+        listener = self._listeners[rank]
+        listener.settimeout(timeout_s)
+        try:
+            connection, _ = listener.accept()
+        except TimeoutError as error:
+            raise CudaPoolError(f"TP rank {rank} sent no KV pool handle") from error
+        with connection:
+            connection.settimeout(timeout_s)
+            return recv_pool_handle(connection)
+
+    def close(self) -> None:
+        for listener in self._listeners.values():
+            listener.close()
+        self._listeners.clear()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def offer_pool(path: str, handle: CudaPoolHandle) -> None:
+    """Follower: send ``handle`` to the leader's `PoolExchange` socket at ``path``, then close
+    this process's descriptor (the leader's import holds its own reference)."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.connect(path)
+            send_pool_handle(sock, handle)
+    finally:
+        os.close(handle.fd)

@@ -4,7 +4,9 @@ Started by the leader (`workers.engine.parallel_runner`) with the ``spawn`` cont
 argument, a JSON `FollowerSpec` (no pickled objects of ours cross the process boundary). It
 
 1. connects to the leader's TCP store, loads its slices of the checkpoint and maps its KV pool
-   file, then publishes ``ready/<rank>`` (or ``error/<rank>`` with the reason) in the store;
+   file (CUDA: allocates its pool with cuMem and sends the handle to the leader's socket,
+   `workers.engine.shared_kv_cuda`), then publishes ``ready/<rank>`` (or ``error/<rank>``
+   with the reason) in the store;
 2. joins the gloo group and loops: receive a step's inputs (`TPGroup.recv_step`), run the
    forward pass over its shard (the all-reduces pair with the other ranks'), repeat;
 3. exits 0 on the leader's ``SHUTDOWN``, non-zero when a collective fails (leader gone).
@@ -57,10 +59,13 @@ class FollowerSpec:
     tp_size: int
     rank: int
     store_port: int
-    pool_path: str
+    pool_path: str  # CPU: the pool file the leader created
     pool_shape: tuple[int, ...]
     pool_dtype: str
     num_threads: int
+    device: str = "cpu"  # this rank's device (`workers.engine.parallel.rank_devices`)
+    reduce_backend: str = "gloo"
+    pool_socket: str = ""  # CUDA: where the leader waits for this rank's pool handle
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -75,10 +80,11 @@ class FollowerSpec:
 def load_shard(
     model_dir: str, dtype: str, tp_size: int, rank: int, group: TPGroup
 ) -> tuple[CausalLM, ModelConfig]:
-    """Rank ``rank``'s model: local shapes, its checkpoint slices, ``group``'s all-reduce."""
+    """Rank ``rank``'s model on ``group.device``: local shapes, its checkpoint slices,
+    ``group``'s all-reduce."""
     config = ModelConfig.from_dir(model_dir)
     spec = shard_spec(config, tp_size, rank)
-    return load_model(model_dir, dtype, shard=spec, reduce=group.all_reduce)
+    return load_model(model_dir, dtype, shard=spec, reduce=group.all_reduce, device=group.device)
 
 
 def follower_main(spec_json: str) -> None:
@@ -88,8 +94,13 @@ def follower_main(spec_json: str) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s tp-%(process)d %(message)s")
     spec = FollowerSpec.from_json(spec_json)
     torch.set_num_threads(spec.num_threads)
+    device = torch.device(spec.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     store = dist.TCPStore(STORE_HOST, spec.store_port, is_master=False, timeout=STARTUP_TIMEOUT)
-    group = TPGroup(store, spec.rank, spec.tp_size)
+    group = TPGroup(
+        store, spec.rank, spec.tp_size, device=device, reduce_backend=spec.reduce_backend
+    )
     try:
         model, backend = _build(spec, group)
     except BaseException as exc:
@@ -108,7 +119,16 @@ def follower_main(spec_json: str) -> None:
 
 def _build(spec: FollowerSpec, group: TPGroup) -> tuple[CausalLM, AttentionBackend]:
     model, config = load_shard(spec.model_dir, spec.dtype, spec.tp_size, spec.rank, group)
-    kv_cache = map_pool(Path(spec.pool_path), spec.pool_shape, dtype_from_name(spec.pool_dtype))
+    dtype = dtype_from_name(spec.pool_dtype)
+    if group.device.type == "cuda":
+        from workers.engine.shared_kv_cuda import create_cuda_pool_handle, offer_pool
+
+        # Mapped until this process exits (the leader maps the same memory for its NIC).
+        pool, handle = create_cuda_pool_handle(spec.pool_shape, dtype, group.device)
+        offer_pool(spec.pool_socket, handle)
+        kv_cache = pool.tensor
+    else:
+        kv_cache = map_pool(Path(spec.pool_path), spec.pool_shape, dtype)
     backend = create_attention_backend(
         spec.attention_backend, kv_cache, spec.page_size, scale=config.head_dim**-0.5
     )
