@@ -115,8 +115,8 @@ class ClusterConfig:
     ``groups`` holds prefill then decode (disaggregated), or mixed alone (colocated baseline).
     ``device``: where the workers' engines run (`workers.engine.device`). On ``cuda`` every
     group reserves a GPU per rank (``resources_per_rank.gpu``: Ray then sets each worker's
-    ``CUDA_VISIBLE_DEVICES``), runs with ``tp: 1`` (the engine runs TP on CUDA, but a worker's
-    actor holds one GPU and its followers need one each), and KV transfers need a provider that
+    ``CUDA_VISIBLE_DEVICES``; a TP worker's ranks share one bundle, `worker_bundles`, so its
+    leader sees a GPU for each), and KV transfers need a provider that
     registers GPU memory (FI_HMEM: ``verbs``, ``efa``; ``shm`` on one node when libfabric was
     built with CUDA, which the workers find out at start), which ``tcp`` cannot.
     Cross-field rules run here, so that `dataclasses.replace` (and `with_overrides`)
@@ -179,12 +179,6 @@ class ClusterConfig:
                     f"{path}.resources_per_rank.gpu",
                     f"device {self.device} needs a GPU per rank, got "
                     f"{group.resources_per_rank.gpu}",
-                )
-            if group.tp > 1:
-                raise ConfigError(
-                    f"{path}.tp",
-                    "tensor parallelism on CUDA is not placed by clusters yet (the worker's Ray "
-                    "actor holds one GPU; the engine alone runs it); use tp: 1",
                 )
             if group.fabric is not None and group.fabric.provider == "tcp;ofi_rxm":
                 raise ConfigError(

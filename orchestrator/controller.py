@@ -22,7 +22,7 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator.config import ClusterConfig, GroupConfig
-from orchestrator.placement import place_worker, remove_worker_placement
+from orchestrator.placement import place_worker, remove_worker_placement, worker_bundles
 from orchestrator.registry import Registry, WorkerLoad, WorkerRecord
 from orchestrator.worker_actor import WorkerActor, WorkerSpec
 from workers.engine.config import EngineConfig
@@ -102,19 +102,19 @@ class Controller:
     async def _launch(self, group: GroupConfig, worker_id: str) -> None:
         spec = self._spec(group, worker_id)
         bundle = group.resources_per_rank.bundle()
+        bundles = worker_bundles(bundle, group.tp)
         # Unique per controller and generation: several clusters may share one Ray cluster, and a
         # removed group's name is released asynchronously.
         generation = self.registry.workers[worker_id].generation
         name = f"pdserve-{self._cluster_id}-{worker_id}-g{generation}"
-        placement = await place_worker(
-            name, bundle, group.tp, self.options.placement_timeout_seconds
-        )
+        placement = await place_worker(name, bundles, self.options.placement_timeout_seconds)
         custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU", "memory")}
         actor_class: Any = ray.remote(WorkerActor)
         handle = actor_class.options(
             name=None,
             num_cpus=bundle.get("CPU", 0),
-            num_gpus=bundle.get("GPU", 0),
+            # Every GPU of its bundle: under TP on CUDA its followers run on the others.
+            num_gpus=bundles[0].get("GPU", 0),
             memory=bundle.get("memory"),
             resources=custom or None,
             max_concurrency=4,

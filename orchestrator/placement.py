@@ -21,19 +21,30 @@ class PlacementError(RuntimeError):
     """A worker's placement group did not become ready in time."""
 
 
+def worker_bundles(bundle: dict[str, float], tp_size: int) -> list[dict[str, float]]:
+    """The bundles of one worker of ``tp_size`` ranks of ``bundle`` each; the worker's actor
+    (the TP leader, which spawns the other ranks as its own processes) runs in the first.
+
+    One bundle per rank, except for GPU ranks under tensor parallelism: Ray makes visible to an
+    actor only the GPUs of its own bundle, and the leader's followers need theirs, so those
+    ranks' resources form a single bundle (``STRICT_PACK`` keeps it on one node either way).
+    """
+    if tp_size > 1 and bundle.get("GPU", 0) > 0:
+        return [{key: value * tp_size for key, value in bundle.items()}]
+    return [dict(bundle) for _ in range(tp_size)]
+
+
 async def place_worker(
-    name: str, bundle: dict[str, float], tp_size: int, timeout_seconds: float
+    name: str, bundles: list[dict[str, float]], timeout_seconds: float
 ) -> PlacementGroup:
-    """A ready ``STRICT_PACK`` placement group of ``tp_size`` copies of ``bundle``."""
-    group = placement_group(
-        [dict(bundle) for _ in range(tp_size)], strategy="STRICT_PACK", name=name
-    )
+    """A ready ``STRICT_PACK`` placement group of ``bundles`` (`worker_bundles`)."""
+    group = placement_group(bundles, strategy="STRICT_PACK", name=name)
     try:
         await asyncio.wait_for(group.ready(), timeout_seconds)
     except TimeoutError:
         remove_placement_group(group)
         raise PlacementError(
-            f"{name}: placement group of {tp_size} x {bundle} (STRICT_PACK) not ready after "
+            f"{name}: placement group of {bundles} (STRICT_PACK) not ready after "
             f"{timeout_seconds:.0f} s; the cluster has {_resources()} in total and "
             f"{_available()} free. Lower groups.*.resources_per_rank or replicas, or add nodes."
         ) from None

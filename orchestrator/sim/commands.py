@@ -191,7 +191,7 @@ def _plan(args: argparse.Namespace) -> int:
     import yaml
 
     from orchestrator.sim.cost import create_cost_model
-    from orchestrator.sim.emit import cluster_config, cuda_ready, helm_values
+    from orchestrator.sim.emit import cluster_config, helm_values
     from orchestrator.sim.planner import PlanSpec, format_table, plan
 
     cost = create_cost_model(args.cost)
@@ -219,12 +219,6 @@ def _plan(args: argparse.Namespace) -> int:
     best = candidates[0].layout
     config = cluster_config(best, limits, model_path=args.model_path, provider=args.provider)
     print(f"\nbest: {best.label}")
-    if not cuda_ready(best):
-        print(
-            "note: pdserve clusters do not place tensor-parallel groups on CUDA yet (a worker's "
-            "Ray actor holds one GPU, its TP ranks need one each), so this config leaves "
-            "`device` at cpu"
-        )
     print("--- cluster config ---")
     print(yaml.safe_dump(config, sort_keys=False), end="")
     if args.emit_config:

@@ -2,9 +2,7 @@
 
 Both are plain dicts for `yaml.safe_dump`; `cluster_config` round-trips through
 `ClusterConfig.from_dict` (checked in tests), so a planned layout is a loadable config.
-Layouts of single-rank groups run on the GPUs they reserve (``device: cuda``). With tensor
-parallelism the device is left out (cpu): TP ranks on CUDA need the cuMem-shared KV pools,
-which are not implemented (`cuda_ready` says which case a layout is).
+Every layout runs on the GPUs it reserves (``device: cuda``, one GPU per rank).
 """
 
 from __future__ import annotations
@@ -26,13 +24,6 @@ def _group(replicas: int, tp: int, provider: str | None) -> dict[str, Any]:
     return group
 
 
-def cuda_ready(layout: Layout) -> bool:
-    """Whether pdserve can run ``layout`` on GPUs today: every group single-rank."""
-    if layout.is_mixed:
-        return layout.tp_mixed == 1
-    return layout.tp_prefill == 1 and layout.tp_decode == 1
-
-
 def cluster_config(
     layout: Layout,
     limits: EngineLimits,
@@ -51,7 +42,7 @@ def cluster_config(
     return {
         "model": model_path,
         "dtype": dtype,
-        **({"device": "cuda"} if cuda_ready(layout) else {}),
+        "device": "cuda",
         "page_size": 16,
         "limits": {
             "max_num_seqs": limits.max_num_seqs,
@@ -83,7 +74,7 @@ def helm_values(
             "decode": group(layout.num_decode, layout.tp_decode),
         },
         "clusterConfig": {
-            **({"device": "cuda"} if cuda_ready(layout) else {}),
+            "device": "cuda",
             "limits": {
                 "max_num_seqs": limits.max_num_seqs,
                 "max_num_batched_tokens": limits.max_num_batched_tokens,

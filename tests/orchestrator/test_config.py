@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from orchestrator.config import ClusterConfig, ConfigError, GroupConfig, Resources
+from orchestrator.placement import worker_bundles
 from workers.engine.config import EngineConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -260,7 +261,7 @@ def test_ratio_limit_applies_both_ways(smol_dir: Path) -> None:
         ClusterConfig.from_dict(raw)
 
 
-def test_cuda_groups_need_single_rank_and_a_gpu_memory_provider(smol_dir: Path) -> None:
+def test_cuda_groups_need_a_gpu_per_rank_and_a_gpu_memory_provider(smol_dir: Path) -> None:
     raw = base_dict(smol_dir)
     raw["device"] = "cuda"
     for role in ("prefill", "decode"):
@@ -274,9 +275,15 @@ def test_cuda_groups_need_single_rank_and_a_gpu_memory_provider(smol_dir: Path) 
         raw["groups"][role]["fabric"] = {"provider": "verbs"}
     config = ClusterConfig.from_dict(copy.deepcopy(raw))
     assert config.engine_config("decode").device == "cuda"
-    raw["groups"]["decode"]["tp"] = 2
-    with pytest.raises(ConfigError, match=r"^groups\.decode\.tp: tensor parallelism on CUDA"):
-        ClusterConfig.from_dict(raw)
+    raw["groups"]["decode"]["tp"] = 3  # a GPU per rank, in one bundle (`worker_bundles`)
+    assert ClusterConfig.from_dict(raw).group("decode").tp == 3
+
+
+def test_gpu_ranks_of_a_tp_worker_share_one_bundle() -> None:
+    """Ray shows an actor only its own bundle's GPUs: a CUDA TP leader needs all of them."""
+    assert worker_bundles({"CPU": 1.0, "GPU": 1.0}, 4) == [{"CPU": 4.0, "GPU": 4.0}]
+    assert worker_bundles({"CPU": 1.0, "GPU": 1.0}, 1) == [{"CPU": 1.0, "GPU": 1.0}]
+    assert worker_bundles({"CPU": 0.5}, 2) == [{"CPU": 0.5}, {"CPU": 0.5}]
 
 
 # --- rules that read the model's config.json ------------------------------------------------

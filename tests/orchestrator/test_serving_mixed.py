@@ -172,10 +172,11 @@ def test_failed_worker_ends_its_requests_and_is_replaced(cluster: ServedCluster)
 def test_unsatisfiable_placement_fails_with_a_clear_error(cluster: ServedCluster) -> None:
     import asyncio
 
-    from orchestrator.placement import PlacementError, place_worker
+    from orchestrator.placement import PlacementError, place_worker, worker_bundles
 
+    bundles = worker_bundles({"CPU": 64.0}, 2)
     with pytest.raises(PlacementError, match=r"not ready after 1 s.*cluster has"):
-        asyncio.run(place_worker("pdserve-too-big", {"CPU": 64.0}, 2, timeout_seconds=1))
+        asyncio.run(place_worker("pdserve-too-big", bundles, timeout_seconds=1))
 
 
 def test_router_metrics_count_requests(

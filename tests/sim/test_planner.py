@@ -73,10 +73,9 @@ def test_emitted_config_loads_and_helm_values_match_the_chart(tmp_path: Path) ->
     config = ClusterConfig.from_yaml(path)
     assert (config.group("prefill").replicas, config.group("prefill").tp) == (1, 8)
     assert (config.group("decode").replicas, config.group("decode").tp) == (3, 4)
-    assert config.device == "cpu"  # clusters do not place TP on CUDA: the config says cpu
+    assert config.device == "cuda"  # a GPU per rank, TP groups included
     mixed = ClusterConfig.from_dict(cluster_config(Layout(num_mixed=2, tp_mixed=2), EngineLimits()))
     assert mixed.group("mixed").tp == 2
-    # Single-rank groups run on the GPU each rank reserves.
     single = Layout(num_prefill=2, num_decode=2)
     gpu = ClusterConfig.from_dict(cluster_config(single, EngineLimits()))
     assert gpu.device == "cuda" and gpu.group("decode").resources_per_rank.gpu == 1
