@@ -116,9 +116,9 @@ class ClusterConfig:
     ``device``: where the workers' engines run (`workers.engine.device`). On ``cuda`` every
     group reserves a GPU per rank (``resources_per_rank.gpu``: Ray then sets each worker's
     ``CUDA_VISIBLE_DEVICES``; a TP worker's ranks share one bundle, `worker_bundles`, so its
-    leader sees a GPU for each), and KV transfers need a provider that
-    registers GPU memory (FI_HMEM: ``verbs``, ``efa``; ``shm`` on one node when libfabric was
-    built with CUDA, which the workers find out at start), which ``tcp`` cannot.
+    leader sees a GPU for each), and KV transfers need a provider that registers GPU memory
+    (FI_HMEM: ``verbs``, ``efa``; ``shm`` on one node when libfabric was built with CUDA,
+    which the workers find out at start), which ``tcp`` cannot.
     Cross-field rules run here, so that `dataclasses.replace` (and `with_overrides`)
     revalidate the result.
     """

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from workers.engine.errors import TensorParallelError
+from workers.engine.shared_kv import pool_nbytes
 
 _HANDLE_TYPE_POSIX_FD = 0x1
 _ALLOCATION_PINNED = 0x1
@@ -248,9 +249,7 @@ def _create(
         index, _ATTR_POSIX_FD_SUPPORTED
     ):
         raise CudaPoolError(f"cuda:{index} cannot export memory as a POSIX fd (cuMem VMM)")
-    nbytes = torch.empty((), dtype=dtype).element_size()
-    for dim in shape:
-        nbytes *= dim
+    nbytes = pool_nbytes(shape, dtype)
     prop = _AllocationProp()
     prop.type = _ALLOCATION_PINNED
     prop.requestedHandleTypes = _HANDLE_TYPE_POSIX_FD

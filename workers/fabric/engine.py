@@ -458,17 +458,15 @@ class TransferEngine:
         range-checked before anything is posted; `on_done` fires once after every write of the
         call completed locally. Returns the number of writes.
         """
-        rows = np.asarray(ops, dtype=np.int64)
-        if rows.ndim != 2 or rows.shape[1] != 3:
-            raise OutOfRangeError(f"ops must be rows of (src, dst, length), got {rows.shape}")
+        rows = _rows(ops)
         if rows.shape[0] == 0:
             self._check_open()
             if on_done is not None:
                 self._dispatcher.submit(on_done)
             return 0
-        self._check_imm(imm)
-        prepared = self.prepare_writes(src, peer, dst, rows)
-        self.submit_prepared(prepared, 0, len(prepared), imm, on_done, on_error)
+        self._check_write(src, peer, dst, imm)
+        prepared = self._lay_out(src, peer, dst, rows)
+        self._queue_prepared(prepared, 0, len(prepared), imm, on_done, on_error)
         return len(prepared)
 
     def prepare_writes(
@@ -480,28 +478,16 @@ class TransferEngine:
     ) -> PreparedWrites:
         """Check and lay out writes now, post them later (`submit_prepared`, in row ranges).
 
-        Rows as for `submit_writes`. Everything that depends only on the rows (range checks,
-        native address arrays) is done here, so a caller that knows its writes ahead of the
-        moment they may go (the KV messenger, before the forward pass) leaves that moment
-        only the queueing. Raises as `submit_writes` would.
+        Rows as for `submit_writes` (at least one). Everything that depends only on the rows
+        (range checks, native address arrays) is done here, so a caller that knows its writes
+        ahead of the moment they may go (the KV messenger, before the forward pass) leaves that
+        moment only the queueing. Raises as `submit_writes` would.
         """
-        rows = np.asarray(ops, dtype=np.int64)
-        if rows.ndim != 2 or rows.shape[1] != 3 or rows.shape[0] == 0:
-            raise OutOfRangeError(f"ops must be rows of (src, dst, length), got {rows.shape}")
+        rows = _rows(ops)
+        if rows.shape[0] == 0:
+            raise OutOfRangeError("no writes to prepare")
         self._check_write(src, peer, dst, None)
-        src_off, dst_off, lengths = rows[:, 0], rows[:, 1], rows[:, 2]
-        if int(lengths.min()) <= 0:
-            raise OutOfRangeError("every write needs a positive length")
-        _check_extent("source region", src_off, lengths, src.length)
-        _check_extent("destination descriptor", dst_off, lengths, dst.length)
-        if int(lengths.max()) > self.max_write_bytes:
-            raise OutOfRangeError(f"write of {int(lengths.max())} bytes exceeds max_msg_size")
-        laddr = (src_off + src.address).astype(np.uint64)
-        raddr = (dst_off + dst.base).astype(np.uint64)
-        lens = lengths.astype(np.uint64)
-        pointers = tuple(ffi.cast("uint64_t *", ffi.from_buffer(a)) for a in (laddr, lens, raddr))
-        ends = np.concatenate(([0], np.cumsum(lengths))).tolist()
-        return PreparedWrites(src, peer, dst, pointers, (laddr, lens, raddr), ends)
+        return self._lay_out(src, peer, dst, rows)
 
     def submit_prepared(
         self,
@@ -518,6 +504,39 @@ class TransferEngine:
         if not 0 <= start < stop <= len(prepared):
             raise OutOfRangeError(f"rows [{start}, {stop}) of {len(prepared)} prepared writes")
         self._check_write(prepared.src, prepared.peer, prepared.dst, imm)
+        self._queue_prepared(prepared, start, stop, imm, on_done, on_error)
+
+    def _lay_out(
+        self,
+        src: MemoryRegionHandle,
+        peer: PeerHandle,
+        dst: MemoryRegionDescriptor,
+        rows: np.ndarray,
+    ) -> PreparedWrites:
+        """Range-check ``rows`` (non-empty) and build their native arrays."""
+        src_off, dst_off, lengths = rows[:, 0], rows[:, 1], rows[:, 2]
+        if int(lengths.min()) <= 0:
+            raise OutOfRangeError("every write needs a positive length")
+        _check_extent("source region", src_off, lengths, src.length)
+        _check_extent("destination descriptor", dst_off, lengths, dst.length)
+        if int(lengths.max()) > self.max_write_bytes:
+            raise OutOfRangeError(f"write of {int(lengths.max())} bytes exceeds max_msg_size")
+        laddr = (src_off + src.address).astype(np.uint64)
+        raddr = (dst_off + dst.base).astype(np.uint64)
+        lens = lengths.astype(np.uint64)
+        pointers = tuple(ffi.cast("uint64_t *", ffi.from_buffer(a)) for a in (laddr, lens, raddr))
+        ends = np.concatenate(([0], np.cumsum(lengths))).tolist()
+        return PreparedWrites(src, peer, dst, pointers, (laddr, lens, raddr), ends)
+
+    def _queue_prepared(
+        self,
+        prepared: PreparedWrites,
+        start: int,
+        stop: int,
+        imm: int | None,
+        on_done: Callable[[], None] | None,
+        on_error: ErrorCallback | None,
+    ) -> None:
         laddr, lens, raddr = prepared.pointers
         self._queue_write(
             prepared.src,
@@ -752,6 +771,13 @@ def _check_span(what: str, offset: int, length: int, limit: int) -> None:
         raise OutOfRangeError(
             f"write [{offset}, {offset + length}) is outside the {what} of {limit} bytes"
         )
+
+
+def _rows(ops: np.ndarray) -> np.ndarray:
+    rows = np.asarray(ops, dtype=np.int64)
+    if rows.ndim != 2 or rows.shape[1] != 3:
+        raise OutOfRangeError(f"ops must be rows of (src, dst, length), got {rows.shape}")
+    return rows
 
 
 def _check_extent(what: str, offsets: np.ndarray, lengths: np.ndarray, limit: int) -> None:

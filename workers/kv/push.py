@@ -167,11 +167,11 @@ class PassPlan:
 @dataclass
 class _Prepared:
     """An item's writes of every layer, prepared before its pass (`PushThread.submit_pass`):
-    per rank pair, its `PreparedWrites` (rows in layer order) and its rows per layer; or the
+    one `PreparedWrites` per rank pair, the same rows for each layer in layer order; or the
     error preparing them raised, reported when the first layer goes."""
 
     item: PushItem
-    writes: tuple[tuple[PreparedWrites, int], ...] = ()
+    writes: tuple[PreparedWrites, ...] = ()
     error: FabricError | None = None
 
 
@@ -253,14 +253,11 @@ class PushThread:
         layers = range(self._num_layers)
         try:
             writes = tuple(
-                (
-                    self._engine.prepare_writes(
-                        self._src_handles[ops.src_rank],
-                        item.peer,
-                        item.dst_descriptors[ops.dst_rank],
-                        item.layers_rows(ops, layers),
-                    ),
-                    len(ops.rows),
+                self._engine.prepare_writes(
+                    self._src_handles[ops.src_rank],
+                    item.peer,
+                    item.dst_descriptors[ops.dst_rank],
+                    item.layers_rows(ops, layers),
                 )
                 for ops in item.ops
             )
@@ -355,7 +352,8 @@ class PushThread:
                 count = item.num_writes * (last - first)
                 self._on_error(item.request_id, count, prepared.error)
                 continue
-            for writes, per_layer in prepared.writes:
+            for writes in prepared.writes:
+                per_layer = len(writes) // self._num_layers
                 count = per_layer * (last - first)
                 self.num_submit_calls += 1
                 try:
