@@ -84,6 +84,27 @@ def test_bad_sampling_values(kwargs: dict[str, object]) -> None:
 
 
 @pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"ignore_eos": "no"}, "ignore_eos"),
+        ({"ignore_eos": 1}, "ignore_eos"),
+        ({"logprobs": 5}, "logprobs"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"top_k": True}, "top_k"),
+        ({"seed": False}, "seed"),
+        ({"stop_token_ids": [True]}, "stop_token_ids"),
+        ({"temperature": True}, "temperature"),
+        ({"top_p": True}, "top_p"),
+    ],
+)
+def test_sampling_values_of_the_wrong_type(kwargs: dict[str, object], field: str) -> None:
+    # bool is an int subclass in Python; a flag given as a number (or a count as a flag) is a
+    # caller's mistake, not a value to reinterpret.
+    with pytest.raises(InvalidRequestError, match=field):
+        SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
     "kwargs",
     [
         {"role": "both"},
@@ -112,3 +133,13 @@ def test_unsupported_checkpoint(tiny_model_dir: Path, tmp_path: Path) -> None:
     (gpt2 / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedCheckpointError, match="unsupported architecture"):
         EngineCore(gpt2, EngineConfig(num_pages=4))
+
+
+def test_no_chunked_prefill_budget_is_checked_against_the_model_limit(
+    tiny_model_dir: Path,
+) -> None:
+    # max_model_len left to the model (2048 for the preset): without chunked prefill a prompt
+    # longer than the step budget would pass validation and then never be scheduled.
+    config = EngineConfig(num_pages=64, max_num_batched_tokens=64, enable_chunked_prefill=False)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        EngineCore(tiny_model_dir, config)

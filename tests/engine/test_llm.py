@@ -50,6 +50,50 @@ def test_stop_string_truncates_text(llm: LLM) -> None:
     assert len(stopped.token_ids) < len(full.token_ids)
 
 
+def _printable_run(token_ids: list[int], length: int) -> int:
+    """Index of the first ``length`` consecutive printable ASCII tokens (byte vocabulary)."""
+    return next(
+        i
+        for i in range(len(token_ids) - length + 1)
+        if all(32 <= t < 127 for t in token_ids[i : i + length])
+    )
+
+
+def test_stop_string_spanning_tokens_is_not_in_text(llm: LLM) -> None:
+    # Its first character arrives a token before the match: the text deltas must hold it back.
+    prompt = list(b"hello world")
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    (full,) = llm.generate(prompt, params)
+    start = _printable_run(full.token_ids, 2)
+    stop = bytes(full.token_ids[start : start + 2]).decode()
+    (stopped,) = llm.generate(
+        prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop])
+    )
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == full.text[: full.text.index(stop)]
+    # A stop string that starts but never completes: everything held back is released.
+    never = stop[0] + "\x00never"
+    (unstopped,) = llm.generate(
+        prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[never])
+    )
+    assert unstopped.finish_reason == "length" and unstopped.text == full.text
+
+
+def test_stop_token_text_is_not_in_text(llm: LLM) -> None:
+    # vLLM (include_stop_str_in_output=False): the stop token id is reported, its text is not.
+    prompt = list(b"hello world")
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    (full,) = llm.generate(prompt, params)
+    stop_at = full.token_ids[_printable_run(full.token_ids, 1)]
+    (stopped,) = llm.generate(
+        prompt,
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop_token_ids=[stop_at]),
+    )
+    assert stopped.finish_reason == "stop" and stopped.token_ids[-1] == stop_at
+    assert stopped.text == llm.tokenizer.decode(stopped.token_ids[:-1])
+    assert not stopped.text.endswith(chr(stop_at))
+
+
 def test_stop_token_ids_and_eos(llm: LLM) -> None:
     (full,) = llm.generate(
         [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

@@ -124,3 +124,44 @@ def test_scaled_rope_model_matches_hf(
     [unscaled] = PagedRunner(plain, config).step([(0, tokens)])
     assert (unscaled - expected).abs().max().item() > 1e-2
     shutil.rmtree(plain_dir)
+
+
+def _hf_greedy_fresh(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """HF ``generate`` greedy tokens from a model loaded for this prompt alone.
+
+    HF's dynamic RoPE remembers the longest sequence it has seen across calls; a fresh model is
+    the reference for one request.
+    """
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    input_ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return list(out[0, len(prompt) :].tolist())
+
+
+@pytest.mark.parametrize("budget", [16, 2048])
+def test_dynamic_rope_generate_matches_hf_under_chunked_prefill(
+    tiny_model_dir: Path, tmp_path: Path, budget: int
+) -> None:
+    # max_position_embeddings 32: the 40-token prompt is scaled from its prefill on, the
+    # 24-token one only once decoding takes it past 32. With budget 16 the long prompt runs in
+    # chunks, batched with the other request; every chunk must use the whole prompt's base.
+    from workers.engine import LLM, SamplingParams
+
+    changes = {"rope_scaling": ROPE_CASES["dynamic"], "max_position_embeddings": 32}
+    model_dir = _with_config(tiny_model_dir, tmp_path / "dynamic", **changes)
+    prompts = [random_tokens(40, seed=4), random_tokens(24, seed=5)]
+    expected = [_hf_greedy_fresh(model_dir, p, 16) for p in prompts]
+    with LLM(
+        model_dir, detokenize=False, num_pages=64, max_model_len=128, max_num_batched_tokens=budget
+    ) as llm:
+        results = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16))
+    assert [r.token_ids for r in results] == expected

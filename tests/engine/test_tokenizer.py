@@ -105,6 +105,37 @@ def test_chat_template_matches_hf(tiny_model_dir: Path) -> None:
     assert tok.apply_chat_template(messages).endswith("<|assistant|>\n")
 
 
+# Template features of Hub checkpoints that HF's renderer supports beyond plain jinja.
+HF_TEMPLATE_FEATURES = {
+    "tojson-separators": "{% for m in messages %}{{ m | tojson(separators=(',', ':')) }}{% endfor %}",
+    "tojson-sort-keys": "{% for m in messages %}{{ m | tojson(sort_keys=true) }}{% endfor %}",
+    "tojson-ascii-indent": "{{ messages | tojson(ensure_ascii=true, indent=2) }}",
+    "generation-block": (
+        "{% set x = 1 %}{% for m in messages %}{% if m.role == 'assistant' %}"
+        "{% generation %}{% set x = 2 %}{{ loop.index }}{{ m.content }}{{ x }}{% endgeneration %}"
+        "{% else %}{{ m.content }}{% endif %}{{ x }}{% endfor %}"
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(HF_TEMPLATE_FEATURES))
+def test_chat_template_features_match_hf(tiny_model_dir: Path, name: str) -> None:
+    from transformers import AutoTokenizer
+
+    from workers.engine.tokenizer import render_chat_template
+
+    template = HF_TEMPLATE_FEATURES[name]
+    messages = [
+        {"role": "system", "content": "Sé brief"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo"},
+    ]
+    hf = AutoTokenizer.from_pretrained(tiny_model_dir)
+    expected = hf.apply_chat_template(messages, chat_template=template, tokenize=False)
+    special_tokens = load_tokenizer(tiny_model_dir).special_tokens
+    assert render_chat_template(template, messages, False, special_tokens) == expected
+
+
 def test_chat_template_sources_and_helpers(tiny_model_dir: Path, tmp_path: Path) -> None:
     model_dir = tmp_path / "templated"
     shutil.copytree(tiny_model_dir, model_dir)

@@ -85,12 +85,7 @@ class EngineConfig:
         if self.max_model_len is not None:
             if self.max_model_len < 2:
                 raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
-            if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-                raise ValueError(
-                    "without chunked prefill max_num_batched_tokens "
-                    f"({self.max_num_batched_tokens}) must be >= max_model_len "
-                    f"({self.max_model_len}), or long prompts could never run"
-                )
+            self.check_max_model_len(self.max_model_len)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         check_device_name(self.device)
@@ -104,4 +99,21 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                 f"got {self.attention_backend!r}"
+            )
+
+    def check_max_model_len(self, max_model_len: int) -> None:
+        """Raise ValueError when a sequence of ``max_model_len`` tokens could never be scheduled.
+
+        Called here for an explicit ``max_model_len`` and by the engine once it knows the
+        model's own limit. Without chunked prefill a prompt (or a preempted sequence being
+        recomputed) runs in one step; one longer than the step budget would wait forever and
+        block every request queued behind it.
+        """
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
+            source = "" if self.max_model_len is not None else ", the model's limit"
+            raise ValueError(
+                "without chunked prefill max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) must be >= max_model_len "
+                f"({max_model_len}{source}), or long prompts could never run; "
+                "raise max_num_batched_tokens, lower max_model_len or enable chunked prefill"
             )

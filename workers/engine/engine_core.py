@@ -78,6 +78,8 @@ class EngineCore:
     ) -> None:
         self.config = config = config or EngineConfig()
         self.model_config = ModelConfig.from_dir(model_dir)
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        config.check_max_model_len(self.max_model_len)  # before loading weights: fail fast
         device = resolve_device(config.device)
         torch.manual_seed(config.seed)
         # Tensor parallelism: this process is rank 0 and holds its shard; followers the rest.
@@ -89,7 +91,6 @@ class EngineCore:
             self.model, _ = load_model(model_dir, dtype=config.dtype, device=device)
         param = next(self.model.parameters())
         self.dtype, self.device = param.dtype, param.device
-        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         if self.tp is not None:
             self.num_pages, self.kv_cache = self.tp.num_pages, self.tp.kv_cache
         else:

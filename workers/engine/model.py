@@ -73,10 +73,7 @@ class CausalLM(nn.Module):
         Calls ``backend.begin_step(batch)`` before layer 0, and, when given, ``progress``'s
         ``begin_pass`` before layer 0 and ``mark_layer_done(l)`` after layer l's o_proj.
         """
-        token_seq_lens = None
-        if self.rotary.is_dynamic:
-            query_lens = torch.tensor(batch.query_lens_list, device=batch.seq_lens.device)
-            token_seq_lens = torch.repeat_interleave(batch.seq_lens, query_lens)
+        token_seq_lens = dynamic_rope_seq_lens(positions, batch) if self.rotary.is_dynamic else None
         # A token's position is below its sequence's length: a bound known on the host.
         bound = max(batch.seq_lens_list, default=0)
         rotary = self.rotary.tables(positions, self.dtype, token_seq_lens, bound)
@@ -92,6 +89,21 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> logits [N, vocab_size] in float32."""
         return F.linear(hidden, self.lm_head).to(torch.float32)
+
+
+def dynamic_rope_seq_lens(positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+    """[T] the sequence length HF's dynamic NTK RoPE scales each new token by.
+
+    HF ``generate`` runs the whole prompt in one pass (length: the prompt's) and then one pass
+    per output token (length: its position + 1); cached keys keep the base of the pass that
+    wrote them. ``max(prompt length, position + 1)`` gives every token that same length however
+    the prompt is chunked, batched or recomputed after a preemption, so the cache holds what
+    HF's would (a chunk's end would give early chunks a smaller base).
+    """
+    lens = batch.num_prompt_tokens if batch.num_prompt_tokens is not None else batch.seq_lens
+    query_lens = torch.tensor(batch.query_lens_list, device=lens.device)
+    per_token = torch.repeat_interleave(lens.to(positions.device), query_lens.to(positions.device))
+    return torch.maximum(per_token, positions + 1)
 
 
 def load_model(

@@ -67,6 +67,7 @@ class ModelRunner:
         query_lens: list[int] = []
         seq_lens: list[int] = []
         context_lens: list[int] = []
+        num_prompt_tokens: list[int] = []
         for seq, num_new in zip(step.seqs, step.num_new_tokens, strict=True):
             start = seq.num_computed_tokens
             end = start + num_new
@@ -79,6 +80,7 @@ class ModelRunner:
             query_lens.append(num_new)
             seq_lens.append(end)
             context_lens.append(start)
+            num_prompt_tokens.append(seq.num_prompt_tokens)
 
         max_pages = max(len(seq.page_ids) for seq in step.seqs)
         page_table = [seq.page_ids + [-1] * (max_pages - len(seq.page_ids)) for seq in step.seqs]
@@ -97,5 +99,6 @@ class ModelRunner:
             slot_mapping=tensor(slots),
             query_lens_list=tuple(query_lens),
             seq_lens_list=tuple(seq_lens),
+            num_prompt_tokens=tensor(num_prompt_tokens),
         )
         return tensor(input_ids), tensor(positions), batch

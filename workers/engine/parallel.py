@@ -219,6 +219,7 @@ class TPGroup:
             batch.context_lens,
             batch.page_table.reshape(-1),
             batch.slot_mapping,
+            batch.num_prompt_tokens if batch.num_prompt_tokens is not None else batch.seq_lens,
         ]
         payload = torch.cat([f.to("cpu", torch.int64) for f in fields])
         num_seqs, max_pages = batch.page_table.shape
@@ -242,12 +243,12 @@ class TPGroup:
         payload = torch.empty(payload_len, dtype=torch.int64)
         self._broadcast(payload)
         sizes = [num_tokens, num_tokens, num_seqs + 1, num_seqs, num_seqs]
-        sizes += [num_seqs * max_pages, num_tokens]
+        sizes += [num_seqs * max_pages, num_tokens, num_seqs]
         if sum(sizes) != payload_len:
             raise RuntimeError(f"TP header {header.tolist()} does not match its payload")
         fields = payload.split(sizes)
         query_lens, seq_lens_list = torch.diff(fields[2]).tolist(), fields[3].tolist()
-        ids, pos, starts, seq_lens, context_lens, table, slots = (
+        ids, pos, starts, seq_lens, context_lens, table, slots, num_prompt_tokens = (
             field.to(self.device) for field in fields
         )
         batch = AttentionBatch(
@@ -258,6 +259,7 @@ class TPGroup:
             slot_mapping=slots,
             query_lens_list=tuple(query_lens),
             seq_lens_list=tuple(seq_lens_list),
+            num_prompt_tokens=num_prompt_tokens,
         )
         return ids, pos, batch
 

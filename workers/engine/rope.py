@@ -162,8 +162,8 @@ class RotaryEmbedding(torch.nn.Module):
         )
 
     def _dynamic_angles(self, positions: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-        # HF's dynamic NTK raises the base once the sequence outgrows max_position_embeddings,
-        # using the length of the sequence in the current forward pass.
+        # HF's dynamic NTK raises the base once the sequence outgrows max_position_embeddings;
+        # each token's length is the one HF generate would have seen when computing it.
         dim = self.inv_freq.shape[0] * 2
         seq_lens = seq_lens.to(positions.device)
         seq_len = torch.clamp(seq_lens.to(torch.float32), min=self.max_position_embeddings)
@@ -183,8 +183,9 @@ class RotaryEmbedding(torch.nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [T, head_dim] (float32) for absolute ``positions`` [T].
 
-        ``token_seq_lens`` [T] is each token's sequence length after this step; only the
-        ``dynamic`` type uses it, and only once a sequence outgrows max_position_embeddings.
+        ``token_seq_lens`` [T] is each token's sequence length as HF generate sees it (see
+        `model.dynamic_rope_seq_lens`); only the ``dynamic`` type uses it, and only once a
+        sequence outgrows max_position_embeddings.
         ``bound``: a number every position is below, known on the host (the step's longest
         sequence); without it the table size is checked against ``positions.max()``, which on
         a GPU waits for the device (and cannot be captured in a CUDA graph).

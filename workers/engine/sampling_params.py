@@ -22,6 +22,11 @@ _INT32_MAX = 2**31 - 1
 _UINT64_MAX = 2**64 - 1
 
 
+def _is_int(value: object) -> bool:
+    """An int that is not a bool (``True`` is an int to Python, never a count to a caller)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick the next token and when to stop.
@@ -37,6 +42,7 @@ class SamplingParams:
     stop_token_ids: at most ``MAX_STOP_TOKEN_IDS``.
     seed: in [0, 2**64); top_k and max_tokens: at most 2**31 - 1.
     logprobs: report the log-probability of each chosen token (from the model's raw logits).
+    ignore_eos and logprobs must be bools, and no other field takes a bool.
     """
 
     temperature: float = 1.0
@@ -66,13 +72,21 @@ class SamplingParams:
             "frequency_penalty",
         ):
             value = getattr(self, name)
-            if not isinstance(value, int | float) or not math.isfinite(value):
+            # bool is an int subclass: True would pass as 1 and hide a caller's mix-up.
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not math.isfinite(value)
+            ):
                 raise bad(f"{name} must be a finite number, got {value!r}")
+        for name in ("ignore_eos", "logprobs"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.temperature < 0:
             raise bad(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise bad(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or not -1 <= self.top_k <= _INT32_MAX:
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= _INT32_MAX:
             raise bad(f"top_k must be -1, 0 (disabled) or in [1, 2**31), got {self.top_k!r}")
         if not 0 <= self.min_p <= 1:
             raise bad(f"min_p must be in [0, 1], got {self.min_p}")
@@ -82,12 +96,10 @@ class SamplingParams:
             raise bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2 <= self.frequency_penalty <= 2:
             raise bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if not isinstance(self.max_tokens, int) or not 0 < self.max_tokens <= _INT32_MAX:
+        if not _is_int(self.max_tokens) or not 0 < self.max_tokens <= _INT32_MAX:
             raise bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         self._check_stop(bad)
-        if self.seed is not None and (
-            not isinstance(self.seed, int) or not 0 <= self.seed <= _UINT64_MAX
-        ):
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= _UINT64_MAX):
             raise bad(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
 
     def _check_stop(self, bad: Callable[[str], InvalidRequestError]) -> None:
@@ -105,7 +117,7 @@ class SamplingParams:
                     f"a stop string is at most {MAX_STOP_STRING_BYTES} bytes, got one of {size}"
                 )
         if not isinstance(self.stop_token_ids, list) or not all(
-            isinstance(t, int) and 0 <= t <= _INT32_MAX for t in self.stop_token_ids
+            _is_int(t) and 0 <= t <= _INT32_MAX for t in self.stop_token_ids
         ):
             raise bad("stop_token_ids must be a list of non-negative integers")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:

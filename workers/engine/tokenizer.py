@@ -17,6 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+from jinja2 import nodes
+from jinja2.ext import Extension
+from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 logger = logging.getLogger(__name__)
@@ -57,6 +60,36 @@ class Tokenizer(ABC):
             self.chat_template, messages, add_generation_prompt, self.special_tokens
         )
 
+    def token_bytes(self, ids: Sequence[int]) -> list[bytes]:
+        """Each token's own bytes. `decode` of one token that holds part of a UTF-8 character
+        gives U+FFFD; these are the raw bytes (OpenAI's logprobs ``bytes``, which a client joins
+        to rebuild such characters): a `ByteTokenizer` byte; a byte-level BPE token's characters
+        through GPT-2's byte-to-character map (the ``ByteLevel`` decoder's); a byte-fallback
+        piece ``<0xHH>``; else (special and added tokens, other vocabularies) its decoded text.
+        """
+        from tokenizers import decoders
+
+        # GPT-2's map: printable Latin-1 bytes stand for themselves, the others (in byte order)
+        # for chr(256), chr(257), ...
+        printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+        shifted = [b for b in range(256) if b not in printable]
+        byte_of = {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(shifted)}
+        raw = self._tokenizer if isinstance(self, HFTokenizer) else None
+        added = raw.get_added_tokens_decoder() if raw is not None else {}
+        byte_level = raw is not None and isinstance(raw.decoder, decoders.ByteLevel)
+        pieces: list[bytes] = []
+        for token_id in ids:
+            piece = raw.id_to_token(token_id) if raw is not None and token_id not in added else None
+            if isinstance(self, ByteTokenizer) and 0 <= token_id < self.NUM_BYTES:
+                pieces.append(bytes([token_id]))
+            elif piece is not None and len(piece) == 6 and piece[:3] == "<0x" and piece[5] == ">":
+                pieces.append(bytes.fromhex(piece[3:5]))
+            elif piece is not None and byte_level and all(c in byte_of for c in piece):
+                pieces.append(bytes(byte_of[c] for c in piece))
+            else:
+                pieces.append(self.decode([token_id], skip_special_tokens=False).encode())
+        return pieces
+
 
 def _raise_exception(message: str) -> None:
     raise jinja2.TemplateError(message)
@@ -66,9 +99,33 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def _tojson(value: Any, indent: int | None = None) -> str:
-    # HF's templates expect non-ASCII kept as is.
-    return json.dumps(value, ensure_ascii=False, indent=indent)
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # HF's signature: templates on the Hub pass these options, and expect non-ASCII kept as is
+    # (jinja's own tojson would also escape HTML characters).
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+class _GenerationBlock(Extension):
+    """``{% generation %}...{% endgeneration %}``: renders its body unchanged.
+
+    HF templates mark the assistant's part with it (HF can report where it is, for training
+    masks); rendering a prompt needs only the text.
+    """
+
+    tags = {"generation"}  # noqa: RUF012 - jinja2.ext.Extension declares it a plain set
+
+    def parse(self, parser: Parser) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body).set_lineno(lineno)
 
 
 def render_chat_template(
@@ -78,7 +135,9 @@ def render_chat_template(
     special_tokens: dict[str, str],
 ) -> str:
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=["jinja2.ext.loopcontrols", _GenerationBlock],
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception

@@ -43,6 +43,10 @@ class AttentionBatch:
     # Python-side copies used to slice without device syncs.
     query_lens_list: tuple[int, ...]
     seq_lens_list: tuple[int, ...]
+    # [B] int64 prompt length of each sequence. Not for attention: dynamic RoPE scales every
+    # prompt token by it (see `model.dynamic_rope_seq_lens`). None where the step runs whole
+    # prompts only (tests, graphs), and ``seq_lens`` then stands in.
+    num_prompt_tokens: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
