@@ -18,8 +18,10 @@ statuses only here, in OpenAI's shape ``{"error": {"message", "type", "code"}}``
 
 A streamed request fails with a status while nothing was sent (the first event is awaited
 before the response starts); after that, an error is one ``data: {"error": ...}`` event and
-the stream ends without ``[DONE]``. A client that leaves closes the router's generator, whose
-``finally`` aborts the request on its worker.
+the stream ends without ``[DONE]``. A client that leaves (its connection closes) cancels its
+handler (``handler_cancellation``; aiohttp's default lets a handler run on without a reader:
+a non-streamed request until ``max_tokens``, a queued one until admitted and prefilled), which
+closes the router's generator, whose ``finally`` aborts the request on its worker.
 """
 
 from __future__ import annotations
@@ -129,7 +131,7 @@ class OpenAIHttpApi:
     async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> str:
         """Listen on ``host:port`` (0: any free port), over HTTPS with ``ssl_context``
         (`orchestrator.security.ServerTLS`); returns the bound ``host:port``."""
-        self._runner = runner = web.AppRunner(self.app, access_log=None)
+        self._runner = runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
         await runner.setup()
         site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
         await site.start()
@@ -177,7 +179,7 @@ class OpenAIHttpApi:
         try:
             try:
                 body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError):
+            except ValueError:  # bad JSON or UTF-8, or an integer of over 4300 digits
                 raise InvalidRequestError("the request body is not valid JSON") from None
             except web.HTTPRequestEntityTooLarge:
                 return _too_large(self.router.settings.max_request_bytes)
@@ -205,31 +207,43 @@ class OpenAIHttpApi:
             response = web.StreamResponse(
                 headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
             )
-            await response.prepare(request)
-            created = int(time.time())
-            tokenizer = self.router.tokenizer
-            event = first
-            try:
-                while True:
-                    chunk = stream_chunk(parsed, event, created, tokenizer)
-                    await _send(response, chunk)
-                    if event.timings is not None:
-                        break
-                    event = await anext(events)
+            try:  # every write, the headers' included, fails once the client left
+                await response.prepare(request)
+                await self._send_events(response, parsed, first, events)
             except ConnectionResetError:
                 logger.debug("client left stream %s", parsed.generation.request_id)
-                return response
-            except Exception as error:
-                status, body = error_of(error)
-                if status == 500:
-                    logger.error("stream failed", exc_info=error)
-                await _send(response, body)
-                return response
-            if parsed.include_usage:
-                await _send(response, usage_chunk(parsed, event, created))
-            await response.write(b"data: [DONE]\n\n")
-            await response.write_eof()
             return response
+
+    async def _send_events(
+        self,
+        response: web.StreamResponse,
+        parsed: ParsedRequest,
+        first: StreamEvent,
+        events: AsyncGenerator[StreamEvent, None],
+    ) -> None:
+        """SSE chunks from ``first`` on, then usage and ``[DONE]``; a failure of the request is
+        the last event."""
+        created = int(time.time())
+        tokenizer = self.router.tokenizer
+        event = first
+        try:
+            while True:
+                await _send(response, stream_chunk(parsed, event, created, tokenizer))
+                if event.timings is not None:
+                    break
+                event = await anext(events)
+        except ConnectionResetError:
+            raise
+        except Exception as error:
+            status, body = error_of(error)
+            if status == 500:
+                logger.error("stream failed", exc_info=error)
+            await _send(response, body)
+            return
+        if parsed.include_usage:
+            await _send(response, usage_chunk(parsed, event, created))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
 
 
 async def _send(response: web.StreamResponse, body: dict[str, Any]) -> None:

@@ -72,7 +72,7 @@ class DecodeBackend:
             sink(
                 TokenDelta(
                     list(output.new_token_ids),
-                    None,
+                    output.logprobs,
                     output.finished,
                     output.finish_reason,
                     output.error,
@@ -96,7 +96,7 @@ class DecodeBackend:
         )
 
     def transfer_stats(self, request_id: str) -> dict[str, Any] | None:
-        return self.worker.transfer_stats(request_id)
+        return _transfer_stats(self.worker, request_id)
 
     def prefill_endpoint(self) -> bytes:
         return b""
@@ -145,10 +145,26 @@ class PrefillBackend:
         )
 
     def transfer_stats(self, request_id: str) -> dict[str, Any] | None:
-        return self.worker.transfer_stats(request_id)
+        return _transfer_stats(self.worker, request_id)
 
     def prefill_endpoint(self) -> bytes:
         return self._endpoint
 
     def close(self) -> None:
         self.worker.close()
+
+
+def _transfer_stats(worker: DecodeWorker | PrefillWorker, request_id: str) -> dict[str, Any] | None:
+    """The record of ``request_id``: a worker request id, or a client's id, whose latest attempt
+    it then is (workers know requests by the router's per-attempt ids, `orchestrator.router`)."""
+    from orchestrator.router import client_request_id
+
+    record = worker.transfer_stats(request_id)
+    if record is not None:
+        return record
+    attempts = [
+        stats
+        for worker_request, stats in worker.finished_transfers().items()  # oldest first
+        if client_request_id(worker_request) == request_id
+    ]
+    return attempts[-1] if attempts else None

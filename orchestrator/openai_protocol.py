@@ -83,12 +83,19 @@ def _stop(body: dict[str, Any]) -> list[str]:
     raise InvalidRequestError(f"stop must be a string or a list of strings, got {stop!r}")
 
 
+def _float(name: str, value: int | float) -> float:
+    try:
+        return float(value)
+    except OverflowError:  # an integer beyond any float (JSON integers have no size limit)
+        raise InvalidRequestError(f"{name} is out of range") from None
+
+
 def _sampling(body: dict[str, Any]) -> dict[str, Any]:
     sampling: dict[str, Any] = {}
     for name, target in _NUMBERS.items():
         value = _field(body, name, (int, float), "a number")
         if value is not None:
-            sampling[target] = float(value)
+            sampling[target] = _float(name, value)
     for name, target in _INTS.items():
         value = _field(body, name, (int,), "an integer")
         if value is not None:
@@ -232,9 +239,12 @@ def _logprobs(
     values = [v for e in events for v in e.logprobs]
     tokens = [tokenizer.decode([t], skip_special_tokens=False) if tokenizer else "" for t in ids]
     if request.kind == "chat":
+        # ``token`` is the token's text as vLLM gives it (U+FFFD for part of a character);
+        # ``bytes`` are its own bytes, so a client can join them into that character.
+        raw = tokenizer.token_bytes(ids) if tokenizer else [b""] * len(ids)
         content = [
-            {"token": t, "logprob": v, "bytes": list(t.encode()), "top_logprobs": []}
-            for t, v in zip(tokens, values, strict=False)
+            {"token": t, "logprob": v, "bytes": list(b), "top_logprobs": []}
+            for t, b, v in zip(tokens, raw, values, strict=False)
         ]
         return {"content": content}
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": None, "text_offset": []}

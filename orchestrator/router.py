@@ -12,6 +12,14 @@ Request path (one asyncio task per request, the servicer's)::
       ─▶ finally: unless it finished, an ``abort`` message (the worker aborts the request and
          frees its pages); the worker's slot is released, the queue is woken.
 
+Request ids: the client's id (or a generated one) is the router's key (`Router.generate`
+refuses it while in flight) and the id of every `StreamEvent`. Workers see a router-unique
+*worker request id* per attempt, ``f"{client id}#{n}"`` with ``n`` from the router's counter
+(`worker_request_id`): a client may reuse its id as soon as the router let it go, while the
+abort of the old request is still on its way, and the worker must never confuse the two. The
+link routes deltas by the worker id, aborts name it, and worker logs and KV transfer records
+carry it (the client's id is its part before the last ``#``: `client_request_id`).
+
 A broken stream (the worker died) ends the worker's requests with `WorkerFailedError` and makes
 it *suspect*: not chosen again until the controller replaced it (new generation) or
 ``suspect_hold_seconds`` passed, so no request is sent to a dead worker while the controller's
@@ -24,10 +32,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -45,7 +54,7 @@ from orchestrator.errors import (
 from orchestrator.policy import PrefillLoad, RoutingPolicy, create_policy
 from orchestrator.registry import Registry, WorkerRecord
 from orchestrator.text_stream import TextStream
-from orchestrator.worker_link import LinkBroken, WorkerLink
+from orchestrator.worker_link import DeltaQueue, LinkBroken, WorkerLink
 from orchestrator.worker_service import sampling_to_proto
 from protos.pdserve.v1 import worker_pb2 as wpb
 from workers.engine.sampling_params import SamplingParams
@@ -113,11 +122,23 @@ class StreamEvent:
     timings: Timings | None = None
 
 
+def worker_request_id(request_id: str, attempt: int) -> str:
+    """The id a worker knows attempt ``attempt`` (router-unique) of client request
+    ``request_id`` by."""
+    return f"{request_id}#{attempt}"
+
+
+def client_request_id(worker_request: str) -> str:
+    """The client's id in a `worker_request_id` (client ids may contain ``#`` themselves)."""
+    return worker_request.rpartition("#")[0]
+
+
 @dataclass
 class _InFlight:
     request_id: str
     worker_id: str = ""
     link: WorkerLink | None = None
+    worker_request_id: str = ""  # the current attempt's, once sent (`worker_request_id`)
     finished: bool = False
     # The prefill source charged this request's prompt in `Router.prefill_load` ("": none, or
     # released: the first token came, so its prefill is over).
@@ -162,6 +183,7 @@ class Router:
         # worker id -> (generation, address, until): its link broke (see `_suspect`).
         self._suspects: dict[str, tuple[int, str, float]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._attempts = itertools.count(1)  # the ``n`` of `worker_request_id`
         self.draining = False
         registry.on_worker_down(self._worker_down)
 
@@ -206,7 +228,9 @@ class Router:
             if worker is not None and not completed and self.metrics is not None:
                 self.metrics.count_request_success("abort")  # cancelled, timed out or failed
             if inflight.link is not None and not inflight.finished:
-                inflight.link.abort(request_id)  # the worker aborts it and frees its pages
+                # The worker aborts it and frees its pages (by its own id: the client's may
+                # already name a new request).
+                inflight.link.abort(inflight.worker_request_id)
             if worker is not None:
                 await self._release(worker.worker_id)
 
@@ -328,6 +352,18 @@ class Router:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def _text_tokens(
+        self, token_ids: Sequence[int], reason: str, params: SamplingParams
+    ) -> Sequence[int]:
+        """The delta's tokens whose text is output: as in the engine (`StopChecker`, vLLM), a
+        token that stopped the request as EOS or a stop token id adds none (the id is still
+        streamed). A stop string's last token is pushed: `TextStream` cuts the string off."""
+        if reason != "stop" or not token_ids:
+            return token_ids
+        last = token_ids[-1]
+        eos = () if params.ignore_eos or self.tokenizer is None else self.tokenizer.eos_token_ids
+        return token_ids[:-1] if last in params.stop_token_ids or last in eos else token_ids
+
     async def _stream(
         self,
         inflight: _InFlight,
@@ -338,7 +374,6 @@ class Router:
         arrived: float,
     ) -> AsyncIterator[StreamEvent]:
         message = wpb.WorkerGenerateRequest(
-            request_id=inflight.request_id,
             prompt_token_ids=prompt,
             sampling=sampling_to_proto(params),
         )
@@ -350,11 +385,7 @@ class Router:
             tried.add(source.worker_id)
         text = TextStream(self.tokenizer, prompt, params.stop)
         inflight.link = link = self._link(worker)
-        try:
-            deltas = await link.start(message)
-        except LinkBroken as error:
-            self._suspect(worker, link)
-            raise WorkerFailedError(str(error)) from None
+        deltas = await self._start(inflight, worker, link, message)
         num_tokens = 0
         first = last = 0.0
         while True:
@@ -371,9 +402,9 @@ class Router:
                     self.metrics.inter_token_latency.observe(now - last)
                 last = now
                 num_tokens += len(delta.token_ids)
-            for token_id in delta.token_ids:
-                text.push(token_id)
             reason = delta.finish_reason
+            for token_id in self._text_tokens(delta.token_ids, reason, params):
+                text.push(token_id)
             if reason == "error":
                 self._release_prefill(inflight)
                 retry = self._retry_source(delta, num_tokens, tried, inflight)
@@ -383,17 +414,13 @@ class Router:
                     # same decoder asks another prefill worker.
                     logger.warning(
                         "request %s: prefill failed (%s); retrying with %s",
-                        inflight.request_id,
+                        inflight.worker_request_id,
                         delta.error,
                         retry.worker_id,
                     )
                     tried.add(retry.worker_id)
                     message.prefill_endpoint = retry.prefill_endpoint
-                    try:
-                        deltas = await link.start(message)
-                    except LinkBroken as error:
-                        self._suspect(worker, link)
-                        raise WorkerFailedError(str(error)) from None
+                    deltas = await self._start(inflight, worker, link, message)
                     continue
                 inflight.finished = True
                 raise _worker_error(worker.worker_id, delta)
@@ -418,6 +445,22 @@ class Router:
             yield event
             if final:
                 return
+
+    async def _start(
+        self,
+        inflight: _InFlight,
+        worker: WorkerRecord,
+        link: WorkerLink,
+        message: wpb.WorkerGenerateRequest,
+    ) -> DeltaQueue:
+        """Send one attempt of the request, under a new worker request id."""
+        message.request_id = worker_request_id(inflight.request_id, next(self._attempts))
+        inflight.worker_request_id = message.request_id
+        try:
+            return await link.start(message)
+        except LinkBroken as error:
+            self._suspect(worker, link)
+            raise WorkerFailedError(str(error)) from None
 
     # --- failures and drain ------------------------------------------------------------------
 
@@ -488,7 +531,8 @@ class Router:
             return
         for inflight in self._requests.values():
             if inflight.link is link:
-                link.fail(inflight.request_id, f"{record.worker_id} failed its health check")
+                reason = f"{record.worker_id} failed its health check"
+                link.fail(inflight.worker_request_id, reason)
         self._spawn(link.close())
 
     async def drain(self, grace_seconds: float) -> None:

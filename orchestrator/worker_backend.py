@@ -72,7 +72,8 @@ class WorkerBackend(Protocol):
     def load(self) -> WorkerLoad: ...
 
     def transfer_stats(self, request_id: str) -> dict[str, Any] | None:
-        """KV transfer record of a recent request (prefill / decode roles); None otherwise."""
+        """KV transfer record of a recent request (prefill / decode roles); None otherwise.
+        ``request_id``: the router's worker request id, or a client's id (its latest attempt)."""
         ...
 
     def prefill_endpoint(self) -> bytes:

@@ -1,7 +1,9 @@
 """Router side of ``pdserve.v1.Worker/Connect``: one long-lived stream per worker, many requests.
 
 `WorkerLink.start` writes one ``generate`` message and returns the request's queue of
-``RequestDelta``s; a reader task routes each delta of each ``ConnectResponse`` to its queue.
+``RequestDelta``s; a reader task routes each delta of each ``ConnectResponse`` to its queue by
+its request id (the router's worker request id, unique per attempt: never a client's own id,
+which a client may reuse while the worker still runs the old request).
 `WorkerLink.abort` writes an ``abort`` message (fire and forget: it runs from ``finally`` blocks
 of cancelled tasks). When the stream breaks (worker died, network), every open queue receives a
 `LinkBroken` and the next `start` opens a new stream.
@@ -45,7 +47,12 @@ class WorkerLink:
         try:
             async with self._write_lock:
                 await call.write(wpb.ConnectRequest(generate=message))
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as error:
+        except (
+            grpc.aio.AioRpcError,
+            grpc.aio.UsageError,
+            # The call already finished (its worker died) and the reader has not cleared it yet.
+            asyncio.InvalidStateError,
+        ) as error:
             self._queues.pop(message.request_id, None)
             raise LinkBroken(f"{self.address}: {error}") from None
         return queue

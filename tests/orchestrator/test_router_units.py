@@ -21,7 +21,13 @@ from orchestrator.errors import (
 )
 from orchestrator.policy import LeastOutstanding, PrefillLoad, create_policy
 from orchestrator.registry import Registry, WorkerRecord
-from orchestrator.router import GenerationInput, Router, RouterSettings, StreamEvent
+from orchestrator.router import (
+    GenerationInput,
+    Router,
+    RouterSettings,
+    StreamEvent,
+    client_request_id,
+)
 from orchestrator.servicer import input_from_proto, status_of
 from orchestrator.text_stream import TextStream
 from orchestrator.worker_backend import Sink, TokenDelta, WorkerLoad
@@ -124,13 +130,19 @@ def test_status_mapping() -> None:
 
 
 class FakeBackend:
-    """Tokens only when the test says so; records aborts; can hold submits."""
+    """Tokens only when the test says so; records aborts; can hold submits.
+
+    Keyed by the client's request id (the router sends per-attempt worker request ids,
+    ``"<client id>#<n>"``), so tests name requests as their client did; ``worker_request_ids``
+    lists what the worker was really sent.
+    """
 
     role = "decode"
 
     def __init__(self) -> None:
         self.sinks: dict[str, Sink] = {}
         self.aborted: list[str] = []
+        self.worker_request_ids: list[str] = []
         self.hold_submit = threading.Event()
         self.hold_submit.set()
         self.lock = threading.Lock()
@@ -142,7 +154,8 @@ class FakeBackend:
             raise InvalidRequestError("token 0 is refused by this fake")
         self.hold_submit.wait(10)
         with self.lock:
-            self.sinks[request_id] = sink
+            self.worker_request_ids.append(request_id)
+            self.sinks[client_request_id(request_id)] = sink
 
     def emit(self, request_id: str, token_id: int, reason: str | None = None) -> None:
         with self.lock:
@@ -151,8 +164,8 @@ class FakeBackend:
 
     def abort(self, request_id: str) -> None:
         with self.lock:
-            self.aborted.append(request_id)
-            self.sinks.pop(request_id, None)
+            self.aborted.append(client_request_id(request_id))
+            self.sinks.pop(client_request_id(request_id), None)
 
     def load(self) -> WorkerLoad:
         return WorkerLoad(len(self.sinks), 0, 0, 0)

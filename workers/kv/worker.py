@@ -40,13 +40,16 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class WorkerOutput:
-    """New tokens of one request; ``error`` is set when it failed (``finish_reason='error'``)."""
+    """New tokens of one request; ``error`` is set when it failed (``finish_reason='error'``);
+    ``logprobs``: one per new token when the request asked for them (`SamplingParams.logprobs`),
+    else None."""
 
     request_id: str
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None
     error: str | None = None
+    logprobs: list[float] | None = None
 
 
 OutputCallback = Callable[[WorkerOutput], None]
@@ -381,6 +384,7 @@ class DecodeWorker:
                     list(output.new_token_ids),
                     output.finished,
                     output.finish_reason,
+                    logprobs=list(output.logprobs) if output.logprobs is not None else None,
                 )
             )
 
