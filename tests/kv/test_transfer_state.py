@@ -137,6 +137,22 @@ def test_prefill_failed_write_fails_the_transfer_after_draining() -> None:
     assert t.finish_if_drained(1.2) and t.state is PrefillState.FAILED
 
 
+def test_prefill_writes_never_posted_are_taken_back_out_of_the_count() -> None:
+    t = prefill(4)
+    t.advance(PrefillState.PREFILLING, 1.0)
+    t.record_submit(10, 1.0, count=2)  # posted
+    t.record_submit(30, 1.0, count=2)  # the fabric then refused these at once
+    t.stop("aborted by decoder", 1.1, failed=False)  # meanwhile: all four look in flight
+    assert t.state is PrefillState.DRAINING and t.num_writes_in_flight == 4
+    t.unrecord_submit(30, count=2)
+    assert t.num_writes_submitted == 2 and t.stats.num_bytes == 10  # what acks report now
+    with pytest.raises(IllegalTransitionError, match="taken back"):
+        t.unrecord_submit(10, count=3)  # more than in flight: never below what was posted
+    t.record_completion(1.2, count=2)
+    assert t.finish_if_drained(1.2) and t.state is PrefillState.CANCELLED
+    assert t.num_writes_submitted == 2
+
+
 def test_prefill_stop_without_writes_is_terminal_at_once() -> None:
     t = prefill()
     t.stop("no pages", 0.5, failed=True)

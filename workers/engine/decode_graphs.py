@@ -198,7 +198,11 @@ class DecodeGraphs:
             self._forward(batch, pages)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # Graphs are captured while serving, when the fabric's progress thread may be moving KV
+        # through CUDA (FI_HMEM: synchronous copies, IPC handle opens). In the default "global"
+        # mode such a call on any thread during a capture fails (and fails the transfer);
+        # "thread_local" restricts the capture rules to this thread, which makes none of them.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             logits = self._forward(batch, pages)
         self._pool = graph.pool()
         return graph, logits

@@ -306,6 +306,9 @@ def open_cuda_pool_handle(
     try:
         device = _device_of(handle.pci_bus_id)
         with torch.cuda.device(device):
+            # torch creates a device's primary context lazily; the driver calls below need it
+            # current (the owner's `_create` does the same).
+            torch.cuda.synchronize(device)
             allocation = ctypes.c_uint64()
             _check(
                 driver,

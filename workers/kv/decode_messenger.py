@@ -23,9 +23,11 @@ Queues and life cycle (keyed by request id)::
   process counts as gone (pages freed) when the fabric reports its connection failed or its
   process exited (`TransferEngine.peer_failure`; a missed deadline is no proof), when an abort
   stays uncompleted for an interval (or misses its deadline) and nothing listens at its ``tcp``
-  address any more (`workers.kv.peer_liveness`; a stopped process's kernel still accepts), or
-  when a newer incarnation of it serves at its address. A paused prefill process keeps its
-  pages quarantined (capacity, never corruption) until it answers or is replaced.
+  address any more (`workers.kv.peer_liveness`; a stopped process's kernel still accepts). A
+  worker restarted at the same address answers the re-sent aborts with 0 (it never saw them);
+  an endpoint naming another incarnation frees nothing (it may be stale, see `_peer`). A
+  paused prefill process keeps its pages quarantined (capacity, never corruption) until it
+  answers or is replaced.
 - The request stays out of decode scheduling (its pages are pinned, the engine does not know
   it) until the counter reached the expected count.
 - The expected count is the plan's (`workers.kv.writes`): with coalescing it depends on the
@@ -185,7 +187,7 @@ class DecodeMessenger:
         self._probe_results: queue.SimpleQueue[tuple[bytes, bool]] = queue.SimpleQueue()
         self._rng = random.Random(config.seed)
         # This registration's id, sent in each PrefillRequest (a restart draws anew), and the
-        # incarnation of each prefill address last used (see `_peer`).
+        # incarnation last confirmed at each prefill address (`_confirm_incarnation`, `_peer`).
         self.incarnation = random.SystemRandom().getrandbits(64) or 1
         self.peer_incarnations: dict[bytes, int] = {}
         self._inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
@@ -312,17 +314,25 @@ class DecodeMessenger:
         incoming.transfer.advance(DecodeState.REQUESTED, now)
 
     def _peer(self, endpoint: PrefillEndpoint) -> PeerHandle:
-        """The fabric peer of an endpoint, re-resolved when its incarnation changed: a prefill
-        worker restarted at the same address is a new peer (nothing cached of the old one, e.g.
-        its failed state, applies to it)."""
+        """The fabric peer of an endpoint, re-resolved when its incarnation is not the one last
+        confirmed at its address: it may be a worker restarted there, to which nothing cached
+        of the old process (its failed state) applies.
+
+        Quarantined pages stay held: an endpoint's incarnation is a claim, not proof that the
+        old process is gone (a stale registry entry, an unversioned endpoint (0), or a request
+        the live worker rejects as stale name another incarnation while it can still write).
+        A truly restarted worker answers the re-sent `AbortPrefill` with 0 ("never seen") and
+        a dead one shows through its connection or its listener (`_send_aborts`)."""
         known = self.peer_incarnations.get(endpoint.address)
         if known is not None and known != endpoint.incarnation:
-            # The process that could still write into quarantined pages is gone.
-            self._release(self.quarantine.peer_gone(endpoint.address), "peer_gone")
-            self._watches.pop(endpoint.address, None)
             self.fabric.forget_peer(endpoint.address)
-        self.peer_incarnations[endpoint.address] = endpoint.incarnation
         return self.fabric.add_peer(endpoint.address)
+
+    def _confirm_incarnation(self, endpoint: PrefillEndpoint) -> None:
+        """The worker at the endpoint's address accepted a request naming its incarnation (a
+        worker rejects one naming another): that incarnation serves there now."""
+        if endpoint.incarnation:
+            self.peer_incarnations[endpoint.address] = endpoint.incarnation
 
     def _arm(self, incoming: _Incoming, count: int) -> None:
         assert incoming.transfer is not None
@@ -428,6 +438,7 @@ class DecodeMessenger:
                 rejected=True,
             )
             return
+        self._confirm_incarnation(incoming.endpoint)
         try:
             transfer.set_expected(decoded.expected_write_count)
         except KvTransferError as error:
@@ -454,6 +465,7 @@ class DecodeMessenger:
                 return
             fired_s = time.monotonic()  # KV ready (usable) once verified: the cost shows
         transfer.count_reached(fired_s)
+        self._confirm_incarnation(incoming.endpoint)  # every write came: it was accepted
         self.slots.release(imm)
         row = self.context[slot, : self._hidden_bytes].clone()
         self.context_states[request_id] = row.view(self.engine.dtype)

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 
 from workers.fabric import FabricError, MemoryRegionDescriptor
 from workers.kv.errors import KvTransferError
-from workers.kv.pages import num_pages_for_tokens
 from workers.kv.pools import layout_from_descriptor
 from workers.kv.protocol import PrefillRequest, RejectReason
 from workers.kv.sharding import TransferPlan, make_transfer_plan
@@ -68,11 +67,18 @@ def check_request(
         )
     if (request.num_kv_heads, request.is_mla) != (mine.num_kv_heads, mine.is_mla):
         raise RequestRejected(incompatible, "KV heads / MLA differ from this model's")
-    num_tokens = len(request.token_ids)
-    if num_tokens + 1 >= engine.max_model_len:
-        raise RequestRejected(RejectReason.TOO_LONG, f"{num_tokens + 1} tokens")
-    if num_pages_for_tokens(num_tokens, geometry.page_size) > engine.num_pages:
-        raise RequestRejected(RejectReason.TOO_LONG, f"{num_tokens} tokens exceed the KV pool")
+    # The engine is given the prefilled tokens plus a stand-in last one (`PrefillMessenger.
+    # _admit`) and wants room for one output token after them (`validate_request`): the same
+    # bounds here, so a request accepted (and given pages, a row) is never refused at admission.
+    num_prompt_tokens = len(request.token_ids) + 1
+    if num_prompt_tokens >= engine.max_model_len:
+        raise RequestRejected(RejectReason.TOO_LONG, f"{num_prompt_tokens} tokens")
+    pool_tokens = engine.num_pages * engine.config.page_size
+    if num_prompt_tokens + 1 > pool_tokens:
+        raise RequestRejected(
+            RejectReason.TOO_LONG,
+            f"{num_prompt_tokens} tokens leave no room in the KV pool ({pool_tokens} tokens)",
+        )
     if max(request.token_ids) >= engine.model_config.vocab_size:
         raise RequestRejected(incompatible, "token id outside the vocabulary")
     page_bytes = messenger.pools.layout.page_bytes

@@ -27,7 +27,12 @@ Queues and life cycle (all keyed by the decoder's request id)::
   an abort, marked failed; no write is submitted after it.
 - **Giving up** (deadline, a failed write, the engine ending the request, `shutdown`): the
   transfer stops as on an abort and `PrefillFailed(reason, num_writes_submitted)` goes to the
-  decoder at once, so it fails the request without waiting for its own deadline.
+  decoder at once, so it fails the request without waiting for its own deadline. Writes are
+  counted before they are posted; those the fabric refuses at once (queue full, peer failed,
+  engine closed) are taken back out of the count first (`_not_posted`), then the transfer is
+  given up: a count reported never names a write that cannot land.
+- A message from a decoder the fabric marked failed proves it alive: the peer is resolved
+  afresh (`_sender`), else every later answer and write to that decoder would fail.
   `shutdown` (the worker's graceful close) also rejects new requests (DRAINING); the worker
   then waits, bounded, until in-flight writes and these messages completed (`is_drained`).
 - **Checksum mode** (the decoder's `PrefillRequest.checksum`, `workers.kv.checksum`): the push
@@ -56,7 +61,7 @@ import numpy as np
 import torch
 
 from workers.engine.engine_core import EngineCore
-from workers.engine.errors import InvalidRequestError
+from workers.engine.errors import CapacityError, EngineError, InvalidRequestError
 from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import ScheduledChunk
@@ -152,6 +157,10 @@ class PrefillMessenger:
         self._lock = threading.Lock()
         self._inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._events: queue.SimpleQueue[tuple[str, int, FabricError | None]] = queue.SimpleQueue()
+        # (request id, imm, why) of writes the fabric refused at once (`_not_posted`).
+        self._not_posted_events: queue.SimpleQueue[tuple[str, int, FabricError]] = (
+            queue.SimpleQueue()
+        )
         self._wake = wake or (lambda: None)
         self._by_id: dict[str, Outgoing] = {}
         self._queued: deque[Outgoing] = deque()
@@ -179,6 +188,7 @@ class PrefillMessenger:
             layerwise=config.layerwise,
             src_views=src_views,
             on_checksummed=self._on_checksummed,
+            on_not_posted=self._on_not_posted,
         )
         fabric.on_message(self._on_message)
 
@@ -199,7 +209,8 @@ class PrefillMessenger:
     # -- step thread ----------------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return bool(self._by_id) or not self._inbox.empty() or not self._events.empty()
+        queues = (self._inbox, self._events, self._not_posted_events)
+        return bool(self._by_id) or any(not pending.empty() for pending in queues)
 
     def poll(self) -> None:
         """Handle messages and completions, expire deadlines, admit queued requests."""
@@ -215,6 +226,12 @@ class PrefillMessenger:
             except queue.Empty:
                 break
             self._handle_completion(request_id, count, error)
+        while True:
+            try:
+                request_id, imm, error = self._not_posted_events.get_nowait()
+            except queue.Empty:
+                break
+            self._handle_not_posted(request_id, imm, error)
         now = time.monotonic()
         for out in list(self._by_id.values()):
             if out.transfer.state in _ACTIVE and now >= out.deadline_s:
@@ -261,7 +278,13 @@ class PrefillMessenger:
         woken by the first, it would start moving bytes and, on CPU, starve this thread of the
         GIL and the cores before the rest is queued), then a short sleep that hands it the GIL,
         so it posts them now instead of after the rest of the step's Python.
+
+        On CUDA the hook runs when the norm is launched, not when it ran: the stream is synced
+        first, so that "the pass ended" (and the device's layer word read below, and the
+        next pass's id in `on_step_scheduled`) means every layer's KV is in the pages.
         """
+        if hidden.is_cuda:
+            torch.cuda.current_stream(hidden.device).synchronize()
         now = time.monotonic()
         staged = False
         with self.fabric.wakes_deferred():  # the progress thread starts once all is queued
@@ -341,8 +364,8 @@ class PrefillMessenger:
                 on_done=lambda: self._on_write_done(out.request.request_id, 1),
                 on_error=lambda e: self._on_write_error(out.request.request_id, 1, e),
             )
-        except FabricError as error:
-            self._events.put((out.request.request_id, 1, error))
+        except FabricError as error:  # refused before queueing: it never left
+            self._not_posted(out, 1, num_bytes, error)
 
     # -- push thread ----------------------------------------------------------------------------
 
@@ -361,11 +384,32 @@ class PrefillMessenger:
                 return False
             return True
 
+    def _on_not_posted(
+        self, item: PushItem, count: int, num_bytes: int, error: FabricError
+    ) -> None:
+        """Push thread (or the step thread in `PushThread.pass_ended`): gated writes the fabric
+        refused at once."""
+        with self._lock:
+            out = self._by_id.get(item.request_id)
+            # Still live: a transfer ends only with nothing in flight, these writes included.
+            if out is not None and out.transfer.imm == item.imm:
+                self._not_posted(out, count, num_bytes, error)
+
+    def _not_posted(self, out: Outgoing, count: int, num_bytes: int, error: FabricError) -> None:
+        """Under the lock: take writes recorded as submitted but never posted back out of the
+        count at once, before any count is reported (an abort acknowledged meanwhile would
+        otherwise name writes that never come, and the decoder's quarantine would wait for
+        them forever); the step thread then gives the transfer up (`_handle_not_posted`)."""
+        log.warning("transfer %s: %d writes not posted: %s", out.request_id, count, error)
+        out.transfer.unrecord_submit(num_bytes, count)
+        self._not_posted_events.put((out.request_id, out.transfer.imm, error))
+        self._wake()
+
     # -- messages -------------------------------------------------------------------------------
 
     def _handle_message(self, message: Message) -> None:
         try:
-            peer = self.fabric.add_peer(message.source)
+            peer = self._sender(message.source)
         except FabricError as error:
             log.warning("message from an unreachable peer dropped: %s", error)
             return
@@ -380,6 +424,18 @@ class PrefillMessenger:
             self._handle_abort(decoded, peer)
         else:
             log.warning("unexpected %s from %s", type(decoded).__name__, peer.name)
+
+    def _sender(self, address: bytes) -> PeerHandle:
+        """The peer a message came from. The message proves its process alive and reachable
+        now, so a failed state the fabric keeps for it (an operation that missed its deadline
+        while the decoder was stopped or slow: never cleared by the fabric) no longer applies;
+        kept, every answer to it and every write for it would fail at once, forever. As the
+        decoder does for a prefill peer found alive (`DecodeMessenger._probed`)."""
+        failure = self.fabric.peer_failure(address)
+        if failure is not None:
+            log.info("message from a peer marked failed (%s): resolving it afresh", failure)
+            self.fabric.forget_peer(address)
+        return self.fabric.add_peer(address)
 
     def _handle_request(self, request: PrefillRequest, peer: PeerHandle) -> None:
         def reject(reason: RejectReason, detail: str) -> None:
@@ -472,17 +528,26 @@ class PrefillMessenger:
                     [*tokens, tokens[-1]],
                     SamplingParams(temperature=0.0, max_tokens=1),
                 )
-            except InvalidRequestError as error:
-                self._send(
-                    out.peer,
-                    PrefillRejected(
-                        out.request.request_id, out.transfer.imm, RejectReason.TOO_LONG, str(error)
-                    ),
-                )
-                self._stop(out, f"rejected: {error}", failed=True)
+            except EngineError as error:
+                # `check_request` applies the engine's bounds, so this is not expected; but an
+                # engine refusal fails this request, never the step loop (and the worker).
+                log.warning("engine refused %s: %s", out.request_id, error)
+                self._reject_admission(out, error)
                 continue
             out.in_engine = True
             self._reserved_pages += out.num_pages_total
+
+    def _reject_admission(self, out: Outgoing, error: EngineError) -> None:
+        """Answer a queued request the engine refused (`PrefillRejected`) and drop it: nothing
+        was submitted for it, so the decoder frees its pages at once."""
+        reason = (
+            RejectReason.TOO_LONG
+            if isinstance(error, InvalidRequestError | CapacityError)
+            else RejectReason.INTERNAL
+        )
+        detail = str(error)[:MAX_DETAIL_CHARS]
+        self._send(out.peer, PrefillRejected(out.request_id, out.transfer.imm, reason, detail))
+        self._stop(out, f"rejected: {error}", failed=True)
 
     def _handle_abort(self, abort: AbortPrefill, peer: PeerHandle) -> None:
         out = self._by_id.get(abort.request_id)
@@ -558,6 +623,18 @@ class PrefillMessenger:
             self._send(out.peer, failed)
         self._finish_if_drained(out)
 
+    def _handle_not_posted(self, request_id: str, imm: int, error: FabricError) -> None:
+        """Writes of the transfer were never posted (already taken out of its count): its
+        planned count can no longer be reached, so it is given up; stopped meanwhile, it may
+        now have nothing left in flight."""
+        out = self._by_id.get(request_id)
+        if out is None or out.transfer.imm != imm:
+            return
+        if out.transfer.state in _ACTIVE:
+            self._give_up(out, FailReason.WRITE_ERROR, f"writes not posted: {error}")
+        else:
+            self._finish_if_drained(out)
+
     def _stop(self, out: Outgoing, reason: str, *, failed: bool) -> None:
         with self._lock:
             out.transfer.stop(reason, time.monotonic(), failed=failed)
@@ -570,7 +647,9 @@ class PrefillMessenger:
         with self._lock:
             if out.transfer.state is PrefillState.WRITING and not out.prefilled:
                 return
-            finished = out.transfer.finish_if_drained(time.monotonic())
+            # Already terminal: a failed completion of its last write in flight stopped it
+            # straight to FAILED (`PrefillTransfer.record_completion`); it is freed here.
+            finished = out.transfer.is_terminal or out.transfer.finish_if_drained(time.monotonic())
         if finished:
             self._free(out)
 

@@ -39,7 +39,10 @@ preparing ahead took ~0.45 ms off the deferred baseline's 256-token transfer
 layer may still go (transfer not aborted, deadline not passed) and records them as submitted
 *before* they are posted, so an abort acknowledgement never undercounts. Completions go to
 ``on_done`` / ``on_error`` on the fabric's callback thread (with the number of writes of the
-call); those only enqueue.
+call); those only enqueue. Writes the gate let through that the fabric refuses at once (their
+preparation failed, or `submit_prepared` raised: queue full, peer failed, engine closed) never
+left: they go to ``on_not_posted`` (with their count and bytes) on the thread that tried, so the
+gate's owner takes them back out of its submitted count; no decoder may wait for them.
 
 Checksum mode (`workers.kv.checksum`): an item of a request that asked for it carries the
 request's `ChecksumAccumulator`; right after the gate let a layer go and before its writes are
@@ -179,6 +182,8 @@ Gate = Callable[[PushItem, int], bool]
 ChecksummedCallback = Callable[[PushItem], None]
 DoneCallback = Callable[[str, int], None]
 ErrorCallback = Callable[[str, int, FabricError], None]
+# (item, number of writes, their bytes, why): gated writes that were never posted.
+NotPostedCallback = Callable[[PushItem, int, int, FabricError], None]
 # Wait between two looks when the counter notifies: a backstop only (every update, the pass
 # end and close all set the event), so no wake-up is lost even if a signal were.
 _NOTIFIED_WAIT_S = 0.05
@@ -203,13 +208,16 @@ class PushThread:
         name: str = "kv-push",
         src_views: Sequence[np.ndarray] = (),
         on_checksummed: ChecksummedCallback | None = None,
+        on_not_posted: NotPostedCallback | None = None,
     ) -> None:
         """``layerwise=False`` holds every write until `pass_ended` reports the whole pass over
         (the baseline that benchmarks compare the layer-wise push against). ``poll_interval_s``:
         the wait between two looks at a counter that cannot notify (`LayerProgress.notifies`
         False). ``src_views``:
         each source pool as bytes (checksum mode reads them); ``on_checksummed(item)``: the
-        item's request has every checksum (called on this thread)."""
+        item's request has every checksum (called on this thread). ``on_not_posted``: gated
+        writes the fabric refused at once (this thread, or the step thread in `pass_ended`);
+        None reports them to ``on_error`` instead (for a gate that counts nothing)."""
         self._engine = engine
         self._src_handles = tuple(src_handles)
         self._progress = progress
@@ -221,6 +229,7 @@ class PushThread:
         self._layerwise = layerwise
         self._src_views = tuple(src_views)
         self._on_checksummed = on_checksummed
+        self._on_not_posted = on_not_posted
         self._ended_pass_id = 0  # latest pass the step thread reported finished
         self._plans: queue.SimpleQueue[tuple[PassPlan, list[_Prepared]] | None] = (
             queue.SimpleQueue()
@@ -348,13 +357,14 @@ class PushThread:
             for layer in allowed:
                 self._checksum(item, layer, item.layer_ops(layer))
         for first, last in _runs(allowed):
+            num_layers = last - first
             if prepared.error is not None:
-                count = item.num_writes * (last - first)
-                self._on_error(item.request_id, count, prepared.error)
+                count, num_bytes = item.num_writes * num_layers, item.num_bytes * num_layers
+                self._not_posted(item, count, num_bytes, prepared.error)
                 continue
-            for writes in prepared.writes:
+            for ops, writes in zip(item.ops, prepared.writes, strict=True):
                 per_layer = len(writes) // self._num_layers
-                count = per_layer * (last - first)
+                count = per_layer * num_layers
                 self.num_submit_calls += 1
                 try:
                     self._engine.submit_prepared(
@@ -365,8 +375,15 @@ class PushThread:
                         on_done=partial(self._on_done, item.request_id, count),
                         on_error=partial(self._on_error, item.request_id, count),
                     )
-                except FabricError as error:
-                    self._on_error(item.request_id, count, error)
+                except FabricError as error:  # refused before queueing: none of them left
+                    num_bytes = int(ops.rows[:, 2].sum()) * num_layers
+                    self._not_posted(item, count, num_bytes, error)
+
+    def _not_posted(self, item: PushItem, count: int, num_bytes: int, error: FabricError) -> None:
+        if self._on_not_posted is None:
+            self._on_error(item.request_id, count, error)
+        else:
+            self._on_not_posted(item, count, num_bytes, error)
 
     def _checksum(
         self, item: PushItem, layer: int, layer_ops: list[tuple[int, int, np.ndarray]]

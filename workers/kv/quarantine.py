@@ -15,9 +15,11 @@ of these holds (safety over capacity):
    bounds what can ever land.
 3. **Peer gone**: the prefill process that could write is known gone (`peer_gone`): its fabric
    connection failed or its process exited (not a missed deadline: a stopped process misses
-   those too), nothing listens at its ``tcp`` address any more, or a newer incarnation of it
-   serves at its address. A transfer whose request never reached the prefill worker (its send
-   failed, or it was rejected) is acknowledged with 0 writes instead.
+   those too), or nothing listens at its ``tcp`` address any more. An endpoint naming another
+   incarnation is no proof (it may be a stale or unversioned one while the old process lives);
+   a worker restarted at the address acknowledges the aborts it never saw with 0 instead (2).
+   A transfer whose request never reached the prefill worker (its send failed, or it was
+   rejected) is acknowledged with 0 writes too.
 
 Until then the messenger re-sends `AbortPrefill` every ``resend_interval_s`` (`aborts_due`),
 so a prefill worker that resumes acknowledges promptly and a dead one shows through its sends.

@@ -25,6 +25,9 @@ Prefill side (`PrefillTransfer`)::
 - WRITING: the forward passes are over; writes (and the context write) in flight.
 - DRAINING: no further writes are submitted; waiting for in-flight ones before the source pages
   are freed, since the NIC still reads them.
+- Writes are counted as submitted before they are posted (an abort acknowledgement never
+  undercounts); those the fabric then refuses at once are taken back (`unrecord_submit`), so
+  ``num_writes_submitted`` is what was posted (or is about to be) and never more.
 - A terminal state is entered only with no write in flight: pages are freed right after.
 
 Times are ``time.monotonic()`` seconds of the local host, passed in (pure, testable). Times of
@@ -102,6 +105,12 @@ class TransferStats:
         self.last_submit_s = now_s
         self.num_bytes += num_bytes
         self.num_writes += count
+
+    def unrecord_submit(self, num_bytes: int, count: int) -> None:
+        """Take back a `record_submit` whose writes were never posted (the submit times stay:
+        they bound when something was last tried)."""
+        self.num_bytes -= num_bytes
+        self.num_writes -= count
 
     def record_completion(self, now_s: float) -> None:
         if self.first_completion_s is None:
@@ -292,6 +301,20 @@ class PrefillTransfer(_StateMachine[PrefillState]):
         if planned is not None and self.num_writes_submitted + count > planned:
             raise IllegalTransitionError(f"{self.request_id}: more writes than planned")
         self.stats.record_submit(now_s, num_bytes, count)
+
+    def unrecord_submit(self, num_bytes: int, count: int = 1) -> None:
+        """Take back ``count`` writes recorded by `record_submit` that the fabric refused at
+        once (nothing of them left, so none can land): every count reported to the decoder
+        after this (`PrefillFailed`, `AbortAcknowledged`) excludes them, or the decoder would
+        wait forever for writes that never come. The state is left to the caller (it stops
+        the transfer: the planned count can no longer be reached); DRAINING may end once
+        nothing else is in flight (`finish_if_drained`)."""
+        if count < 1 or self.num_writes_in_flight < count:
+            raise IllegalTransitionError(
+                f"{self.request_id}: {count} writes taken back, {self.num_writes_in_flight} "
+                "in flight"
+            )
+        self.stats.unrecord_submit(num_bytes, count)
 
     def record_completion(self, now_s: float, *, ok: bool = True, count: int = 1) -> None:
         if self.num_writes_in_flight < count:
