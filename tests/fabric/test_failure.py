@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import threading
 import time
@@ -303,3 +305,60 @@ def test_operations_racing_with_close_end_exactly_once(
     assert sorted(outcomes) == accepted
     assert all(len(v) == 1 for v in outcomes.values())
     assert all(v[0] == "done" or isinstance(v[0], EngineClosedError) for v in outcomes.values())
+
+
+def test_writes_that_never_left_the_queue_are_reported_and_never_land(
+    make_engine: Callable[..., TransferEngine], make_target: Callable[[int], RemoteTarget]
+) -> None:
+    """A stopped target (SIGSTOP) takes nothing, so writes pile up in the initiator's queue
+    (tcp: the socket and rxm refuse more) until their deadline fails them. Each failed call
+    first reports the writes it never posted (``on_unposted``, before ``on_error``); once the
+    target runs again, exactly the others land: a caller counting arrivals can rely on it."""
+    num_calls, num_ops, size = 64, 64, 16 * 1024
+    target = make_target(num_ops * size)
+    engine = make_engine(op_timeout=2.0)
+    handle, _ = engine.register(np.ones(num_ops * size, dtype=np.uint8))
+    peer = engine.add_peer(target.address)
+    first = threading.Event()
+    engine.submit_write(handle, 0, peer, target.descriptor, 0, 64, imm=1, on_done=first.set)
+    assert first.wait(30)
+    ops = np.array([[i * size, i * size, size] for i in range(num_ops)], dtype=np.int64)
+    outcomes: list[tuple[str, int, int]] = []  # per call, in callback order
+    lock = threading.Lock()
+    ended = threading.Semaphore(0)
+
+    def unposted(call: int, count: int, num_bytes: int, _error: FabricError) -> None:
+        with lock:
+            outcomes.append(("unposted", call, count))
+        assert num_bytes == count * size
+
+    def finished(call: int, outcome: str) -> None:
+        with lock:
+            outcomes.append((outcome, call, 0))
+        ended.release()
+
+    os.kill(target.process.pid, signal.SIGSTOP)
+    try:
+        for call in range(num_calls):
+            engine.submit_writes(
+                handle, peer, target.descriptor, ops, imm=2,
+                on_done=lambda call=call: finished(call, "done"),
+                on_error=lambda _e, call=call: finished(call, "error"),
+                on_unposted=lambda n, b, e, call=call: unposted(call, n, b, e),
+            )  # fmt: skip
+        for _ in range(num_calls):
+            assert ended.acquire(timeout=60)
+    finally:
+        os.kill(target.process.pid, signal.SIGCONT)
+    never_posted = 0
+    for index, (kind, call, count) in enumerate(outcomes):
+        if kind == "unposted":
+            assert 0 < count <= num_ops
+            assert outcomes[index + 1][:2] == ("error", call)  # reported right before it
+            never_posted += count
+    if engine.provider == "tcp":
+        assert never_posted > 0  # the scenario did leave writes in the queue
+    landed = num_calls * num_ops - never_posted
+    target.expect([2], landed, timeout=60)
+    assert target.wait_for("reached")["imm"] == 2
+    assert target.stats()["received"] == 1 + landed

@@ -6,6 +6,8 @@ pass is a `LayerProgress` driven by hand, so which layers are done when is exact
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -155,3 +157,65 @@ def test_each_layer_goes_when_done(
         assert not push.pass_ended(1)  # nothing left to send
     finally:
         push.close()
+
+
+def test_writes_the_fabric_never_posted_go_to_on_not_posted_and_never_land() -> None:
+    """Writes to a stopped target (SIGSTOP) pile up in the fabric's queue until their deadline
+    fails them; of each failed call, those never posted go to ``on_not_posted`` (the messenger
+    takes them back out of the count it reports) and only the posted ones to ``on_error``.
+    Once the target runs again, exactly the writes not reported unposted land."""
+    from tests.fabric.harness import RemoteTarget
+
+    page, pages, items = 16 * 1024, 64, 16
+    layer_bytes = pages * page
+    target = RemoteTarget("tcp", LAYERS * layer_bytes)
+    source = TransferEngine("tcp", op_timeout=2.0)
+    try:
+        handle, _ = source.register(np.ones(LAYERS * layer_bytes, dtype=np.uint8))
+        peer = source.add_peer(target.address)
+        rows = np.array([[i * page, i * page, page] for i in range(pages)], dtype=np.int64)
+        ops = (RankOps(0, 0, rows),)
+        per_layer = (layer_bytes, layer_bytes, pages, pages * page)
+        plan = [
+            PushItem(f"r{i}", 100 + i, peer, (target.descriptor,), ops, *per_layer)
+            for i in range(items)
+        ]
+        lock = threading.Lock()
+        counts = {"done": 0, "error": 0, "not_posted": 0}
+        never_posted: dict[int, int] = {}
+
+        def tally(kind: str, count: int) -> None:
+            with lock:
+                counts[kind] += count
+
+        def not_posted(item: PushItem, count: int, num_bytes: int, _e: FabricError) -> None:
+            assert num_bytes == count * page
+            never_posted[item.imm] = never_posted.get(item.imm, 0) + count
+            tally("not_posted", count)
+
+        progress = LayerProgress(LAYERS)
+        push = PushThread(
+            source, [handle], progress, LAYERS, lambda item, layer: True,
+            lambda _r, count: tally("done", count), lambda _r, count, _e: tally("error", count),
+            layerwise=False, on_not_posted=not_posted,
+        )  # fmt: skip
+        os.kill(target.process.pid, signal.SIGSTOP)
+        try:
+            push.submit_pass(PassPlan(1, plan))
+            progress.begin_pass()
+            push.pass_ended(1)
+            total = items * LAYERS * pages
+            _wait(lambda: sum(counts.values()) == total, "every write accounted for")
+        finally:
+            os.kill(target.process.pid, signal.SIGCONT)
+        assert counts["not_posted"] > 0  # the scenario left writes in the queue
+        push.close()
+        for item in plan:
+            landed = LAYERS * pages - never_posted.get(item.imm, 0)
+            if landed:
+                target.expect([item.imm], landed, timeout=60)
+                assert target.wait_for("reached")["imm"] == item.imm
+        assert target.stats()["received"] == total - counts["not_posted"]
+    finally:
+        source.close()
+        target.close()

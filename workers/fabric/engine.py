@@ -72,7 +72,14 @@ from workers.fabric.errors import (
 )
 from workers.fabric.handles import BufferExtent, MemoryRegionHandle, PeerHandle, buffer_extent
 from workers.fabric.messages import MAX_ADDRESS_BYTES, Message, MessagePools
-from workers.fabric.progress import SEND, WRITE, Job, ProgressLoop, ProgressStats
+from workers.fabric.progress import (
+    SEND,
+    WRITE,
+    Job,
+    ProgressLoop,
+    ProgressStats,
+    UnpostedCallback,
+)
 from workers.fabric.providers import FabricInfo, describe, fi_info_list, normalize_provider
 
 log = logging.getLogger(__name__)
@@ -386,8 +393,10 @@ class TransferEngine:
         imm: int | None = None,
         on_done: Callable[[], None] | None = None,
         on_error: ErrorCallback | None = None,
+        on_unposted: UnpostedCallback | None = None,
     ) -> None:
-        """Write `length` bytes; `on_done` means the bytes left (not landed) on `tcp`."""
+        """Write `length` bytes; `on_done` means the bytes left (not landed) on `tcp`.
+        ``on_unposted``: see `submit_writes`."""
         self._check_write(src, peer, dst, imm)
         if length <= 0 or length > self.max_write_bytes:
             raise OutOfRangeError(f"write length {length} is not in [1, max_msg_size]")
@@ -397,7 +406,9 @@ class TransferEngine:
         # cheaper than the numpy path of paged writes on this per-call hot path.
         row = ffi.new("uint64_t[3]", [src.address + src_offset, length, dst.base + dst_offset])
         arrays = (row, row + 1, row + 2)
-        self._queue_write(src, peer, dst, arrays, row, 1, length, imm, on_done, on_error)
+        self._queue_write(
+            src, peer, dst, arrays, row, 1, length, imm, on_done, on_error, on_unposted
+        )
 
     def submit_paged_writes(
         self,
@@ -450,6 +461,7 @@ class TransferEngine:
         imm: int | None = None,
         on_done: Callable[[], None] | None = None,
         on_error: ErrorCallback | None = None,
+        on_unposted: UnpostedCallback | None = None,
     ) -> int:
         """Post exactly the given writes, one per row ``(src_offset, dst_offset, length)``.
 
@@ -457,6 +469,13 @@ class TransferEngine:
         `workers.kv.writes.plan_layer_writes`, so what it counts is what it posts). All rows are
         range-checked before anything is posted; `on_done` fires once after every write of the
         call completed locally. Returns the number of writes.
+
+        If the call fails, ``on_unposted(count, num_bytes, error)`` runs first (on the callback
+        thread, right before ``on_error``) when some of its writes were never posted: they
+        waited in the queue when their peer failed, their deadline passed or the engine closed,
+        so they can never land. A caller that counts writes the target will see (the KV
+        messenger) takes them back out. Not called when the number cannot be known (the
+        watchdog abandoned a progress thread stuck in the provider).
         """
         rows = _rows(ops)
         if rows.shape[0] == 0:
@@ -466,7 +485,7 @@ class TransferEngine:
             return 0
         self._check_write(src, peer, dst, imm)
         prepared = self._lay_out(src, peer, dst, rows)
-        self._queue_prepared(prepared, 0, len(prepared), imm, on_done, on_error)
+        self._queue_prepared(prepared, 0, len(prepared), imm, on_done, on_error, on_unposted)
         return len(prepared)
 
     def prepare_writes(
@@ -497,14 +516,15 @@ class TransferEngine:
         imm: int | None = None,
         on_done: Callable[[], None] | None = None,
         on_error: ErrorCallback | None = None,
+        on_unposted: UnpostedCallback | None = None,
     ) -> None:
         """Queue rows ``[start, stop)`` of ``prepared`` (checked when prepared); `on_done` fires
-        once after all of them completed locally. Only the engine, region, peer and ``imm`` are
+        once after all of them completed locally (``on_unposted``: see `submit_writes`). Only the engine, region, peer and ``imm`` are
         checked again (the region may have been deregistered or the peer failed since)."""
         if not 0 <= start < stop <= len(prepared):
             raise OutOfRangeError(f"rows [{start}, {stop}) of {len(prepared)} prepared writes")
         self._check_write(prepared.src, prepared.peer, prepared.dst, imm)
-        self._queue_prepared(prepared, start, stop, imm, on_done, on_error)
+        self._queue_prepared(prepared, start, stop, imm, on_done, on_error, on_unposted)
 
     def _lay_out(
         self,
@@ -536,6 +556,7 @@ class TransferEngine:
         imm: int | None,
         on_done: Callable[[], None] | None,
         on_error: ErrorCallback | None,
+        on_unposted: UnpostedCallback | None = None,
     ) -> None:
         laddr, lens, raddr = prepared.pointers
         self._queue_write(
@@ -549,6 +570,7 @@ class TransferEngine:
             imm,
             on_done,
             on_error,
+            on_unposted,
         )
 
     def _check_write(
@@ -579,6 +601,7 @@ class TransferEngine:
         imm: int | None,
         on_done: Callable[[], None] | None,
         on_error: ErrorCallback | None,
+        on_unposted: UnpostedCallback | None = None,
     ) -> None:
         job = Job(
             job_id=self._loop.new_job_id(),
@@ -594,6 +617,7 @@ class TransferEngine:
             imm=imm,
             byte_count=num_bytes,
             keep_alive=keep_alive,
+            on_unposted=on_unposted,
         )
         self._loop.enqueue(job, self.submit_timeout)
 

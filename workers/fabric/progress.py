@@ -66,6 +66,8 @@ from workers.fabric.messages import MessagePools
 log = logging.getLogger(__name__)
 
 ErrorCallback = Callable[[FabricError], None]
+# (writes of a failed write job that were never posted, their bytes, why): see `Job`.
+UnpostedCallback = Callable[[int, int, FabricError], None]
 WRITE, SEND = 0, 1
 _POLL_ROWS = 256
 _DEADLINE_CHECK_S = 0.005
@@ -100,6 +102,9 @@ class Job:
     finished: bool = False
     byte_count: int = 0
     keep_alive: Any = None
+    # Writes: called before ``on_error`` with the ops the job never posted (they cannot land),
+    # when there are any and this count is exact (see `_deliver`).
+    on_unposted: UnpostedCallback | None = None
 
 
 @dataclass
@@ -457,11 +462,20 @@ class ProgressLoop:
             job.finished = True
             return True
 
-    def _deliver(self, job: Job, error: FabricError | None) -> None:
+    def _deliver(self, job: Job, error: FabricError | None, *, exact: bool = True) -> None:
+        """Queue the job's outcome. A failed write job first reports the ops it never posted
+        (``on_unposted``): a peer failed, a deadline passed or the engine closed while they
+        waited in its queue. ``exact``: False where another thread may be posting right now
+        (the watchdog), so the number is not known and nothing is reported as unposted."""
         if error is None:
             if job.on_done is not None:
                 self.dispatcher.submit(job.on_done)
-        elif job.on_error is not None:
+            return
+        if exact and job.on_unposted is not None and job.kind == WRITE and job.posted < job.total:
+            lens = job.arrays[1]
+            num_bytes = sum(int(lens[i]) for i in range(job.posted, job.total))
+            self.dispatcher.submit(job.on_unposted, job.total - job.posted, num_bytes, error)
+        if job.on_error is not None:
             self.dispatcher.submit(job.on_error, error)
         else:
             log.warning("unhandled fabric error: %s", error)
@@ -610,10 +624,12 @@ class ProgressLoop:
             future.set_exception(EngineClosedError(reason))
         for job in jobs:
             if self._claim(job):  # send slots stay with the stuck thread
+                # The stuck thread may be posting this job's ops: their count is not known.
                 if peer is not None and job.peer.fi_addr == peer.fi_addr:
-                    self._deliver(job, PeerFailedError(f"peer {peer.name} failed: {reason}"))
+                    failed = PeerFailedError(f"peer {peer.name} failed: {reason}")
+                    self._deliver(job, failed, exact=False)
                 else:
-                    self._deliver(job, EngineClosedError(reason))
+                    self._deliver(job, EngineClosedError(reason), exact=False)
         self.dispatcher.submit_all(self.counters.fail_all(EngineClosedError(reason)))
 
     def _shutdown(self) -> None:

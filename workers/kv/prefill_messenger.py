@@ -84,7 +84,7 @@ from workers.kv.protocol import (
     decode_message,
     encode_message,
 )
-from workers.kv.push import PassPlan, PushItem, PushThread
+from workers.kv.push import CallOutcome, PassPlan, PushItem, PushThread
 from workers.kv.sharding import GroupSharding
 from workers.kv.transfer_state import PrefillState, PrefillTransfer
 
@@ -352,6 +352,12 @@ class PrefillMessenger:
         context = out.checked.context
         assert context is not None
         out.transfer.record_submit(num_bytes, now)
+        request_id = out.request.request_id
+        outcome = CallOutcome(
+            1,
+            partial(self._context_not_posted, out),
+            lambda count, error: self._on_write_error(request_id, count, error),
+        )
         try:
             self.fabric.submit_write(
                 self._staging_handle,
@@ -361,8 +367,9 @@ class PrefillMessenger:
                 out.request.context_offset,
                 num_bytes,
                 imm=out.transfer.imm,
-                on_done=lambda: self._on_write_done(out.request.request_id, 1),
-                on_error=lambda e: self._on_write_error(out.request.request_id, 1, e),
+                on_done=lambda: self._on_write_done(request_id, 1),
+                on_error=outcome.on_error,
+                on_unposted=outcome.on_unposted,
             )
         except FabricError as error:  # refused before queueing: it never left
             self._not_posted(out, 1, num_bytes, error)
@@ -393,6 +400,14 @@ class PrefillMessenger:
             out = self._by_id.get(item.request_id)
             # Still live: a transfer ends only with nothing in flight, these writes included.
             if out is not None and out.transfer.imm == item.imm:
+                self._not_posted(out, count, num_bytes, error)
+
+    def _context_not_posted(
+        self, out: Outgoing, count: int, num_bytes: int, error: FabricError
+    ) -> None:
+        """Callback thread: the context write was accepted but never posted (`CallOutcome`)."""
+        with self._lock:
+            if self._by_id.get(out.request_id) is out:  # still live: it was in flight
                 self._not_posted(out, count, num_bytes, error)
 
     def _not_posted(self, out: Outgoing, count: int, num_bytes: int, error: FabricError) -> None:

@@ -42,7 +42,8 @@ layer may still go (transfer not aborted, deadline not passed) and records them 
 call); those only enqueue. Writes the gate let through that the fabric refuses at once (their
 preparation failed, or `submit_prepared` raised: queue full, peer failed, engine closed) never
 left: they go to ``on_not_posted`` (with their count and bytes) on the thread that tried, so the
-gate's owner takes them back out of its submitted count; no decoder may wait for them.
+gate's owner takes them back out of its submitted count; no decoder may wait for them. So do
+writes the fabric accepted but never posted (a failed call's ``on_unposted``, `CallOutcome`).
 
 Checksum mode (`workers.kv.checksum`): an item of a request that asked for it carries the
 request's `ChecksumAccumulator`; right after the gate let a layer go and before its writes are
@@ -187,6 +188,35 @@ NotPostedCallback = Callable[[PushItem, int, int, FabricError], None]
 # Wait between two looks when the counter notifies: a backstop only (every update, the pass
 # end and close all set the event), so no wake-up is lost even if a signal were.
 _NOTIFIED_WAIT_S = 0.05
+
+
+class CallOutcome:
+    """The failure callbacks of one submit call of ``count`` counted writes.
+
+    A failed call first reports the writes the fabric never posted (``on_unposted``: they
+    waited in its queue when the peer failed, the deadline passed or the engine closed), then
+    the failure (``on_error``), which then stands for the posted writes only: ``not_posted``
+    gets the first (taken back out of the count: they can never land), ``failed`` the rest
+    (skipped when none was posted). Both run on the fabric's callback thread, one after the
+    other."""
+
+    def __init__(
+        self,
+        count: int,
+        not_posted: Callable[[int, int, FabricError], None],
+        failed: Callable[[int, FabricError], None],
+    ) -> None:
+        self._count = count
+        self._not_posted = not_posted
+        self._failed = failed
+
+    def on_unposted(self, count: int, num_bytes: int, error: FabricError) -> None:
+        self._count -= count
+        self._not_posted(count, num_bytes, error)
+
+    def on_error(self, error: FabricError) -> None:
+        if self._count > 0:
+            self._failed(self._count, error)
 
 
 class PushThread:
@@ -366,6 +396,9 @@ class PushThread:
                 per_layer = len(writes) // self._num_layers
                 count = per_layer * num_layers
                 self.num_submit_calls += 1
+                outcome = CallOutcome(
+                    count, partial(self._not_posted, item), partial(self._on_error, item.request_id)
+                )
                 try:
                     self._engine.submit_prepared(
                         writes,
@@ -373,7 +406,8 @@ class PushThread:
                         last * per_layer,
                         imm=item.imm,
                         on_done=partial(self._on_done, item.request_id, count),
-                        on_error=partial(self._on_error, item.request_id, count),
+                        on_error=outcome.on_error,
+                        on_unposted=outcome.on_unposted,
                     )
                 except FabricError as error:  # refused before queueing: none of them left
                     num_bytes = int(ops.rows[:, 2].sum()) * num_layers
