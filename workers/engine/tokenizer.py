@@ -24,6 +24,14 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 logger = logging.getLogger(__name__)
 
+
+# GPT-2's byte-level map, reversed: printable Latin-1 bytes stand for themselves, the others (in
+# byte order) for chr(256), chr(257), ... (`HFTokenizer.token_bytes`).
+_GPT2_PRINTABLE = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+_GPT2_BYTE_OF = {chr(b): b for b in _GPT2_PRINTABLE} | {
+    chr(256 + i): b for i, b in enumerate(b for b in range(256) if b not in _GPT2_PRINTABLE)
+}
+
 # Used when a checkpoint has no template of its own (random presets, byte-level fallback).
 DEFAULT_CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -61,34 +69,10 @@ class Tokenizer(ABC):
         )
 
     def token_bytes(self, ids: Sequence[int]) -> list[bytes]:
-        """Each token's own bytes. `decode` of one token that holds part of a UTF-8 character
-        gives U+FFFD; these are the raw bytes (OpenAI's logprobs ``bytes``, which a client joins
-        to rebuild such characters): a `ByteTokenizer` byte; a byte-level BPE token's characters
-        through GPT-2's byte-to-character map (the ``ByteLevel`` decoder's); a byte-fallback
-        piece ``<0xHH>``; else (special and added tokens, other vocabularies) its decoded text.
-        """
-        from tokenizers import decoders
-
-        # GPT-2's map: printable Latin-1 bytes stand for themselves, the others (in byte order)
-        # for chr(256), chr(257), ...
-        printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-        shifted = [b for b in range(256) if b not in printable]
-        byte_of = {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(shifted)}
-        raw = self._tokenizer if isinstance(self, HFTokenizer) else None
-        added = raw.get_added_tokens_decoder() if raw is not None else {}
-        byte_level = raw is not None and isinstance(raw.decoder, decoders.ByteLevel)
-        pieces: list[bytes] = []
-        for token_id in ids:
-            piece = raw.id_to_token(token_id) if raw is not None and token_id not in added else None
-            if isinstance(self, ByteTokenizer) and 0 <= token_id < self.NUM_BYTES:
-                pieces.append(bytes([token_id]))
-            elif piece is not None and len(piece) == 6 and piece[:3] == "<0x" and piece[5] == ">":
-                pieces.append(bytes.fromhex(piece[3:5]))
-            elif piece is not None and byte_level and all(c in byte_of for c in piece):
-                pieces.append(bytes(byte_of[c] for c in piece))
-            else:
-                pieces.append(self.decode([token_id], skip_special_tokens=False).encode())
-        return pieces
+        """Each token's own bytes (OpenAI's logprobs ``bytes``, which a client joins to rebuild
+        a character split over tokens; `decode` of such a token alone gives U+FFFD). Here: its
+        decoded text; tokenizers that know their tokens' bytes say so."""
+        return [self.decode([token_id], skip_special_tokens=False).encode() for token_id in ids]
 
 
 def _raise_exception(message: str) -> None:
@@ -185,6 +169,13 @@ class ByteTokenizer(Tokenizer):
         parts.append(pending.decode("utf-8", errors="replace"))
         return "".join(parts)
 
+    def token_bytes(self, ids: Sequence[int]) -> list[bytes]:
+        # A byte token is its byte; a special token its text.
+        return [
+            bytes([token_id]) if 0 <= token_id < self.NUM_BYTES else piece
+            for token_id, piece in zip(ids, super().token_bytes(ids), strict=True)
+        ]
+
 
 class HFTokenizer(Tokenizer):
     """HF ``tokenizers`` backend plus the settings of ``tokenizer_config.json``."""
@@ -230,6 +221,25 @@ class HFTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         text: str = self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return text
+
+    def token_bytes(self, ids: Sequence[int]) -> list[bytes]:
+        """A byte-level BPE token's characters mapped back through GPT-2's byte-to-character
+        map (the ``ByteLevel`` decoder's), a byte-fallback piece ``<0xHH>`` its byte; special
+        and added tokens, and other vocabularies, their decoded text."""
+        from tokenizers import decoders
+
+        byte_level = isinstance(self._tokenizer.decoder, decoders.ByteLevel)
+        added = self._tokenizer.get_added_tokens_decoder()
+        pieces: list[bytes] = []
+        for token_id in ids:
+            piece = None if token_id in added else self._tokenizer.id_to_token(token_id)
+            if piece is not None and len(piece) == 6 and piece[:3] == "<0x" and piece[5] == ">":
+                pieces.append(bytes.fromhex(piece[3:5]))
+            elif piece is not None and byte_level and all(c in _GPT2_BYTE_OF for c in piece):
+                pieces.append(bytes(_GPT2_BYTE_OF[c] for c in piece))
+            else:
+                pieces.append(self.decode([token_id], skip_special_tokens=False).encode())
+        return pieces
 
 
 def _read_json(path: Path) -> dict[str, Any]:
