@@ -208,6 +208,17 @@ class ClusterConfig:
                 f"max_model_len {max_model_len}{why}",
             )
 
+    @staticmethod
+    def _check_step_budget(limits: Limits, path: str, max_model_len: int, why: str) -> None:
+        # The engine refuses the same at start (`EngineConfig.check_max_model_len`): here the
+        # user learns it from the config, not from a worker that fails to come up.
+        if not limits.enable_chunked_prefill and limits.max_num_batched_tokens < max_model_len:
+            raise ConfigError(
+                f"{path}.max_num_batched_tokens",
+                f"{limits.max_num_batched_tokens} without chunked prefill: it must be >= "
+                f"max_model_len {max_model_len}{why}, or long prompts could never run",
+            )
+
     def _check_model(self) -> None:
         if not self.model.exists():
             logger.warning(
@@ -226,6 +237,7 @@ class ClusterConfig:
             why = " (the model's own limit; set limits.max_model_len to lower it)"
             for limits, path in self._all_limits():
                 self._check_pages_fit(limits, path, model.max_position_embeddings, why)
+                self._check_step_budget(limits, path, model.max_position_embeddings, why)
         elif self.limits.max_model_len > model.max_position_embeddings:
             raise ConfigError(
                 "limits.max_model_len",

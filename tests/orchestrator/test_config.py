@@ -330,6 +330,22 @@ def test_kv_pool_must_hold_the_models_own_limit_when_none_is_given(smol_dir: Pat
         ClusterConfig.from_dict(raw)
 
 
+def test_step_budget_must_hold_the_models_own_limit_without_chunked_prefill(
+    smol_dir: Path,
+) -> None:
+    """Else a long prompt could never be scheduled: the engine refuses this at start, the
+    config says so first."""
+    raw = base_dict(smol_dir)
+    del raw["limits"]["max_model_len"]  # the model's 8192 applies
+    raw["limits"].update(num_pages=1024, enable_chunked_prefill=False, max_num_batched_tokens=4096)
+    with pytest.raises(
+        ConfigError, match=r"^limits\.max_num_batched_tokens: 4096 without chunked prefill"
+    ):
+        ClusterConfig.from_dict(copy.deepcopy(raw))
+    raw["limits"]["max_num_batched_tokens"] = 8192
+    ClusterConfig.from_dict(raw)
+
+
 def test_model_dir_without_config_json_is_rejected(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match=r"^model: cannot read the checkpoint's config\.json"):
