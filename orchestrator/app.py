@@ -3,8 +3,8 @@ its gRPC server with health and reflection (TLS / mTLS and token auth per ``rout
 ``router.auth``, `orchestrator.security`).
 
 `ServingApp.start()` places every worker group and binds the router; `ServingApp.stop()` drains
-(health NOT_SERVING, new requests UNAVAILABLE, running ones finish within ``grace_seconds``),
-stops the server, then drains and removes the workers. `serve()` wraps both around
+(health NOT_SERVING, new requests UNAVAILABLE, running and queued ones finish within
+``grace_seconds``), stops the server, then drains and removes the workers. `serve()` wraps both around
 SIGINT / SIGTERM → `asyncio.Event`.
 """
 
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.config import ClusterConfig
+from orchestrator.config_sections import join_host_port
 from orchestrator.stubs import ensure_stubs
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,24 @@ class AppOptions:
     num_cpus: int | None = None  # embedded Ray only
     metrics_port: int | None = None  # serve /metrics of the router when set
     seed: int | None = None
+
+
+def router_grpc_server(interceptors: list[Any], max_request_bytes: int) -> Any:
+    """The router's grpc.aio server (not started, no port yet)."""
+    import grpc
+
+    return grpc.aio.server(
+        interceptors=interceptors,
+        options=[
+            ("grpc.max_concurrent_streams", 4096),
+            # Room above router.max_request_bytes, so that a request somewhat too large
+            # still reaches the servicer and gets INVALID_ARGUMENT with the limit named.
+            ("grpc.max_receive_message_length", 2 * max_request_bytes),
+            # gRPC binds with SO_REUSEPORT by default: a second router on the same address
+            # would start too and take half the connections; it must fail to bind instead.
+            ("grpc.so_reuseport", 0),
+        ],
+    )
 
 
 class ServingApp:
@@ -103,7 +122,6 @@ class ServingApp:
         return self.address
 
     async def _start_router(self, registry: Any) -> None:
-        import grpc
         from grpc_health.v1 import health, health_pb2, health_pb2_grpc
         from grpc_reflection.v1alpha import reflection
         from prometheus_client import CollectorRegistry
@@ -122,15 +140,7 @@ class ServingApp:
             )
         self.router = Router(settings, registry, tokenizer, metrics)
         servicer = GenerationServicer(self.router, model_info, groups, self.controller.refresh)
-        server = grpc.aio.server(
-            interceptors=self._interceptors(),
-            options=[
-                ("grpc.max_concurrent_streams", 4096),
-                # Room above router.max_request_bytes, so that a request somewhat too large
-                # still reaches the servicer and gets INVALID_ARGUMENT with the limit named.
-                ("grpc.max_receive_message_length", 2 * config.router.max_request_bytes),
-            ],
-        )
+        server = router_grpc_server(self._interceptors(), config.router.max_request_bytes)
         add_generation_servicer(servicer, server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -145,7 +155,7 @@ class ServingApp:
         self._server = server
         for name in ("", GENERATION_SERVICE):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self.address = f"{config.router.host}:{port}"
+        self.address = join_host_port(config.router.host, port)
         logger.info(
             "router serving %s on %s (%s, %s)",
             model_info.model_name,

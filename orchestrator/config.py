@@ -6,6 +6,7 @@ Layout (every key optional unless marked; `configs/*.yaml` are complete examples
     dtype: auto | float32 | bfloat16 | float16
     device: cpu | cuda | cuda:N | auto  # where every worker's engine runs (see ClusterConfig)
     page_size: 16                   # tokens per KV page, a power of two
+    worker_host: 127.0.0.1          # where workers' gRPC and /metrics listen (see ClusterConfig)
     limits: {max_model_len, max_num_seqs, max_num_batched_tokens,
              num_pages | kv_memory_bytes, enable_chunked_prefill}
     groups:                         # required; prefill + decode, or mixed alone
@@ -19,9 +20,11 @@ Layout (every key optional unless marked; `configs/*.yaml` are complete examples
         threads: 1                  # torch intra-op threads per rank
     transfer: {deadline_seconds, drain_interval_seconds, coalesce_pages, checksum}
     router: {address, http_address, policy, max_queue, default_max_tokens, grace_seconds,
-             max_request_bytes, prefill_retries, auth: {token}, tls: {cert, key, ca}}
+             max_request_bytes, prefill_retries, auth: {token | token_file}, tls: {cert, key, ca}}
 
-Relative paths (``model``, TLS files) are resolved against the YAML file's directory, so a
+``router.auth.token_file`` names a file holding the token (a mounted Kubernetes Secret, say),
+read when the config loads, so the token itself need not sit in the YAML. Relative paths
+(``model``, TLS files, the token file) are resolved against the YAML file's directory, so a
 config means the same thing from any working directory. Byte sizes (``kv_memory_bytes``,
 ``memory``, ``router.max_request_bytes``) take an integer or a string with a unit (``512MiB``,
 ``4GiB``, ``1GB``).
@@ -60,6 +63,7 @@ from orchestrator.config_sections import (
     TLSConfig,
     TransferConfig,
     check_choice,
+    check_host,
     check_int,
     join_path,
 )
@@ -74,6 +78,7 @@ __all__ = [
     "GROUP_LIMIT_KEYS",
     "GROUP_ROLES",
     "MAX_GROUP_RATIO",
+    "NO_ADDRESS_WORDS",
     "ROUTING_POLICIES",
     "AuthConfig",
     "ClusterConfig",
@@ -101,6 +106,8 @@ GROUP_LIMIT_KEYS: tuple[str, ...] = (
 # One prefill replica keeps about three decode replicas busy in the reference deployment; a
 # ratio beyond this, either way, leaves one side idle and is almost surely a typo.
 MAX_GROUP_RATIO = 16
+# Command-line words for "no address" (`--http-address none`).
+NO_ADDRESS_WORDS: tuple[str, ...] = ("none", "null", "off")
 
 _T = TypeVar("_T")
 
@@ -119,6 +126,10 @@ class ClusterConfig:
     leader sees a GPU for each), and KV transfers need a provider that registers GPU memory
     (FI_HMEM: ``verbs``, ``efa``; ``shm`` on one node when libfabric was built with CUDA,
     which the workers find out at start), which ``tcp`` cannot.
+    ``worker_host``: the address every worker's token service (gRPC, which the router dials) and
+    ``/metrics`` bind. The default, loopback, suits one machine; a cluster over several hosts
+    (the Helm chart) gives ``0.0.0.0`` (or ``::``), and each worker then advertises its Ray
+    node's IP in the registry (`orchestrator.worker_actor.advertised_address`).
     Cross-field rules run here, so that `dataclasses.replace` (and `with_overrides`)
     revalidate the result.
     """
@@ -128,6 +139,7 @@ class ClusterConfig:
     dtype: str = "auto"
     device: str = "cpu"
     page_size: int = 16
+    worker_host: str = "127.0.0.1"
     limits: Limits = field(default_factory=Limits)
     transfer: TransferConfig = field(default_factory=TransferConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
@@ -141,6 +153,7 @@ class ClusterConfig:
         except DeviceError as exc:
             raise ConfigError("device", str(exc)) from None
         check_int("page_size", self.page_size, 1)
+        check_host("worker_host", self.worker_host)
         if self.page_size & (self.page_size - 1):
             raise ConfigError("page_size", f"must be a power of two, got {self.page_size}")
         self._check_groups()
@@ -233,6 +246,7 @@ class ClusterConfig:
             raise ConfigError("model", f"cannot read the checkpoint's config.json: {exc}") from None
         for group in self.groups:
             _check_tp(group, model)
+            self._check_kv_budget(group, model)
         if self.limits.max_model_len is None:
             why = " (the model's own limit; set limits.max_model_len to lower it)"
             for limits, path in self._all_limits():
@@ -243,6 +257,26 @@ class ClusterConfig:
                 "limits.max_model_len",
                 f"{self.limits.max_model_len} exceeds the model's max_position_embeddings "
                 f"({model.max_position_embeddings})",
+            )
+
+    def _check_kv_budget(self, group: GroupConfig, model: ModelConfig) -> None:
+        """A pool given in bytes must hold one request of max_model_len, as one given in pages
+        must (`_check_pages_fit`): the same rule, once the bytes are pages."""
+        limits = group.limits
+        element = _DTYPE_BYTES.get(model.torch_dtype if self.dtype == "auto" else self.dtype)
+        if limits.kv_memory_bytes is None or element is None:
+            return
+        # A rank's pool holds its share of the KV heads (one head when they are replicated).
+        heads = max(1, model.num_kv_heads // group.tp)
+        page_bytes = 2 * model.num_layers * heads * self.page_size * model.head_dim * element
+        num_pages = limits.kv_memory_bytes // page_bytes
+        max_model_len = self.limits.max_model_len or model.max_position_embeddings
+        if num_pages * self.page_size < max_model_len:
+            raise ConfigError(
+                f"groups.{group.role}.limits.kv_memory_bytes",
+                f"{limits.kv_memory_bytes} bytes hold {num_pages} pages of {page_bytes} bytes "
+                f"({num_pages * self.page_size} tokens) per rank, fewer than one request of "
+                f"max_model_len {max_model_len}",
             )
 
     def _all_limits(self) -> Iterator[tuple[Limits, str]]:
@@ -286,9 +320,10 @@ class ClusterConfig:
         http_address: str | None = None,
     ) -> ClusterConfig:
         """A new, revalidated config with command-line overrides (``--model``, ``--address``,
-        ``--http-address``);
-        this one is left as it is. A relative ``model`` is resolved against the working
-        directory, as a command-line user expects."""
+        ``--http-address``); None leaves a value as it is, and so does this config. A relative
+        ``model`` is resolved against the working directory, as a command-line user expects.
+        ``http_address`` ``none`` / ``null`` / ``off`` (any case) serves no HTTP: YAML's null,
+        which a command line cannot write."""
         result = self
         if model is not None:
             result = replace(result, model=Path(model).expanduser().resolve())
@@ -297,8 +332,9 @@ class ClusterConfig:
                 router = replace(result.router, address=address)
             result = replace(result, router=router)
         if http_address is not None:
+            off = http_address.strip().lower() in NO_ADDRESS_WORDS
             with _errors_under("router"):
-                router = replace(result.router, http_address=http_address)
+                router = replace(result.router, http_address=None if off else http_address)
             result = replace(result, router=router)
         return result
 
@@ -347,10 +383,14 @@ class ClusterConfig:
             dtype=data.get("dtype", "auto"),
             device=data.get("device", "cpu"),
             page_size=data.get("page_size", 16),
+            worker_host=data.get("worker_host", "127.0.0.1"),
             limits=limits,
             transfer=_build(TransferConfig, data.get("transfer"), "transfer"),
             router=_parse_router(data.get("router"), base),
         )
+
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def _check_tp(group: GroupConfig, model: ModelConfig) -> None:
@@ -520,7 +560,27 @@ def _parse_router(raw: object, base: Path) -> RouterConfig:
         data,
         "router",
         given={
-            "auth": _build(AuthConfig, data.get("auth"), "router.auth"),
+            "auth": _build(AuthConfig, _with_token_file(data.get("auth"), base), "router.auth"),
             "tls": _build(TLSConfig, None, "router.tls", given=tls_paths),
         },
     )
+
+
+def _with_token_file(raw: object, base: Path) -> dict[str, Any]:
+    """``router.auth`` with ``token_file`` replaced by the token the file holds (surrounding
+    whitespace, a trailing newline say, is not part of it)."""
+    data = _section(raw, "router.auth")
+    if data.get("token_file") is None:
+        data.pop("token_file", None)
+        return data
+    path = _path(data.pop("token_file"), "router.auth.token_file", base)
+    if data.get("token") is not None:
+        raise ConfigError("router.auth.token_file", "give token or token_file, not both")
+    try:
+        token = path.read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise ConfigError("router.auth.token_file", f"cannot read {path}: {reason}") from None
+    if not token:
+        raise ConfigError("router.auth.token_file", f"{path} is empty")
+    return {**data, "token": token}

@@ -88,6 +88,17 @@ def check_optional_str(name: str, value: object) -> None:
         raise ConfigError(name, f"must be a non-empty string or null, got {value!r}")
 
 
+def check_host(name: str, value: object) -> None:
+    """A host to bind (a name or an IP address, no port): ``127.0.0.1``, ``0.0.0.0``, ``::``."""
+    if (
+        not isinstance(value, str)
+        or not value
+        or any(ch.isspace() or ch in "[]/" for ch in value)
+        or (value.count(":") == 1)  # IPv6 has two or more; one means host:port
+    ):
+        raise ConfigError(name, f"must be a host name or IP address without a port, got {value!r}")
+
+
 # --- sections -------------------------------------------------------------------------------
 
 
@@ -252,7 +263,8 @@ class AuthConfig:
     """A bearer token every client must send: ``Authorization: Bearer <token>`` on HTTP (else
     401), ``authorization: Bearer <token>`` metadata on gRPC (else UNAUTHENTICATED). Health
     checks are exempt (``/health``, ``grpc.health.v1.Health``). None disables auth. Checked by
-    `orchestrator.security` and `orchestrator.http_api`."""
+    `orchestrator.security` and `orchestrator.http_api`. The YAML may name a file holding it
+    instead (``token_file``, read by `orchestrator.config` at load)."""
 
     # Out of repr: configs get logged, secrets must not be.
     token: str | None = field(default=None, repr=False)
@@ -313,9 +325,18 @@ class RouterConfig:
     tls: TLSConfig = field(default_factory=TLSConfig)
 
     def __post_init__(self) -> None:
-        _split_address(self.address)
+        grpc_host, grpc_port = _split_address(self.address)
         if self.http_address is not None:
-            _split_address(self.http_address, "http_address")
+            http_host, http_port = _split_address(self.http_address, "http_address")
+            wildcard = {"0.0.0.0", "::"}
+            if grpc_port == http_port != 0 and (
+                grpc_host == http_host or {grpc_host, http_host} & wildcard
+            ):
+                # Else the second bind fails only after every worker was placed.
+                raise ConfigError(
+                    "http_address",
+                    f"{self.http_address} is the gRPC address's port too ({self.address})",
+                )
         check_choice("policy", self.policy, ROUTING_POLICIES)
         check_int("max_queue", self.max_queue, 0)
         check_int("default_max_tokens", self.default_max_tokens, 1)
@@ -351,3 +372,8 @@ def _split_address(address: object, name: str = "address") -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or int(port) > 65535:
         raise ConfigError(name, f"must be 'host:port' with a port in 0-65535, got {address!r}")
     return host, int(port)
+
+
+def join_host_port(host: str, port: int) -> str:
+    """``host:port`` as clients dial it: an IPv6 host in brackets (``[::1]:50051``)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -94,6 +94,7 @@ class Controller:
             tp_size=group.tp,
             provider=fabric.provider if fabric else "tcp;ofi_rxm",
             fabric_node=fabric.node if fabric else None,
+            host=self.config.worker_host,
             transfer=dataclasses.asdict(self.config.transfer),
             metrics_port=self.options.worker_metrics_port,
             nice=group.nice,
@@ -226,6 +227,13 @@ class Controller:
         self._closing = True
         if self._health_task is not None:
             self._health_task.cancel()
+        # A replacement still being placed or started would otherwise finish after this
+        # returns: a worker nobody stops, holding its placement group. Cancelled, `_launch`
+        # discards what it had (`place_worker` removes a group it gave up on).
+        replacing = list(self._tasks)
+        for task in replacing:
+            task.cancel()
+        await asyncio.gather(*replacing, return_exceptions=True)
         for record in self.registry.workers.values():
             if record.is_ready:
                 record.health = "draining"

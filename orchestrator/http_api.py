@@ -37,6 +37,7 @@ from typing import Any
 
 from aiohttp import web
 
+from orchestrator.config_sections import join_host_port
 from orchestrator.errors import (
     CapacityError,
     DuplicateRequestError,
@@ -136,7 +137,7 @@ class OpenAIHttpApi:
         site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
         await site.start()
         bound = runner.addresses[0]
-        self.address = f"{host}:{bound[1]}"
+        self.address = join_host_port(host, bound[1])
         return self.address
 
     async def stop(self) -> None:

@@ -1,7 +1,15 @@
 """``python -m orchestrator.launch CONFIG``: serve a cluster config on the Ray cluster this
-process belongs to, until SIGINT / SIGTERM. The entry point of
+process belongs to, until SIGINT / SIGTERM. The entry point of (from the repository root, with
+the head started from this checkout's venv, ``.venv/bin/ray start --head``)::
 
-    ray job submit --working-dir . -- python -m orchestrator.launch configs/local-1p3d.yaml
+    ray job submit --working-dir configs -- "$PWD/.venv/bin/python" -m orchestrator.launch \\
+        local-1p3d.yaml --model "$PWD/.cache/models/SmolLM2-135M-Instruct"
+
+Ship the config alone as the working directory, never the repository: Ray leaves git-ignored
+files out of the upload (the venv, the model cache, the compiled libfabric binding) and puts the
+unpacked copy first on ``PYTHONPATH``, where its ``workers`` package would shadow the installed
+one. Hence the absolute interpreter and ``--model`` (the config's relative ``model`` would
+resolve inside the unpacked copy). The Helm chart's launcher does the same with its ConfigMap.
 
 Inside a Ray job ``RAY_ADDRESS`` names the cluster; elsewhere ``--ray-address`` does, and with
 neither an embedded local Ray is started (as ``pdserve serve``).
@@ -14,7 +22,11 @@ import asyncio
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from orchestrator.config import ClusterConfig
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,42 +38,72 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--http-address",
         default=None,
-        help="OpenAI-compatible HTTP HOST:PORT (overrides router.http_address)",
+        help="OpenAI-compatible HTTP HOST:PORT, or none to serve no HTTP "
+        "(overrides router.http_address)",
     )
     parser.add_argument("--ray-address", default=None, help="join this Ray cluster")
-    metrics_port = os.environ.get("PDSERVE_METRICS_PORT")
+    # String defaults go through ``type`` when (and only when) this command is parsed, so a bad
+    # environment value is an argparse error of `serve`, never a traceback of every command.
     parser.add_argument(
         "--metrics-port",
-        type=int,
-        default=int(metrics_port) if metrics_port else None,
+        type=_port_type(0),
+        default=os.environ.get("PDSERVE_METRICS_PORT") or None,
         help="serve the router's /metrics on this port (default: $PDSERVE_METRICS_PORT; none)",
     )
-    worker_port = os.environ.get("PDSERVE_WORKER_METRICS_PORT")
     parser.add_argument(
         "--worker-metrics-port",
-        type=int,
-        default=int(worker_port) if worker_port else 0,
+        type=_port_type(-1),
+        default=os.environ.get("PDSERVE_WORKER_METRICS_PORT") or "0",
         help="port of every worker's /metrics, -1 for none "
         "(default: $PDSERVE_WORKER_METRICS_PORT; 0, any free port)",
     )
 
 
+def _port_type(lowest: int) -> Callable[[str], int]:
+    def port(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+        if not lowest <= value <= 65535:
+            raise argparse.ArgumentTypeError(f"{value} is not in [{lowest}, 65535]")
+        return value
+
+    return port
+
+
+def config_from_args(args: argparse.Namespace) -> ClusterConfig:
+    """The config file with the command line's overrides (raises `ConfigError`)."""
+    from orchestrator.config import ClusterConfig
+
+    return ClusterConfig.from_yaml(args.config).with_overrides(
+        model=args.model, address=args.address, http_address=args.http_address
+    )
+
+
 def run_serve(args: argparse.Namespace) -> int:
+    from ray.exceptions import RayError
+
     from orchestrator.app import AppOptions, serve
-    from orchestrator.config import ClusterConfig, ConfigError
+    from orchestrator.config import ConfigError
     from orchestrator.controller import ControllerOptions
+    from orchestrator.placement import PlacementError
 
     try:
-        config = ClusterConfig.from_yaml(args.config).with_overrides(
-            model=args.model, address=args.address, http_address=args.http_address
-        )
+        config = config_from_args(args)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     options = AppOptions(ray_address=args.ray_address, metrics_port=args.metrics_port)
     worker_port = args.worker_metrics_port
     controller = ControllerOptions(worker_metrics_port=None if worker_port < 0 else worker_port)
-    return asyncio.run(serve(config, options, controller))
+    try:
+        return asyncio.run(serve(config, options, controller))
+    except (ConfigError, PlacementError, OSError, TimeoutError, RayError) as error:
+        # What a user can fix (TLS files, resources, a port in use, a worker that cannot
+        # start): the message, not a traceback. `serve` stopped what it had started.
+        print(f"error: {type(error).__name__}: {error}", file=sys.stderr)
+        return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:

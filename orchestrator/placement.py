@@ -41,8 +41,12 @@ async def place_worker(
     group = placement_group(bundles, strategy="STRICT_PACK", name=name)
     try:
         await asyncio.wait_for(group.ready(), timeout_seconds)
-    except TimeoutError:
-        remove_placement_group(group)
+    except BaseException as error:
+        # Timed out, or the caller gave up (cancelled: a stopped start, the app shutting
+        # down): a group left pending would be placed later and hold its resources for good.
+        remove_worker_placement(group)
+        if not isinstance(error, TimeoutError):
+            raise
         raise PlacementError(
             f"{name}: placement group of {bundles} (STRICT_PACK) not ready after "
             f"{timeout_seconds:.0f} s; the cluster has {_resources()} in total and "

@@ -185,6 +185,7 @@ class Router:
         self._tasks: set[asyncio.Task[None]] = set()
         self._attempts = itertools.count(1)  # the ``n`` of `worker_request_id`
         self.draining = False
+        self._drain_expired = False  # the grace period ended: queued requests give up
         registry.on_worker_down(self._worker_down)
 
     # --- introspection ---------------------------------------------------------------------
@@ -291,7 +292,9 @@ class Router:
         try:
             async with self._room:
                 while True:
-                    if self.draining:
+                    # A request queued before the drain keeps its place until the grace
+                    # period ends (a worker may free room for it); a new one is refused.
+                    if self.draining and (not queued or self._drain_expired):
                         raise UnavailableError("the router is draining")
                     ready = [
                         w
@@ -536,13 +539,16 @@ class Router:
         self._spawn(link.close())
 
     async def drain(self, grace_seconds: float) -> None:
-        """Refuse new requests; wait up to ``grace_seconds`` for the running ones."""
+        """Refuse new requests; wait up to ``grace_seconds`` for the accepted ones: running
+        ones finish, queued ones are served as workers free room. Those still queued then end
+        with UNAVAILABLE (the caller then stops the workers, which ends the running ones)."""
         self.draining = True
-        async with self._room:
-            self._room.notify_all()
         deadline = time.monotonic() + grace_seconds
         while self._requests and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        self._drain_expired = True
+        async with self._room:
+            self._room.notify_all()
         if self._requests:
             logger.warning("%d requests still running after drain", len(self._requests))
 

@@ -16,6 +16,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from orchestrator.config_sections import join_host_port
+
 logger = logging.getLogger(__name__)
 
 
@@ -30,7 +32,7 @@ class WorkerSpec:
     tp_size: int = 1
     provider: str = "tcp;ofi_rxm"
     fabric_node: str | None = "127.0.0.1"
-    host: str = "127.0.0.1"  # where the token service listens
+    host: str = "127.0.0.1"  # ClusterConfig.worker_host: where gRPC and /metrics listen
     # ClusterConfig.transfer: deadline_seconds, drain_interval_seconds, coalesce_pages.
     transfer: dict[str, Any] = field(default_factory=dict)
     metrics_port: int | None = 0  # the worker's /metrics on ``host`` (0: any free; None: none)
@@ -42,6 +44,21 @@ class WorkerSpec:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> WorkerSpec:
         return cls(**data)
+
+
+# Bind addresses that mean "every interface": no peer can dial them.
+WILDCARD_HOSTS: frozenset[str] = frozenset({"0.0.0.0", "::"})
+
+
+def advertised_address(bind_host: str, port: int) -> str:
+    """``host:port`` the router dials for a service bound to ``bind_host``: that host itself,
+    or for a wildcard this Ray node's IP (the pod's IP on Kubernetes)."""
+    host = bind_host
+    if bind_host in WILDCARD_HOSTS:
+        import ray
+
+        host = ray.util.get_node_ip_address()
+    return join_host_port(host, port)
 
 
 def lower_cpu_priority(nice: int) -> None:
@@ -97,7 +114,7 @@ class WorkerActor:
         address = ""
         if spec.role != "prefill":
             self._server = WorkerServer(WorkerServicer(spec.worker_id, self._backend), spec.host)
-            address = self._server.address
+            address = advertised_address(spec.host, self._server.port)
         metrics_port = 0
         if spec.metrics_port is not None:
             from orchestrator.worker_metrics import WorkerMetricsExporter

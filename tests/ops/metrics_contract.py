@@ -36,3 +36,37 @@ def family_of(series_name: str, contract: dict[str, ContractEntry]) -> str | Non
         if entry is not None and entry.type == "histogram":
             return base
     return None
+
+
+# Which roles update each metric family (every process registers every family, so a selector
+# on another role finds only flat zeros or nothing). The router's share is what
+# `orchestrator/router.py` records (role "router", `orchestrator/app.py`); the workers' is
+# `orchestrator/worker_metrics.py`'s `WorkerMetricsExporter.refresh`, which `test_metrics.py`
+# checks against this table.
+_ROUTER = ("router",)
+_KV_ROLES = ("prefill", "decode")
+_EVERY_ROLE = ("router", "prefill", "decode", "mixed")
+EXPORTED_BY: dict[str, tuple[str, ...]] = {
+    "pdserve_time_to_first_token_seconds": _ROUTER,
+    "pdserve_inter_token_latency_seconds": _ROUTER,
+    "pdserve_e2e_request_latency_seconds": _ROUTER,
+    "pdserve_request_queue_time_seconds": _ROUTER,
+    "pdserve_num_requests_running": _EVERY_ROLE,
+    "pdserve_num_requests_waiting": _EVERY_ROLE,
+    "pdserve_prompt_tokens_total": _ROUTER,
+    "pdserve_generation_tokens_total": _ROUTER,
+    "pdserve_request_success_total": _ROUTER,
+    "pdserve_kv_pages_used": ("prefill", "decode", "mixed"),
+    "pdserve_kv_pages_capacity": ("prefill", "decode", "mixed"),
+    "pdserve_kv_pages_pinned_for_transfer": _KV_ROLES,
+    # The prefill side pushes the KV and times it; a decoder's record carries no byte count.
+    "pdserve_kv_transfer_seconds": ("prefill",),
+    "pdserve_kv_transfer_bytes": ("prefill",),
+    "pdserve_kv_transfer_exposed_seconds": ("prefill",),
+    "pdserve_kv_transfer_failures_total": _KV_ROLES,
+    "pdserve_kv_messenger_queue_depth": _KV_ROLES,
+    "pdserve_kv_checksum_failures_total": ("decode",),
+    "pdserve_router_decisions_total": _ROUTER,
+    "pdserve_router_prefill_tokens_in_flight": _ROUTER,
+}
+WORKER_ROLES: tuple[str, ...] = ("prefill", "decode", "mixed")

@@ -11,7 +11,13 @@ from typing import Any
 
 import pytest
 
-from tests.ops.metrics_contract import REPO, family_of, load_contract
+from tests.ops.metrics_contract import (
+    EXPORTED_BY,
+    REPO,
+    WORKER_ROLES,
+    family_of,
+    load_contract,
+)
 
 DASHBOARD_DIR = REPO / "dashboards"
 DASHBOARDS = sorted(DASHBOARD_DIR.glob("*.json"))
@@ -124,6 +130,61 @@ def test_unknown_metric_would_be_caught() -> None:
     assert family_of("pdserve_kv_pages_total", contract) is None
     assert family_of("pdserve_prompt_tokens_total_bucket", contract) is None  # not a histogram
     assert family_of("pdserve_kv_transfer_bytes_bucket", contract) == "pdserve_kv_transfer_bytes"
+
+
+_SELECTOR = re.compile(r'([A-Za-z_:][A-Za-z0-9_:]*)\{((?:"(?:\\.|[^"\\])*"|[^}"])*)\}')
+_MATCHER = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)\s*(=~|!~|!=|=)\s*"((?:\\.|[^"\\])*)"')
+
+
+def role_problems(expr: str) -> list[str]:
+    """Selectors of ``expr`` whose ``role`` matcher picks no role that exports the metric
+    (`EXPORTED_BY`): such a panel is flat zero or empty whatever the cluster does. The
+    ``$role`` variable must be able to pick a worker role that exports it."""
+    problems = []
+    for match in _SELECTOR.finditer(expr):
+        family = family_of(match.group(1), load_contract())
+        if family is None:
+            continue  # test_queries_reference_only_exposed_metrics names it
+        exporters = EXPORTED_BY[family]
+        for label, op, value in _MATCHER.findall(match.group(2)):
+            if label != "role":
+                continue
+            if value == "$role" and op == "=~":
+                candidates: tuple[str, ...] = WORKER_ROLES
+            elif op == "=":
+                candidates = (value,)
+            elif op == "=~":
+                candidates = tuple(
+                    r for r in EXPORTED_BY["pdserve_num_requests_running"] if re.fullmatch(value, r)
+                )
+            else:
+                continue
+            if not set(candidates) & set(exporters):
+                problems.append(
+                    f"{match.group(1)}{{role{op}{value!r}}}: exported only by {', '.join(exporters)}"
+                )
+    return problems
+
+
+def test_exported_by_covers_the_contract() -> None:
+    assert set(EXPORTED_BY) == set(load_contract())
+
+
+def test_role_check_catches_a_role_that_does_not_export() -> None:
+    assert role_problems(
+        'sum(rate(pdserve_prompt_tokens_total{role="prefill", model=~"$model"}[5m]))'
+    )
+    assert role_problems('pdserve_kv_transfer_bytes_bucket{role="decode"}')
+    assert role_problems('pdserve_router_decisions_total{role=~"$role"}')
+    assert not role_problems('pdserve_prompt_tokens_total{role="router", model=~"$model"}')
+    assert not role_problems('pdserve_kv_transfer_bytes_bucket{role=~"$role"}')
+    assert not role_problems('pdserve_kv_pages_used{model=~"$model"}')
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
+def test_queries_select_roles_that_export_the_metric(path: Path) -> None:
+    for title, expr in _queries(_load(path)):
+        assert not role_problems(expr), f"{title}: {role_problems(expr)}"
 
 
 @pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)

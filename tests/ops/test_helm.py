@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from orchestrator.config import GROUP_LIMIT_KEYS, ClusterConfig
-from orchestrator.config_sections import Limits, RouterConfig, TransferConfig
+from orchestrator.config_sections import Limits, RouterConfig, TLSConfig, TransferConfig
 from tests.ops.crd_schemas import CUSTOM_SCHEMAS
 from tests.ops.metrics_contract import REPO
 from tests.orchestrator.test_config import TINY_SHAPE, write_model
@@ -62,6 +62,16 @@ COMBOS: dict[str, dict[str, Any]] = {
     },
 }
 
+# Rendered and validated like the combos, but its cluster config names a token file that exists
+# only in the head pod, so the tests that parse every combo's config leave it out.
+ROUTER_SECRETS: dict[str, Any] = {
+    "router": {
+        "tls": {"existingSecret": "router-tls", "verifyClients": True},
+        "auth": {"existingSecret": "router-token"},
+    },
+}
+RENDERED = {**COMBOS, "router-tls-token": ROUTER_SECRETS}
+
 
 def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     merged = copy.deepcopy(base)
@@ -82,7 +92,7 @@ def chart() -> Iterator[Any]:
 @functools.cache
 def _rendered(combo: str) -> tuple[dict[str, Any], ...]:
     with helm.Chart.load(str(CHART)) as loaded:
-        manifests = loaded.render(COMBOS[combo], name=RELEASE, namespace=NAMESPACE)
+        manifests = loaded.render(RENDERED[combo], name=RELEASE, namespace=NAMESPACE)
     docs: list[dict[str, Any]] = []
     for path, text in manifests.items():
         if path.endswith(".yaml"):
@@ -114,9 +124,9 @@ def cluster_yaml(docs: list[dict[str, Any]]) -> dict[str, Any]:
 # --- lint and validation --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("combo", ["1p3d-cpu", "1p3d-gpu-efa-monitoring"])
+@pytest.mark.parametrize("combo", ["1p3d-cpu", "1p3d-gpu-efa-monitoring", "router-tls-token"])
 def test_lint_is_clean(combo: str) -> None:
-    report = helm.lint(str(CHART), COMBOS[combo], strict=True, namespace=NAMESPACE)
+    report = helm.lint(str(CHART), RENDERED[combo], strict=True, namespace=NAMESPACE)
     assert report["errors"] == []
     # Severity 1 is information ("icon is recommended"); warnings and errors fail.
     assert [m for m in report["messages"] if m["severity"] >= 2] == []
@@ -134,7 +144,7 @@ def _validate_pod_template(template: dict[str, Any], where: str) -> None:
         raise AssertionError(f"{where}: {exc.message} at {list(exc.absolute_path)}") from None
 
 
-@pytest.mark.parametrize("combo", COMBOS)
+@pytest.mark.parametrize("combo", RENDERED)
 def test_rendered_manifests_validate(combo: str) -> None:
     for doc in render(combo):
         key = (doc["apiVersion"], doc["kind"])
@@ -191,6 +201,61 @@ def test_cluster_config_parses_and_matches_values(combo: str, tmp_path: Path) ->
         }
     assert config.router.address == "0.0.0.0:50051"
     assert config.router.policy == values["clusterConfig"]["router"]["policy"]
+
+
+@pytest.mark.parametrize("combo", COMBOS)
+def test_workers_listen_on_every_interface_of_their_pod(combo: str) -> None:
+    """The router on the head pod dials workers on other pods, and the PodMonitor scrapes
+    them at their pod IP: workers bind 0.0.0.0 and advertise their node IP
+    (`orchestrator.worker_actor.advertised_address`); libfabric picks the pod's NIC."""
+    config = ClusterConfig.from_dict(cluster_yaml(render(combo)))
+    assert config.worker_host == "0.0.0.0"
+    for role in ("prefill", "decode"):
+        fabric = config.group(role).fabric
+        assert fabric is not None and fabric.node is None
+
+
+def _head(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    spec: dict[str, Any] = one(docs, "RayCluster")["spec"]["headGroupSpec"]["template"]["spec"]
+    return spec
+
+
+def test_router_tls_and_token_come_from_mounted_secrets(tmp_path: Path) -> None:
+    docs = render("router-tls-token")
+    raw = cluster_yaml(docs)
+    assert raw["router"]["tls"] == {
+        "cert": "/etc/pdserve-router/tls/tls.crt",
+        "key": "/etc/pdserve-router/tls/tls.key",
+        "ca": "/etc/pdserve-router/tls/ca.crt",
+    }
+    assert raw["router"]["auth"] == {"token_file": "/etc/pdserve-router/auth/token"}
+    head = _head(docs)
+    volumes = {v["name"]: v for v in head["volumes"]}
+    assert volumes["router-tls"]["secret"] == {"secretName": "router-tls"}
+    assert volumes["router-auth"]["secret"] == {"secretName": "router-token"}
+    mounts = {m["name"]: m for m in head["containers"][0]["volumeMounts"]}
+    assert mounts["router-tls"] == {
+        "name": "router-tls",
+        "mountPath": "/etc/pdserve-router/tls",
+        "readOnly": True,
+    }
+    assert mounts["router-auth"]["mountPath"] == "/etc/pdserve-router/auth"
+    # The orchestrator reads what the Secrets hold once mounted: here, files in their place.
+    (tmp_path / "token").write_text("s3cret\n")
+    raw["router"]["auth"]["token_file"] = str(tmp_path / "token")
+    config = ClusterConfig.from_dict(raw)
+    assert config.router.auth.token == "s3cret"
+    assert config.router.tls.enabled and config.router.tls.ca is not None
+    # Neither the token nor a key is in any rendered manifest.
+    assert "s3cret" not in json.dumps(docs)
+
+
+def test_router_is_plaintext_without_secrets() -> None:
+    docs = render("1p3d-cpu")
+    config = ClusterConfig.from_dict(cluster_yaml(docs))
+    assert not config.router.tls.enabled and config.router.auth.token is None
+    names = {v["name"] for v in _head(docs)["volumes"]}
+    assert not names & {"router-tls", "router-auth"}
 
 
 def test_cluster_config_without_the_model_checks_schema_only() -> None:
@@ -406,20 +471,18 @@ def test_schema_follows_the_cluster_config() -> None:
     config = _schema()["properties"]["clusterConfig"]["properties"]
     assert set(config["limits"]["properties"]) == set(Limits.__dataclass_fields__)
     assert set(config["transfer"]["properties"]) == set(TransferConfig.__dataclass_fields__)
-    # address and http_address are the chart's (router.grpcPort / httpPort); auth and tls are
-    # not exposed by the chart yet.
-    assert set(config["router"]["properties"]) == set(RouterConfig.__dataclass_fields__) - {
-        "address",
-        "http_address",
-        "auth",
-        "tls",
-    }
+    # address and http_address are the chart's (router.grpcPort / httpPort).
+    router = config["router"]["properties"]
+    assert set(router) == set(RouterConfig.__dataclass_fields__) - {"address", "http_address"}
+    assert set(router["tls"]["properties"]) == set(TLSConfig.__dataclass_fields__)
+    # The token only as a file: a literal one would sit in the ConfigMap.
+    assert set(router["auth"]["properties"]) == {"token_file"}
     group = _schema()["properties"]["workerGroups"]["properties"]["prefill"]
     assert set(group["properties"]["limits"]["properties"]) == set(GROUP_LIMIT_KEYS)
 
 
 def test_defaults_and_combos_pass_the_schema(chart: Any) -> None:
-    for values in COMBOS.values():
+    for values in RENDERED.values():
         chart.validate_schema(values)
 
 
@@ -439,6 +502,10 @@ def test_defaults_and_combos_pass_the_schema(chart: Any) -> None:
         ({"clusterConfig": {"limits": {"max_num_seq": 8}}}, "max_num_seq"),
         ({"clusterConfig": {"router": {"address": "0.0.0.0:1"}}}, "address"),
         ({"clusterConfig": {"router": {"policy": "fastest"}}}, "policy"),
+        ({"clusterConfig": {"router": {"auth": {"token": "s3cret"}}}}, "token"),
+        ({"clusterConfig": {"router": {"tls": {"certificate": "/x.pem"}}}}, "certificate"),
+        ({"clusterConfig": {"worker_host": "127.0.0.1"}}, "worker_host"),
+        ({"router": {"tls": {"existingSecret": 1}}}, "existingSecret"),
         ({"image": {"pullPolicy": "Sometimes"}}, "pullPolicy"),
         ({"monitoring": {"enabled": "yes"}}, "enabled"),
     ],
@@ -453,6 +520,14 @@ def test_schema_rejects_invalid_values(chart: Any, values: dict[str, Any], where
     [
         ({"workerGroups": {"prefill": {"replicas": 1}, "decode": {"replicas": 17}}}, "1:16"),
         ({"fabric": EFA}, "rdmaDevicesPerPod"),
+        (
+            {
+                "router": {"tls": {"existingSecret": "router-tls"}},
+                "clusterConfig": {"router": {"tls": {"cert": "/c.pem", "key": "/k.pem"}}},
+            },
+            "give one or the other",
+        ),
+        ({"router": {"tls": {"verifyClients": True}}}, "verifyClients"),
     ],
 )
 def test_rules_across_values_fail_the_render(

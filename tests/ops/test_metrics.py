@@ -8,12 +8,14 @@ import shutil
 import subprocess
 import urllib.request
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.ops.metrics_contract import family_of, load_contract
+from orchestrator.worker_metrics import WorkerMetricsExporter
+from tests.ops.metrics_contract import EXPORTED_BY, WORKER_ROLES, family_of, load_contract
 from workers.engine.sequence import FinishReason
 from workers.kv.transfer_state import DecodeState, PrefillState
 from workers.metrics import BASE_LABELS, LABEL_VALUES, METRIC_SPECS, Metrics, serve_metrics
@@ -195,3 +197,60 @@ def test_promtool_does_lint() -> None:
     result = _promtool(bad)
     assert result.returncode != 0
     assert "_total" in result.stdout + result.stderr
+
+
+class _FakeKVWorker:
+    """`workers.kv.worker` as the exporter reads it: state and finished transfers."""
+
+    def state(self) -> dict[str, object]:
+        return {"num_pinned_pages": 3, "transfers_by_state": {"writing": 2}}
+
+    def finished_transfers(self) -> dict[str, dict[str, object]]:
+        return {
+            "ok": {
+                "state": "done",
+                "num_bytes": 65536,
+                "first_submit_s": 1.0,
+                "last_completion_s": 1.5,
+                "forward_end_s": 1.4,
+            },
+            "bad": {"state": "failed", "reason": "deadline", "checksum_mismatch": True},
+        }
+
+
+class _FakeBackend:
+    def __init__(self) -> None:
+        self.worker = _FakeKVWorker()
+
+    def load(self) -> SimpleNamespace:
+        return SimpleNamespace(
+            num_running_requests=2,
+            num_waiting_requests=1,
+            num_total_kv_pages=64,
+            num_free_kv_pages=60,
+        )
+
+
+def _updated_families(registry: CollectorRegistry) -> set[str]:
+    """Contract families with a non-zero sample (a histogram: a non-zero ``_count``)."""
+    contract = load_contract()
+    updated: set[str] = set()
+    for family in registry.collect():
+        for sample in family.samples:
+            if sample.name.endswith(("_bucket", "_sum", CREATED)) or not sample.value:
+                continue
+            name = family_of(sample.name, contract)
+            if name is not None:
+                updated.add(name)
+    return updated
+
+
+def test_worker_exporter_updates_what_exported_by_says() -> None:
+    """The worker side of `EXPORTED_BY` (what dashboards may select with a worker role) is
+    what a worker's exporter really sets, given a backend where everything happened."""
+    exporter = WorkerMetricsExporter(_FakeBackend(), "prefill", "/models/smol")
+    exporter.refresh()
+    worker_families = {
+        name for name, roles in EXPORTED_BY.items() if set(roles) & set(WORKER_ROLES)
+    }
+    assert _updated_families(exporter.registry) == worker_families

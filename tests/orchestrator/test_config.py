@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import copy
 import dataclasses
 import json
@@ -15,6 +16,7 @@ import pytest
 import yaml
 
 from orchestrator.config import ClusterConfig, ConfigError, GroupConfig, Resources
+from orchestrator.launch import add_serve_arguments, config_from_args
 from orchestrator.placement import worker_bundles
 from workers.engine.config import EngineConfig
 
@@ -124,6 +126,7 @@ def test_minimal_config_takes_defaults(smol_dir: Path) -> None:
     assert (mixed.role, mixed.replicas, mixed.tp, mixed.fabric) == ("mixed", 1, 1, None)
     assert (mixed.nice, mixed.threads) == (0, 1)
     assert (config.dtype, config.page_size) == ("auto", 16)
+    assert config.worker_host == "127.0.0.1"  # one machine: workers listen on loopback only
     assert config.router.address == "127.0.0.1:50051"
     assert config.router.policy == "least_outstanding"
     assert not config.router.tls.enabled and config.router.auth.token is None
@@ -176,6 +179,9 @@ REJECTIONS: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ("device", _set("device", "gpu"), "device must be cpu, cuda, cuda:N or auto"),
     ("groups.prefill.resources_per_rank.gpu", _set("device", "cuda"), "needs a GPU per rank"),
     ("page_size", _set("page_size", 12), "power of two"),
+    ("worker_host", _set("worker_host", "10.0.0.1:9000"), "without a port"),
+    ("worker_host", _set("worker_host", ""), "without a port"),
+    ("worker_host", _set("worker_host", None), "without a port"),
     ("limits.max_num_seqs", _set("limits.max_num_seqs", 0), "must be >= 1"),
     ("limits.max_num_batched_tokens", _set("limits.max_num_batched_tokens", 250), "page-aligned"),
     (
@@ -346,6 +352,41 @@ def test_step_budget_must_hold_the_models_own_limit_without_chunked_prefill(
     ClusterConfig.from_dict(raw)
 
 
+@pytest.mark.parametrize(
+    ("grpc", "http"), [("127.0.0.1:9000", "127.0.0.1:9000"), ("0.0.0.0:9000", "127.0.0.1:9000")]
+)
+def test_router_and_http_on_one_port_are_refused(grpc: str, http: str) -> None:
+    with pytest.raises(ConfigError, match=r"^router\.http_address: .* port too"):
+        ClusterConfig.from_dict(
+            {
+                "model": "/nonexistent",
+                "groups": {"mixed": None},
+                "router": {"address": grpc, "http_address": http},
+            }
+        )
+    ClusterConfig.from_dict(  # port 0: each gets its own free port
+        {
+            "model": "/nonexistent",
+            "groups": {"mixed": None},
+            "router": {"address": "127.0.0.1:0", "http_address": "127.0.0.1:0"},
+        }
+    )
+
+
+def test_kv_pool_given_in_bytes_must_hold_one_request(smol_dir: Path) -> None:
+    """The rule `num_pages` is held to, once the bytes are pages (this SmolLM2-shaped config: 2
+    layers, 3 KV heads of 32, float32: 16-token pages of 24,576 bytes; 1024 tokens need 64)."""
+    raw = base_dict(smol_dir)
+    del raw["limits"]["num_pages"]
+    raw["limits"]["kv_memory_bytes"] = 63 * 24_576 + 1
+    with pytest.raises(
+        ConfigError, match=r"^groups\.prefill\.limits\.kv_memory_bytes: .* 63 pages .* 1024"
+    ):
+        ClusterConfig.from_dict(copy.deepcopy(raw))
+    raw["limits"]["kv_memory_bytes"] = 64 * 24_576
+    ClusterConfig.from_dict(raw)
+
+
 def test_model_dir_without_config_json_is_rejected(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match=r"^model: cannot read the checkpoint's config\.json"):
@@ -451,7 +492,12 @@ def test_relative_paths_resolve_against_the_config_file(tmp_path: Path) -> None:
 
 def test_byte_sizes_and_provider_aliases(smol_dir: Path) -> None:
     raw = base_dict(smol_dir)
-    raw["limits"] = {"max_num_batched_tokens": 256, "kv_memory_bytes": "1.5 MiB"}
+    # 1.5 MiB: 64 pages of 24,576 bytes, 1024 tokens: one request of max_model_len fits.
+    raw["limits"] = {
+        "max_num_batched_tokens": 256,
+        "max_model_len": 128,
+        "kv_memory_bytes": "1.5 MiB",
+    }
     raw["groups"]["decode"]["resources_per_rank"] = {"cpu": 1, "gpu": 0, "memory": "2GB"}
     raw["groups"]["decode"]["fabric"] = {"provider": "tcp", "node": "127.0.0.1"}
     raw["groups"]["prefill"]["limits"] = {"num_pages": 600}
@@ -494,6 +540,72 @@ def test_overrides_return_a_new_validated_config(
     assert changed.with_overrides(address="[::1]:7000").router.host == "::1"
     with pytest.raises(ConfigError, match=r"^router\.address: must be 'host:port'"):
         config.with_overrides(address="nowhere")
+
+
+@pytest.mark.parametrize("word", ["none", "None", "NULL", "off", " none "])
+def test_http_address_override_none_serves_no_http(smol_dir: Path, word: str) -> None:
+    config = ClusterConfig.from_dict(base_dict(smol_dir))
+    assert config.router.http_address is not None
+    assert config.with_overrides(http_address=word).router.http_address is None
+    changed = config.with_overrides(http_address="0.0.0.0:8080")
+    assert changed.router.http_host_port == ("0.0.0.0", 8080)
+    assert config.with_overrides(http_address=None).router.http_address == (
+        config.router.http_address
+    )
+
+
+def test_command_line_http_address_none(tmp_path: Path, smol_dir: Path) -> None:
+    """``--http-address none`` (as `pdserve serve` and `orchestrator.launch` parse it)."""
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(base_dict(smol_dir)))
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    args = parser.parse_args([str(path), "--http-address", "None"])
+    assert config_from_args(args).router.http_address is None
+    args = parser.parse_args([str(path), "--http-address", "127.0.0.1:0"])
+    assert config_from_args(args).router.http_address == "127.0.0.1:0"
+    args = parser.parse_args([str(path), "--http-address", "nowhere"])
+    with pytest.raises(ConfigError, match=r"^router\.http_address: must be 'host:port'"):
+        config_from_args(args)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "fd00::5", "worker-0.svc"])
+def test_worker_host_takes_hosts_and_wildcards(smol_dir: Path, host: str) -> None:
+    raw = base_dict(smol_dir)
+    raw["worker_host"] = host
+    assert ClusterConfig.from_dict(raw).worker_host == host
+
+
+def test_auth_token_may_come_from_a_file(tmp_path: Path, smol_dir: Path) -> None:
+    (tmp_path / "secrets").mkdir()
+    (tmp_path / "secrets" / "token").write_text("s3cret\n")  # as a mounted Secret holds it
+    raw = base_dict(smol_dir)
+    raw["router"]["auth"] = {"token_file": "secrets/token"}  # relative to the YAML file
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    config = ClusterConfig.from_yaml(path)
+    assert config.router.auth.token == "s3cret"
+    assert "s3cret" not in repr(config)
+    raw["router"]["auth"] = {"token_file": None}
+    assert ClusterConfig.from_dict(raw).router.auth.token is None
+
+
+@pytest.mark.parametrize(
+    ("auth", "phrase"),
+    [
+        ({"token_file": "absent"}, "cannot read"),
+        ({"token_file": "empty"}, "is empty"),
+        ({"token_file": "empty", "token": "x"}, "not both"),
+    ],
+)
+def test_bad_token_file_is_rejected(
+    tmp_path: Path, smol_dir: Path, auth: dict[str, str], phrase: str
+) -> None:
+    (tmp_path / "empty").write_text("\n")
+    raw = base_dict(smol_dir)
+    raw["router"]["auth"] = auth
+    with pytest.raises(ConfigError, match=rf"^router\.auth\.token_file: .*{phrase}"):
+        ClusterConfig.from_dict(raw, base_dir=tmp_path)
 
 
 def test_model_override_reruns_the_model_rules(tmp_path: Path, smol_dir: Path) -> None:

@@ -1,5 +1,13 @@
-"""``ray job submit --working-dir . -- python -m orchestrator.launch CONFIG`` against a
-``ray start --head`` cluster on loopback: the job serves a request and ends cleanly on stop.
+"""The README's ``ray job submit --working-dir configs -- "$PWD/.venv/bin/python" -m
+orchestrator.launch CONFIG --model DIR`` against a ``ray start --head`` cluster on loopback: a
+disaggregated job (1 prefill : 1 decode, KV over libfabric ``tcp;ofi_rxm``) serves a request and
+ends cleanly on stop.
+
+The working directory holds the config alone, as the README says: Ray's upload leaves out
+git-ignored files and its copy goes first on ``PYTHONPATH``, so shipping the repository would
+shadow the installed packages with a tree that lacks the compiled libfabric binding. Workers
+bind every interface (``worker_host: 0.0.0.0``, as the Helm chart does) and advertise the Ray
+node's IP, which the router then dials.
 
 The head runs in a process group of its own, with its own temp dir and explicit ports, and is
 ended by that group's id (never ``ray stop``, which kills every Ray process on the machine).
@@ -132,14 +140,22 @@ def test_job_serves_a_request_and_ends_cleanly(
     head_cluster: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     router = f"127.0.0.1:{free_port()}"
-    config = tmp_path / "cluster.yaml"
-    config.write_text(
+    fabric = {"provider": "tcp;ofi_rxm", "node": "127.0.0.1"}
+    working_dir = tmp_path / "job"  # the config alone, as `--working-dir configs` ships it
+    working_dir.mkdir()
+    (working_dir / "cluster.yaml").write_text(
         yaml.safe_dump(
             {
-                "model": str(tiny_model_dir),
+                # Relative, as in configs/: it would resolve inside Ray's unpacked copy, where
+                # no model is; --model names the real one.
+                "model": "../.cache/models/tiny",
                 "dtype": "float32",
-                "limits": {"max_model_len": 256, "num_pages": 32, "max_num_batched_tokens": 128},
-                "groups": {"mixed": {"replicas": 1, "resources_per_rank": {"cpu": 0.5}}},
+                "worker_host": "0.0.0.0",
+                "limits": {"max_model_len": 128, "num_pages": 16, "max_num_batched_tokens": 64},
+                "groups": {
+                    "prefill": {"resources_per_rank": {"cpu": 0.5}, "fabric": fabric},
+                    "decode": {"resources_per_rank": {"cpu": 0.5}, "fabric": fabric},
+                },
                 "router": {
                     "address": router,
                     "http_address": "127.0.0.1:0",
@@ -155,12 +171,14 @@ def test_job_serves_a_request_and_ends_cleanly(
         "submit",
         "--no-wait",
         f"--submission-id={job_id}",
-        f"--working-dir={REPO}",
+        f"--working-dir={working_dir}",
         "--",
-        sys.executable,
+        sys.executable,  # absolute: the venv is not in the upload
         "-m",
         "orchestrator.launch",
-        str(config),
+        "cluster.yaml",
+        "--model",
+        str(tiny_model_dir),
     )
     try:
 
@@ -189,6 +207,7 @@ def test_job_serves_a_request_and_ends_cleanly(
     logs = JobSubmissionClient(head_cluster).get_job_logs(job_id)
     assert status in ("STOPPED", "SUCCEEDED"), logs
     assert "shutdown complete" in logs, logs
+    assert "prefill-0 (prefill) ready at fabric only" in logs, logs
 
 
 def _status(address: str, job_id: str) -> str:

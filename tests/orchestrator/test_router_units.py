@@ -330,6 +330,51 @@ def test_a_draining_router_refuses_new_requests_and_lets_running_ones_finish(wor
     asyncio.run(run())
 
 
+def test_a_draining_router_serves_what_it_queued_before_the_drain(worker: Any) -> None:
+    """Accepted means served (or an error): a request queued when the drain began gets the
+    room a finishing request frees within the grace period; one still queued when the grace
+    period ends gets UNAVAILABLE."""
+    backend, server = worker
+
+    async def run() -> None:
+        router = _router(server.address, capacity=1, max_queue=2)
+        running = router.generate(GenerationInput(request_id="running", prompt="x"))
+        first = asyncio.create_task(_next(running))
+        await _wait(lambda: "running" in backend.sinks)
+        queued = router.generate(GenerationInput(request_id="queued", prompt="x"))
+        waiting = asyncio.create_task(_next(queued))
+        await _wait(lambda: router.num_queued == 1)
+        drain = asyncio.create_task(router.drain(30))
+        await asyncio.sleep(0.05)
+        with pytest.raises(UnavailableError):
+            await anext(router.generate(GenerationInput(prompt="new")))
+        backend.emit("running", ord("a"), "stop")
+        assert (await first).finish_reason == "stop"
+        await running.aclose()
+        await _wait(lambda: "queued" in backend.sinks)  # it got the freed room
+        backend.emit("queued", ord("b"), "stop")
+        assert (await waiting).finish_reason == "stop"
+        await queued.aclose()
+        await asyncio.wait_for(drain, 10)
+
+        # Grace over with a request still queued: it ends with UNAVAILABLE.
+        router = _router(server.address, capacity=1, max_queue=2)
+        held = router.generate(GenerationInput(request_id="held", prompt="x"))
+        holding = asyncio.create_task(_next(held))
+        await _wait(lambda: "held" in backend.sinks)
+        late = router.generate(GenerationInput(request_id="late", prompt="x"))
+        late_task = asyncio.create_task(_next(late))
+        await _wait(lambda: router.num_queued == 1)
+        await router.drain(0.2)
+        with pytest.raises(UnavailableError):
+            await late_task
+        holding.cancel()
+        await asyncio.gather(holding, return_exceptions=True)
+        await router.close()
+
+    asyncio.run(run())
+
+
 class PrefillFailingBackend(FakeBackend):
     """A decoder whose KV transfer from prefill endpoint b"dead" fails before any token (as the
     decode messenger reports a prefill killed or stalled past the transfer deadline)."""

@@ -179,6 +179,30 @@ def test_unsatisfiable_placement_fails_with_a_clear_error(cluster: ServedCluster
         asyncio.run(place_worker("pdserve-too-big", bundles, timeout_seconds=1))
 
 
+def test_a_placement_given_up_by_its_caller_is_removed(cluster: ServedCluster) -> None:
+    """A start that is cancelled while its placement group waits (app stopped, start timed
+    out) must not leave the group pending: it would be placed later and hold the resources."""
+    import asyncio
+
+    from ray.util import placement_group_table
+
+    from orchestrator.placement import place_worker, worker_bundles
+
+    async def give_up() -> None:
+        bundles = worker_bundles({"CPU": 64.0}, 1)
+        task = asyncio.ensure_future(place_worker("pdserve-given-up", bundles, 600))
+        await asyncio.sleep(0.5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(give_up())
+    states = [
+        g["state"] for g in placement_group_table().values() if g["name"] == "pdserve-given-up"
+    ]
+    assert states and all(state == "REMOVED" for state in states), states
+
+
 def test_router_metrics_count_requests(
     stub: pb_grpc.GenerationStub, cluster: ServedCluster
 ) -> None:

@@ -61,11 +61,18 @@ authOptions wires it ("ray" = true); the launcher always needs it to submit its 
 {{- end }}
 {{- end }}
 
+{{/* Where the head pod mounts the router's TLS and token Secrets (router.tls / router.auth). */}}
+{{- define "pdserve.routerTLSDir" -}}/etc/pdserve-router/tls{{- end }}
+{{- define "pdserve.routerAuthDir" -}}/etc/pdserve-router/auth{{- end }}
+
 {{/*
 The cluster config (orchestrator/config.py's schema) built from values. Each worker group
 advertises a Ray custom resource pdserve_<role> and each rank asks for one unit of it, so that
 Ray places prefill ranks only on prefill pods and decode ranks only on decode pods. Each rank
-runs as many torch threads as the CPUs it requests (cpuPerRank).
+runs as many torch threads as the CPUs it requests (cpuPerRank). Workers bind every interface
+(worker_host 0.0.0.0) and register their pod's IP: the router on the head pod dials them and
+the PodMonitor scrapes them there; fabric.node stays unset, so libfabric picks the pod's NIC.
+The router's TLS files and token file are those of the Secrets the head pod mounts.
 */}}
 {{- define "pdserve.clusterConfig" -}}
 {{- $groups := dict }}
@@ -78,8 +85,19 @@ runs as many torch threads as the CPUs it requests (cpuPerRank).
 {{- $_ := set $groups $role $entry }}
 {{- end }}
 {{- $ports := dict "address" (printf "0.0.0.0:%v" .Values.router.grpcPort) "http_address" (printf "0.0.0.0:%v" .Values.router.httpPort) }}
+{{- if .Values.router.tls.existingSecret }}
+{{- $dir := include "pdserve.routerTLSDir" . }}
+{{- $tls := dict "cert" (printf "%s/tls.crt" $dir) "key" (printf "%s/tls.key" $dir) }}
+{{- if .Values.router.tls.verifyClients }}
+{{- $_ := set $tls "ca" (printf "%s/ca.crt" $dir) }}
+{{- end }}
+{{- $_ := set $ports "tls" $tls }}
+{{- end }}
+{{- if .Values.router.auth.existingSecret }}
+{{- $_ := set $ports "auth" (dict "token_file" (printf "%s/token" (include "pdserve.routerAuthDir" .))) }}
+{{- end }}
 {{- $router := merge $ports (deepCopy .Values.clusterConfig.router) }}
-{{- $config := merge (dict "model" .Values.model.path "groups" $groups "router" $router) (omit (deepCopy .Values.clusterConfig) "router") }}
+{{- $config := merge (dict "model" .Values.model.path "groups" $groups "router" $router "worker_host" "0.0.0.0") (omit (deepCopy .Values.clusterConfig) "router") }}
 {{- toYaml $config }}
 {{- end }}
 
@@ -92,6 +110,15 @@ at launch, but a failed `helm install` beats a launcher Job that crash-loops.
 {{- $decode := .Values.workerGroups.decode.replicas | int }}
 {{- if or (gt $prefill (mul 16 $decode)) (gt $decode (mul 16 $prefill)) }}
 {{- fail (printf "workerGroups: prefill:decode replicas %d:%d is beyond 1:16 either way; one side would sit idle" $prefill $decode) }}
+{{- end }}
+{{- if and .Values.router.tls.existingSecret .Values.clusterConfig.router.tls }}
+{{- fail "clusterConfig.router.tls: router.tls.existingSecret sets it; give one or the other" }}
+{{- end }}
+{{- if and .Values.router.auth.existingSecret .Values.clusterConfig.router.auth }}
+{{- fail "clusterConfig.router.auth: router.auth.existingSecret sets it; give one or the other" }}
+{{- end }}
+{{- if and .Values.router.tls.verifyClients (not .Values.router.tls.existingSecret) }}
+{{- fail "router.tls.verifyClients: needs router.tls.existingSecret (its ca.crt verifies clients)" }}
 {{- end }}
 {{- if ne .Values.fabric.provider "tcp;ofi_rxm" }}
 {{- range $role, $group := .Values.workerGroups }}
