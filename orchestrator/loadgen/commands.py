@@ -10,7 +10,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from orchestrator.loadgen.compare import ClusterRun
     from orchestrator.loadgen.session import BenchOptions
+    from orchestrator.sim.calibrated import CalibratedCostModel
+    from orchestrator.sim.cost import CostModel
 
 
 def add_subcommands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -161,9 +164,8 @@ def _run(args: argparse.Namespace) -> int:
 def _compare(args: argparse.Namespace) -> int:
     from orchestrator.loadgen.compare import format_ratios, load_config, ratios, run_cluster
     from orchestrator.loadgen.report import run_document, write_json, write_plot
-    from orchestrator.loadgen.requests import kept_specs
     from orchestrator.loadgen.stats import format_summary
-    from orchestrator.loadgen.validate import compare_to_measured, format_validation, predict
+    from orchestrator.sim.calibrated import load
 
     try:
         options = _options(args)
@@ -171,7 +173,9 @@ def _compare(args: argparse.Namespace) -> int:
             ("disaggregated", load_config(args.disaggregated, args.model)),
             ("colocated", load_config(args.colocated, args.model)),
         ]
-    except ValueError as error:  # ConfigError is a ValueError
+        # Before minutes of benchmarking: a calibration that cannot be read fails now.
+        cost = load(args.simulate) if args.simulate else None
+    except (ValueError, OSError) as error:  # ConfigError is a ValueError
         print(f"pdserve bench compare: {error}", file=sys.stderr)
         return 2
     for name, config in configs:
@@ -179,43 +183,97 @@ def _compare(args: argparse.Namespace) -> int:
         if config.is_disaggregated != wanted:
             print(f"pdserve bench compare: --{name} config is not {name}", file=sys.stderr)
             return 2
+    import grpc
+
     runs = []
-    for name, config in configs:
-        run = asyncio.run(run_cluster(name, config, options, args.num_cpus))
-        print(format_summary(name, run.summary))
-        print(f"   machine load: before {run.load_before} | after {run.load_after}")
-        runs.append(run)
+    try:
+        for name, config in configs:
+            run = asyncio.run(run_cluster(name, config, options, args.num_cpus))
+            print(format_summary(name, run.summary))
+            print(f"   machine load: before {run.load_before} | after {run.load_after}")
+            runs.append(run)
+    except ValueError as error:  # the workload does not fit the served model
+        print(f"pdserve bench compare: {error}", file=sys.stderr)
+        return 2
+    except grpc.aio.AioRpcError as error:  # the cluster's router did not answer
+        print(f"pdserve bench compare: {error.code().name}: {error.details()}", file=sys.stderr)
+        return 2
     rows = ratios(runs[0].summary, runs[1].summary)
     print("\n" + format_ratios(rows))
-    validation: dict[str, Any] = {}
-    if args.simulate:
-        specs = kept_specs(options.workload, options.duration_s)
-        for run in runs:
-            prediction = predict(f"calibrated:{args.simulate}", run.config, specs, args.warmup)
-            validation[run.name] = compare_to_measured(prediction, run.summary)
-            print(format_validation(run.name, validation[run.name]))
-        validation["calibration"] = args.simulate
-    if args.json:
-        document = {
-            "command": "compare",
-            "argv": sys.argv,
-            "workload": _workload_json(args),
-            "configs": {"disaggregated": args.disaggregated, "colocated": args.colocated},
-            "machine_load": {r.name: [r.load_before, r.load_after] for r in runs},
-            "runs": [run_document(r.name, r.outcome, r.summary) for r in runs],
-            "ratios": rows,
-            "simulation": validation or None,
-        }
+    document = {
+        "command": "compare",
+        "argv": sys.argv,
+        "workload": _workload_json(args),
+        "configs": {"disaggregated": args.disaggregated, "colocated": args.colocated},
+        "machine_load": {r.name: [r.load_before, r.load_after] for r in runs},
+        "runs": [run_document(r.name, r.outcome, r.summary) for r in runs],
+        "ratios": rows,
+        "simulation": None,
+    }
+    if args.json:  # before the simulation: a measured run is never lost to it
         write_json(args.json, document)
     if args.plot:
         write_plot(args.plot, [(r.name, r.outcome) for r in runs])
+    if cost is not None:
+        try:
+            document["simulation"] = _simulate_runs(cost, runs, options, args)
+        except ValueError as error:  # e.g. a request the simulated pool cannot hold
+            print(f"pdserve bench compare: --simulate: {error}", file=sys.stderr)
+            return 2
+        if args.json:
+            write_json(args.json, document)
     return 0 if all(r.summary["errored"] == 0 for r in runs) else 1
+
+
+def _simulate_runs(
+    cost: CostModel, runs: list[ClusterRun], options: BenchOptions, args: argparse.Namespace
+) -> dict[str, Any]:
+    from orchestrator.loadgen.requests import kept_specs
+    from orchestrator.loadgen.validate import compare_to_measured, format_validation, predict
+
+    specs = kept_specs(options.workload, options.duration_s)
+    validation: dict[str, Any] = {}
+    for run in runs:
+        prediction = predict(cost, run.config, specs, args.warmup)
+        validation[run.name] = compare_to_measured(prediction, run.summary)
+        print(format_validation(run.name, validation[run.name]))
+    validation["calibration"] = args.simulate
+    return validation
 
 
 def _validate(args: argparse.Namespace) -> int:
     """Re-simulate a saved ``compare`` result (same workload, layouts, warm-up) with another
     calibration, without running the clusters again."""
+    try:
+        return _run_validate(args)
+    except (ValueError, OSError) as error:  # ConfigError, UnservableError, bad JSON included
+        print(f"pdserve bench validate: {error}", file=sys.stderr)
+        return 2
+
+
+def _validation_cost(args: argparse.Namespace) -> CalibratedCostModel:
+    """``--calibration``, its fixed per-request costs replaced as the flags ask."""
     import dataclasses
+    import json
+
+    from orchestrator.sim.calibrated import load
+
+    cost = load(args.calibration)
+    if args.no_overheads or args.overheads_from:
+        cost = dataclasses.replace(cost, request_overhead_s=(0.0, 0.0))
+    if args.overheads_from:
+        from orchestrator.loadgen.overheads import derive
+
+        source = Path(args.overheads_from)
+        reference = load(args.overheads_against) if args.overheads_against else cost
+        reference = dataclasses.replace(reference, request_overhead_s=(0.0, 0.0))
+        entry = derive(reference, json.loads(source.read_text()), source.name)
+        fixed = (entry.get("disaggregated_s", 0.0), entry.get("mixed_s", 0.0))
+        cost = dataclasses.replace(cost, request_overhead_s=fixed)
+    return cost
+
+
+def _run_validate(args: argparse.Namespace) -> int:
     import json
 
     from orchestrator.loadgen.compare import load_config
@@ -226,7 +284,6 @@ def _validate(args: argparse.Namespace) -> int:
         median_of,
         predict,
     )
-    from orchestrator.sim.calibrated import load
 
     documents = [json.loads(Path(result).read_text()) for result in args.result]
     for path, document in zip(args.result, documents, strict=True):
@@ -244,22 +301,7 @@ def _validate(args: argparse.Namespace) -> int:
             )
             return 2
     document = documents[0]
-    cost = load(args.calibration)
-    if args.no_overheads or args.overheads_from:
-        cost = dataclasses.replace(cost, request_overhead_s=(0.0, 0.0))
-    if args.overheads_from:
-        from orchestrator.loadgen.overheads import derive
-
-        source = Path(args.overheads_from)
-        try:
-            reference = load(args.overheads_against) if args.overheads_against else cost
-            reference = dataclasses.replace(reference, request_overhead_s=(0.0, 0.0))
-            entry = derive(reference, json.loads(source.read_text()), source.name)
-        except (ValueError, OSError) as error:
-            print(f"pdserve bench validate: {error}", file=sys.stderr)
-            return 2
-        fixed = (entry.get("disaggregated_s", 0.0), entry.get("mixed_s", 0.0))
-        cost = dataclasses.replace(cost, request_overhead_s=fixed)
+    cost = _validation_cost(args)
     print(
         f"{cost.name}: request overheads disaggregated {cost.request_overhead_s[0]:.3f} s, "
         f"mixed {cost.request_overhead_s[1]:.3f} s"

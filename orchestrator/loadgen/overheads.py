@@ -18,7 +18,6 @@ from typing import Any
 
 from orchestrator.config import ClusterConfig
 from orchestrator.sim.cost import CostModel
-from orchestrator.sim.simulator import Simulator
 from orchestrator.sim.workload import RequestSpec
 
 
@@ -54,15 +53,15 @@ def isolated(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def residuals(cost: CostModel, config: ClusterConfig, requests: list[dict[str, Any]]) -> Residuals:
-    from orchestrator.loadgen.validate import layout_of, limits_of
+    from orchestrator.loadgen.validate import simulator_for
 
-    layout, limits = layout_of(config), limits_of(config)
     seconds = []
     for request in isolated(requests):
         spec = RequestSpec(0, 0.0, int(request["prompt_tokens"]), int(request["output_tokens"]))
-        alone = Simulator(cost, layout, limits).run([spec]).records[0]
+        alone = simulator_for(cost, config).run([spec]).records[0]
         seconds.append(float(request["ttft_s"]) - alone.ttft)
-    return Residuals("mixed" if layout.is_mixed else "disaggregated", tuple(seconds))
+    kind = "disaggregated" if config.is_disaggregated else "mixed"
+    return Residuals(kind, tuple(seconds))
 
 
 def derive(cost: CostModel, document: dict[str, Any], source: str) -> dict[str, Any]:

@@ -3,9 +3,12 @@ duration cut and warm-up) through `orchestrator.sim.simulator` with a cost model
 relative error of TTFT p50, ITL p99 and output-token throughput against the measurement.
 
 The layout and per-instance limits come from the cluster config the run served: prefill and
-decode replicas (or mixed replicas), and the serving group's ``max_num_seqs`` /
-``max_num_batched_tokens``. The simulator's ITL is per engine step (weighted by the sequences
-it advanced); its TTFT ends when the first token is sampled, plus the cost model's fixed
+decode replicas (or mixed replicas), and each group's own ``max_num_seqs`` /
+``max_num_batched_tokens`` and KV pool (``num_pages`` or ``kv_memory_bytes``, per rank; the
+engine's default pool when neither is given), not the calibration engine's pool. The
+simulator's ITL is the gaps between the kept requests' tokens (one engine step each, warm-up
+requests left out as in the measurement); its TTFT ends when the first token is sampled, plus
+the cost model's fixed
 per-request overhead (router, gRPC, client, KV admission: `orchestrator.loadgen.overheads`
 derives it from a measured run; 0 when the calibration has none).
 """
@@ -21,6 +24,7 @@ from orchestrator.sim.cost import CostModel
 from orchestrator.sim.instances import EngineLimits
 from orchestrator.sim.simulator import Layout, SimResult, Simulator
 from orchestrator.sim.workload import RequestSpec
+from workers.engine.config import DEFAULT_KV_MEMORY_BYTES
 
 # Figures compared, as (prediction key, path in the load generator's summary).
 COMPARED = (
@@ -44,9 +48,40 @@ def layout_of(config: ClusterConfig) -> Layout:
     return Layout(num_mixed=mixed.replicas, tp_mixed=mixed.tp)
 
 
-def limits_of(config: ClusterConfig) -> EngineLimits:
-    limits = config.group("decode" if config.is_disaggregated else "mixed").limits
-    return EngineLimits(limits.max_num_seqs, limits.max_num_batched_tokens)
+def limits_of(config: ClusterConfig, role: str, cost: CostModel) -> EngineLimits:
+    """The ``role`` group's batch shape and KV pool as the simulator's per-instance limits.
+
+    Every rank of a TP instance holds its share of the KV heads for the same pages, so the
+    instance holds ``num_pages * page_size`` tokens; a ``kv_memory_bytes`` pool is priced at
+    the cost model's bytes per token (its dtype) over ``tp`` ranks."""
+    group = config.group(role)
+    limits = group.limits
+    num_pages = limits.num_pages
+    if num_pages is None:
+        pool = limits.kv_memory_bytes or DEFAULT_KV_MEMORY_BYTES
+        rank_page_bytes = cost.kv_bytes(config.page_size) / group.tp
+        num_pages = int(pool // rank_page_bytes)
+        if num_pages < 1:
+            raise ValueError(
+                f"groups.{role}: a KV pool of {pool} bytes holds no page of "
+                f"{rank_page_bytes:.0f} bytes per rank ({cost.name})"
+            )
+    return EngineLimits(
+        limits.max_num_seqs, limits.max_num_batched_tokens, num_pages * config.page_size
+    )
+
+
+def simulator_for(cost: CostModel, config: ClusterConfig) -> Simulator:
+    """A simulator of the served cluster: its layout and each group's limits and KV pool."""
+    layout = layout_of(config)
+    if config.is_disaggregated:
+        return Simulator(
+            cost,
+            layout,
+            limits_of(config, "decode", cost),
+            prefill_limits=limits_of(config, "prefill", cost),
+        )
+    return Simulator(cost, layout, limits_of(config, "mixed", cost))
 
 
 def predict(
@@ -58,9 +93,10 @@ def predict(
 
     if isinstance(cost, str):
         cost = create_cost_model(cost)
-    result = Simulator(cost, layout_of(config), limits_of(config)).run(specs)
+    result = simulator_for(cost, config).run(specs)
     measured = tuple(r for r in result.records if r.request_id >= num_warmup)
-    # Warm-up requests are left out as in the measurement; every step still counts for ITL.
+    # Warm-up requests are left out as in the measurement, their tokens' gaps with them: the
+    # ITL percentiles pool the kept records' gaps (`metrics.summarize`).
     kept = SimResult(result.layout, measured, result.itl_steps, result.busy_seconds)
     summary = summarize(kept)
     return {

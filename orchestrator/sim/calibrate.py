@@ -328,12 +328,16 @@ def check_options(
     prefill_context: int | None,
     budget: int,
     background: tuple[int, int] = (BACKGROUND_PROMPT, BACKGROUND_OUTPUT),
+    repeats: int = 1,
 ) -> int:
-    """Validate `run_calibration`'s process count, background requests (prompt, output tokens)
-    and long prompt before anything is measured; returns the long prompt's length (default:
-    4 chunks)."""
+    """Validate `run_calibration`'s process count, background requests (prompt, output tokens),
+    long prompt and timed runs per point before anything is measured; returns the long
+    prompt's length (default: 4 chunks)."""
     if concurrent < 1:
         raise ValueError(f"concurrent must be >= 1 (engine processes), got {concurrent}")
+    if repeats < 1:
+        # Each point is the median of its timed runs: none leaves nothing to take it of.
+        raise ValueError(f"repeats must be >= 1 (timed runs per point), got {repeats}")
     from workers.engine.presets import PRESETS
 
     max_positions = PRESETS["small"]["max_position_embeddings"]  # the calibrated model's
@@ -372,7 +376,7 @@ def run_calibration(
 ) -> dict[str, Any]:
     from workers.engine.presets import write_random_checkpoint
 
-    prefill_context = check_options(concurrent, prefill_context, budget, background)
+    prefill_context = check_options(concurrent, prefill_context, budget, background, repeats)
     with tempfile.TemporaryDirectory(prefix="pdserve-calibrate-") as tmp:
         model_dir = write_random_checkpoint("small", Path(tmp) / "small")
         # Decode points at long contexts need every sequence's pages at once (16 per page).

@@ -211,7 +211,14 @@ def mixed_errors(model: CalibratedCostModel, data: dict[str, Any]) -> list[float
 
 def load(path: str | Path) -> CalibratedCostModel:
     path = Path(path)
-    return fit(json.loads(path.read_text()), source=f"calibrated from {path.name}")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not JSON ({error})") from None
+    try:
+        return fit(data, source=f"calibrated from {path.name}")
+    except (KeyError, TypeError, AttributeError) as error:  # a JSON of another shape
+        raise ValueError(f"{path}: not a pdserve calibrate file ({error!r})") from None
 
 
 def from_spec(args: list[str]) -> CalibratedCostModel:

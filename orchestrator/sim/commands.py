@@ -7,6 +7,7 @@ stays fast.
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -150,11 +151,18 @@ def parse_layout(text: str) -> Layout:
     raise ValueError(f"bad layout {text!r}: use PxTP:DxTP or MxTP")
 
 
+def _refuse(command: str, error: Exception) -> int:
+    """An input error (a bad flag, file or workload), reported at the command's edge."""
+    print(f"pdserve {command}: {error}", file=sys.stderr)
+    return 2
+
+
 def _inputs(args: argparse.Namespace) -> tuple[Workload, SLO, EngineLimits]:
     from orchestrator.sim.instances import EngineLimits
-    from orchestrator.sim.metrics import SLO
+    from orchestrator.sim.metrics import SLO, check_warmup
     from orchestrator.sim.workload import Workload
 
+    check_warmup(args.warmup)
     workload = Workload.from_args(args)
     limits = EngineLimits(args.max_num_seqs, args.max_num_batched_tokens)
     return workload, SLO(args.ttft_slo, args.tpot_slo, args.max_itl_slo), limits
@@ -166,20 +174,27 @@ def _slo_text(slo: SLO) -> str:
 
 
 def _simulate(args: argparse.Namespace) -> int:
+    try:
+        return _run_simulate(args)
+    except (ValueError, OSError) as error:  # UnservableError is a ValueError
+        return _refuse("simulate", error)
+
+
+def _run_simulate(args: argparse.Namespace) -> int:
     from orchestrator.sim.cost import create_cost_model
     from orchestrator.sim.metrics import summarize
     from orchestrator.sim.simulator import simulate
 
     cost = create_cost_model(args.cost)
     workload, slo, limits = _inputs(args)
+    layouts = [parse_layout(text) for text in args.layout]
     print(f"cost model: {cost.name}")
     print(
         f"workload: {workload.num_requests} requests, {workload.arrival} {workload.rate}/s, "
         f"prompt {args.prompt}, output {args.output}, seed {workload.seed}; "
         f"SLO {_slo_text(slo)}"
     )
-    for text in args.layout:
-        layout = parse_layout(text)
+    for layout in layouts:
         result = simulate(cost, layout, workload, limits)
         summary = summarize(result, slo, args.warmup)
         per_node = workload.rate / (layout.num_mixed or layout.num_decode)
@@ -188,25 +203,38 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    import yaml
+    try:
+        return _run_plan(args)
+    except (ValueError, OSError) as error:  # ConfigError and UnservableError are ValueErrors
+        return _refuse("plan", error)
 
+
+def _run_plan(args: argparse.Namespace) -> int:
     from orchestrator.sim.cost import create_cost_model
-    from orchestrator.sim.emit import cluster_config, helm_values
+    from orchestrator.sim.emit import check_options
     from orchestrator.sim.planner import PlanSpec, format_table, plan
 
     cost = create_cost_model(args.cost)
     workload, slo, limits = _inputs(args)
+    try:
+        tp_choices = tuple(int(tp) for tp in args.tp.split(","))
+    except ValueError:
+        raise ValueError(f"--tp wants comma-separated TP sizes, got {args.tp!r}") from None
     spec = PlanSpec(
         workload=workload,
         slo=slo,
         gpu_budget=args.gpus,
-        tp_choices=tuple(int(tp) for tp in args.tp.split(",")),
+        tp_choices=tp_choices,
         include_mixed=not args.no_mixed,
         attainment=args.attainment,
         limits=limits,
         warmup=args.warmup,
         min_duration_s=args.min_duration,
     )
+    try:  # before a search of minutes: what no emitted config could carry
+        check_options(limits, model_path=args.model_path, provider=args.provider)
+    except ValueError as error:
+        raise ValueError(f"--max-num-batched-tokens / --provider: {error}") from None
     candidates = plan(cost, spec)
     print(f"cost model: {cost.name}; {len(candidates)} layouts within {args.gpus} GPUs")
     print(
@@ -216,8 +244,23 @@ def _plan(args: argparse.Namespace) -> int:
     if not candidates or candidates[0].goodput == 0:
         print("no layout meets the SLOs; nothing emitted")
         return 1
-    best = candidates[0].layout
-    config = cluster_config(best, limits, model_path=args.model_path, provider=args.provider)
+    _emit(candidates[0].layout, limits, args)
+    return 0
+
+
+def _emit(best: Layout, limits: EngineLimits, args: argparse.Namespace) -> None:
+    """Print the best layout's cluster config and Helm values, and write them when asked:
+    only once the orchestrator's loader accepts the config (a ConfigError otherwise)."""
+    import yaml
+
+    from orchestrator.sim.emit import checked_cluster_config, helm_values
+
+    try:
+        config = checked_cluster_config(
+            best, limits, model_path=args.model_path, provider=args.provider
+        )
+    except ValueError as error:
+        raise ValueError(f"the cluster config of {best.label} would be refused: {error}") from None
     print(f"\nbest: {best.label}")
     print("--- cluster config ---")
     print(yaml.safe_dump(config, sort_keys=False), end="")
@@ -233,7 +276,6 @@ def _plan(args: argparse.Namespace) -> int:
         if args.emit_helm:
             with open(args.emit_helm, "w") as out:
                 yaml.safe_dump(values, out, sort_keys=False)
-    return 0
 
 
 def _calibrate(args: argparse.Namespace) -> int:
@@ -267,7 +309,7 @@ def _calibrate(args: argparse.Namespace) -> int:
                     f"--background wants PROMPT,OUTPUT token counts, got {args.background!r}"
                 )
             background = (int(parts[0]), int(parts[1]))
-        check_options(args.concurrent, args.prefill_context, BUDGET, background)
+        check_options(args.concurrent, args.prefill_context, BUDGET, background, args.repeats)
     except (ValueError, OSError) as error:
         print(f"pdserve calibrate: {error}", file=sys.stderr)
         return 2

@@ -1,16 +1,22 @@
 """The planner's output: a cluster config (`orchestrator.config` schema) and Helm values.
 
-Both are plain dicts for `yaml.safe_dump`; `cluster_config` round-trips through
-`ClusterConfig.from_dict` (checked in tests), so a planned layout is a loadable config.
-Every layout runs on the GPUs it reserves (``device: cuda``, one GPU per rank).
+Both are plain dicts for `yaml.safe_dump`. `checked_cluster_config` loads the config through
+`ClusterConfig.from_dict` before anything is written, so a planned layout is a config the
+orchestrator accepts (a `ConfigError` otherwise); `check_options` runs the same loader on the
+command's limits and provider before the search. The Helm values carry the same layout,
+limits, provider and device, so the same rules cover them. Every layout runs on the GPUs it
+reserves (``device: cuda``, one GPU per rank).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from orchestrator.config import ClusterConfig
 from orchestrator.sim.instances import EngineLimits
 from orchestrator.sim.simulator import Layout
+
+PAGE_SIZE = 16  # tokens per KV page of the emitted configs
 
 
 def _group(replicas: int, tp: int, provider: str | None) -> dict[str, Any]:
@@ -43,7 +49,7 @@ def cluster_config(
         "model": model_path,
         "dtype": dtype,
         "device": "cuda",
-        "page_size": 16,
+        "page_size": PAGE_SIZE,
         "limits": {
             "max_num_seqs": limits.max_num_seqs,
             "max_num_batched_tokens": limits.max_num_batched_tokens,
@@ -52,6 +58,27 @@ def cluster_config(
         "groups": groups,
         "router": {"policy": "least_outstanding"},
     }
+
+
+def checked_cluster_config(
+    layout: Layout,
+    limits: EngineLimits,
+    *,
+    model_path: str = "/models/model",
+    provider: str = "verbs;ofi_rxm",
+    dtype: str = "auto",
+) -> dict[str, Any]:
+    """`cluster_config`, loaded as the orchestrator loads it; `ConfigError` (a ValueError)
+    when the loader would refuse it."""
+    config = cluster_config(layout, limits, model_path=model_path, provider=provider, dtype=dtype)
+    ClusterConfig.from_dict(config)
+    return config
+
+
+def check_options(limits: EngineLimits, *, model_path: str, provider: str) -> None:
+    """Refuse limits or a provider that no emitted config could carry (ConfigError), before
+    a search that takes minutes: the loader's own rules on a one-to-one layout."""
+    checked_cluster_config(Layout(1, 1), limits, model_path=model_path, provider=provider)
 
 
 def helm_values(

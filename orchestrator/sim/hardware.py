@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 GB = 1e9
+MiB = 2**20
 
 
 @dataclass(frozen=True)
@@ -17,7 +18,7 @@ class GPUSpec:
     name: str
     peak_flops: float  # dense BF16 FLOP/s
     hbm_bandwidth: float  # bytes/s
-    hbm_bytes: float
+    hbm_bytes: float  # device memory as the driver reports it (nvidia-smi memory.total)
     nvlink_bandwidth: float  # bytes/s per GPU, one direction
     gpus_per_node: int = 8
 
@@ -40,11 +41,16 @@ class NICSpec:
 
 GPUS: dict[str, GPUSpec] = {
     # NVIDIA H100 Tensor Core GPU datasheet (H100 SXM): BF16 1,979 TFLOPS "with sparsity"
-    # (989 dense), 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s (bidirectional: 450 each way).
-    "h100": GPUSpec("H100 SXM", 989e12, 3.35e12, 80 * GB, 450 * GB),
+    # (989 dense), "80GB" HBM3 at 3.35 TB/s, NVLink 900 GB/s (bidirectional: 450 each way).
+    # Memory: what the device reports, not the marketing figure. nvidia-smi on an
+    # "NVIDIA H100 80GB HBM3" shows 81559MiB total (e.g. wilicc/gpu-burn#114, NVIDIA/nccl#1264;
+    # modal-labs/modal-client#2797 lists it as 85.52 GB): 85.5e9 bytes, not 80e9.
+    "h100": GPUSpec("H100 SXM", 989e12, 3.35e12, 81559 * MiB, 450 * GB),
     # NVIDIA H200 Tensor Core GPU datasheet (H200 SXM): same compute as H100 SXM (BF16 1,979
-    # TFLOPS with sparsity), 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s.
-    "h200": GPUSpec("H200 SXM", 989e12, 4.8e12, 141 * GB, 450 * GB),
+    # TFLOPS with sparsity), "141GB" HBM3e at 4.8 TB/s, NVLink 900 GB/s. Memory as reported:
+    # nvidia-smi on an "NVIDIA H200" shows 143771MiB total (public nvidia-smi logs of 8 x H200
+    # nodes; NVIDIA/mig-parted#146/#89 add the 141GB part): 150.75e9 bytes, not 141e9.
+    "h200": GPUSpec("H200 SXM", 989e12, 4.8e12, 143771 * MiB, 450 * GB),
 }
 
 NICS: dict[str, NICSpec] = {

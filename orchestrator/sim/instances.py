@@ -28,14 +28,21 @@ from orchestrator.sim.workload import RequestSpec
 
 @dataclass(frozen=True)
 class EngineLimits:
-    """Per-instance batch shape, as `orchestrator.config_sections.Limits` (same defaults)."""
+    """Per-instance batch shape, as `orchestrator.config_sections.Limits` (same defaults).
+
+    kv_capacity_tokens: KV tokens one instance holds (a served config's pool); None: the cost
+    model's ``kv_capacity_tokens(tp)``.
+    """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    kv_capacity_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError(f"limits must be >= 1, got {self}")
+        if self.kv_capacity_tokens is not None and self.kv_capacity_tokens < 1:
+            raise ValueError(f"kv_capacity_tokens must be >= 1, got {self.kv_capacity_tokens}")
 
 
 class SimRequest:
@@ -114,7 +121,11 @@ class InstanceBase:
         self.is_busy = False
         self.num_outstanding = 0  # requests routed here and not finished (router's load)
         self.busy_seconds = 0.0
-        self.capacity = cost.kv_capacity_tokens(tp)
+        self.capacity = (
+            cost.kv_capacity_tokens(tp)
+            if limits.kv_capacity_tokens is None
+            else limits.kv_capacity_tokens
+        )
         self.num_reserved_tokens = 0  # KV of admitted requests, prompt + output
         self.busy_others = 0  # other instances in a step when this one starts one (simulator)
 

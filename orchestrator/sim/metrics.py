@@ -54,11 +54,15 @@ class Summary:
         )
 
 
+def check_warmup(warmup: float) -> None:
+    if not 0 <= warmup < 0.5:
+        raise ValueError(f"warmup must be in [0, 0.5), got {warmup}")
+
+
 def measured(records: tuple[RequestRecord, ...], warmup: float) -> list[RequestRecord]:
     """Requests arriving inside the middle of the run: the first and last ``warmup`` share of
     arrivals see an emptier cluster (filling up, draining) than steady state."""
-    if not 0 <= warmup < 0.5:
-        raise ValueError(f"warmup must be in [0, 0.5), got {warmup}")
+    check_warmup(warmup)
     cut = int(len(records) * warmup)
     ordered = sorted(records, key=lambda r: r.arrival_time)
     return ordered[cut : len(ordered) - cut] or ordered
@@ -69,8 +73,11 @@ def summarize(result: SimResult, slo: SLO | None = None, warmup: float = 0.0) ->
     ttft = np.array([r.ttft for r in records])
     tpot = np.array([r.tpot for r in records if r.num_output_tokens > 1])
     speed = 1.0 / tpot[tpot > 0] if len(tpot) else np.array([0.0])
-    durations = np.array([d for d, n in result.itl_steps if n > 0])
-    weights = np.array([n for _, n in result.itl_steps if n > 0], dtype=float)
+    # The measured requests' own gaps, as the load generator's ITL is built from the tokens of
+    # the requests it keeps: steps of the fill-up and drain belong to the cut requests.
+    gaps = [r.itl_gaps for r in records if len(r.itl_gaps)]
+    durations = np.concatenate(gaps) if gaps else np.zeros(0)
+    weights = np.ones(len(durations))
     span = max(r.finish_time for r in records) - min(r.arrival_time for r in records)
     met = sum(slo.met_by(r) for r in records) if slo else len(records)
     return Summary(

@@ -13,6 +13,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
+from orchestrator.config import MAX_GROUP_RATIO
 from orchestrator.sim.cost import CostModel
 from orchestrator.sim.instances import EngineLimits
 from orchestrator.sim.metrics import SLO, Summary, summarize
@@ -60,12 +61,15 @@ class Candidate:
 
 
 def layouts(cost: CostModel, spec: PlanSpec) -> Iterator[Layout]:
-    """Every layout within the budget whose TP sizes the model supports."""
+    """Every layout within the budget whose TP sizes the model supports and whose P:D ratio
+    the cluster config accepts (`orchestrator.config.MAX_GROUP_RATIO`, either way)."""
     budget, sizes = spec.gpu_budget, [tp for tp in spec.tp_choices if cost.supports_tp(tp)]
     for tp_p in sizes:
         for tp_d in sizes:
             for num_p in range(1, (budget - tp_d) // tp_p + 1):
                 for num_d in range(1, (budget - num_p * tp_p) // tp_d + 1):
+                    if max(num_p, num_d) > MAX_GROUP_RATIO * min(num_p, num_d):
+                        continue
                     yield Layout(
                         num_prefill=num_p, num_decode=num_d, tp_prefill=tp_p, tp_decode=tp_d
                     )

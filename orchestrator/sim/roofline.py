@@ -14,7 +14,7 @@ is only as good as they are, and a calibrated model should replace it when one e
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 from orchestrator.sim.cost import StepShape
 from orchestrator.sim.hardware import GPUS, NICS, GPUSpec, NICSpec
@@ -148,5 +148,12 @@ def from_spec(args: list[str]) -> RooflineCostModel:
     for key, table in ((model, MODELS), (gpu, GPUS), (nic, NICS)):
         if key not in table:
             raise ValueError(f"unknown preset {key!r}; choose one of {sorted(table)}")
-    overrides = {k: float(v) for k, v in (a.split("=", 1) for a in args if "=" in a)}
-    return RooflineCostModel(MODELS[model], GPUS[gpu], NICS[nic], Efficiency(**overrides))
+    try:
+        overrides = {k: float(v) for k, v in (a.split("=", 1) for a in args if "=" in a)}
+        efficiency = Efficiency(**overrides)
+    except TypeError:  # a key that is not a field
+        known = [f.name for f in fields(Efficiency)]
+        raise ValueError(
+            f"unknown roofline setting in {':'.join(args)!r}; choose from {known}"
+        ) from None
+    return RooflineCostModel(MODELS[model], GPUS[gpu], NICS[nic], efficiency)

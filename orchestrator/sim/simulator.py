@@ -89,6 +89,9 @@ class RequestRecord:
     num_prompt_tokens: int
     num_output_tokens: int
     max_itl: float = 0.0  # the longest gap between two of its tokens (a stall)
+    # Every gap between two of its tokens, in order (a view of its instance's step times):
+    # ITL percentiles pool these over the measured requests only.
+    itl_gaps: np.ndarray = field(default_factory=lambda: np.zeros(0), compare=False, repr=False)
 
     @property
     def ttft(self) -> float:
@@ -114,7 +117,8 @@ class RequestRecord:
 class SimResult:
     layout: Layout
     records: tuple[RequestRecord, ...]
-    # Per decode (or mixed) step: (duration, sequences for which it is an inter-token gap).
+    # Per decode (or mixed) step: (duration, sequences for which it is an inter-token gap),
+    # warm-up and drain included (`metrics.summarize` takes ITL from the records' gaps).
     itl_steps: tuple[tuple[float, int], ...] = field(repr=False)
     busy_seconds: tuple[float, ...] = field(repr=False)
 
@@ -128,9 +132,19 @@ class UnservableError(ValueError):
 
 
 class Simulator:
-    def __init__(self, cost: CostModel, layout: Layout, limits: EngineLimits | None = None) -> None:
+    """One run (``run`` once per instance). ``limits`` are the decode (or mixed) instances';
+    ``prefill_limits`` the prefill instances' (default: the same)."""
+
+    def __init__(
+        self,
+        cost: CostModel,
+        layout: Layout,
+        limits: EngineLimits | None = None,
+        prefill_limits: EngineLimits | None = None,
+    ) -> None:
         self.cost, self.layout = cost, layout
         self.limits = limits or EngineLimits()
+        self.prefill_limits = prefill_limits or self.limits
         self._events: list[tuple[float, int, Callable[[float], None]]] = []
         self._order = itertools.count()
         self._finished: list[SimRequest] = []
@@ -142,7 +156,7 @@ class Simulator:
             ]
         else:
             self.prefills = [
-                PrefillInstance(cost, layout.tp_prefill, self.limits)
+                PrefillInstance(cost, layout.tp_prefill, self.prefill_limits)
                 for _ in range(layout.num_prefill)
             ]
             self.decodes = [
@@ -153,14 +167,22 @@ class Simulator:
     def run(self, workload: Workload | list[RequestSpec]) -> SimResult:
         specs = workload.requests() if isinstance(workload, Workload) else workload
         capacity = self.decodes[0].capacity
+        # A prefill instance holds the prompt's KV (all but the last token) until it is pushed.
+        prefill_capacity = self.prefills[0].capacity if self.prefills else capacity
         overhead = self.cost.request_overhead_seconds(not self.layout.is_mixed)
         if overhead < 0:
             raise ValueError(f"{self.cost.name}: negative request overhead {overhead}")
         for spec in specs:
-            if spec.num_prompt_tokens + spec.num_output_tokens > capacity:
+            needed = spec.num_prompt_tokens + spec.num_output_tokens
+            if needed > capacity:
                 raise UnservableError(
-                    f"request {spec.request_id} needs {spec.num_prompt_tokens + spec.num_output_tokens} "
-                    f"KV tokens; a {self.layout.label} instance holds {capacity}"
+                    f"request {spec.request_id} needs {needed} KV tokens; a "
+                    f"{self.layout.label} instance holds {capacity}"
+                )
+            if spec.num_prompt_tokens - 1 > prefill_capacity:
+                raise UnservableError(
+                    f"request {spec.request_id}'s prompt needs {spec.num_prompt_tokens - 1} KV "
+                    f"tokens; a prefill instance of {self.layout.label} holds {prefill_capacity}"
                 )
             self._push(spec.arrival_time + overhead, self._on_arrival_of(SimRequest(spec)))
         while self._events:
@@ -271,6 +293,7 @@ def _record(request: SimRequest, durations: list[np.ndarray]) -> RequestRecord:
         spec.num_prompt_tokens,
         spec.num_output_tokens,
         float(gaps.max()) if len(gaps) else 0.0,
+        gaps,
     )
 
 

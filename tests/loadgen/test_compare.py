@@ -14,6 +14,7 @@ from orchestrator.loadgen.validate import compare_to_measured, layout_of, limits
 from orchestrator.sim.instances import EngineLimits
 from orchestrator.sim.simulator import Layout
 from orchestrator.sim.workload import LengthDist, Workload
+from tests.sim.toy import affine
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -58,7 +59,14 @@ def test_bench_configs_have_the_same_worker_processes(
         g.replicas * g.tp for g in colocated.groups
     )
     assert colocated.group("mixed").limits.enable_chunked_prefill
-    assert limits_of(colocated) == limits_of(disaggregated) == EngineLimits(32, 256)
+    cost = affine()
+    # 1024 pages of 16 tokens in every group (the calibration engine's own pool is not used).
+    assert (
+        limits_of(colocated, "mixed", cost)
+        == limits_of(disaggregated, "decode", cost)
+        == limits_of(disaggregated, "prefill", cost)
+        == EngineLimits(32, 256, 16384)
+    )
 
 
 def test_predictions_from_a_calibration_file(tmp_path: Path) -> None:

@@ -12,8 +12,7 @@ import pytest
 from orchestrator.cli import main
 from orchestrator.loadgen.compare import load_config
 from orchestrator.loadgen.overheads import derive, isolated, residuals
-from orchestrator.loadgen.validate import layout_of, limits_of
-from orchestrator.sim.simulator import Simulator
+from orchestrator.loadgen.validate import simulator_for
 from orchestrator.sim.workload import RequestSpec
 from tests.sim.toy import affine
 
@@ -43,11 +42,10 @@ def test_a_request_is_alone_when_nothing_else_is_in_flight_before_its_first_toke
 def test_residuals_recover_a_known_overhead_against_the_same_model() -> None:
     cost = affine(capacity=16384)
     config = load_config(CONFIGS / "bench-disagg.yaml", "/nonexistent/model")
-    layout, limits = layout_of(config), limits_of(config)
     requests = []
     for i, (prompt, fixed) in enumerate([(512, 0.08), (700, 0.1), (1000, 0.12)]):
         spec = RequestSpec(0, 0.0, prompt, 8)
-        alone = Simulator(cost, layout, limits).run([spec]).records[0].ttft
+        alone = simulator_for(cost, config).run([spec]).records[0].ttft
         requests.append(
             _request(i, 10.0 * i, alone + fixed, alone + fixed + 1, prompt_tokens=prompt)
         )

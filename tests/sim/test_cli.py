@@ -63,3 +63,108 @@ def test_calibrate_refuses_bad_arguments_before_measuring(
     assert main(["calibrate", "--out", str(out), *bad]) == 2
     assert "pdserve calibrate:" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_calibrate_refuses_zero_repeats_before_measuring(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import orchestrator.sim.calibrate
+
+    def measure(*args: object, **kwargs: object) -> None:
+        pytest.fail("measured with no timed run per point")
+
+    monkeypatch.setattr(orchestrator.sim.calibrate, "run_calibration", measure)
+    out = tmp_path / "c.json"
+    assert main(["calibrate", "--out", str(out), "--repeats", "0"]) == 2
+    assert "pdserve calibrate: repeats must be >= 1" in capsys.readouterr().err
+    assert not out.exists()
+
+
+SIMULATE = ["simulate", "--cost", "roofline:llama-3-70b:h100", "--layout", "1x4:1x4",
+            "--num-requests", "10", "--prompt", "fixed:500", "--output", "fixed:8"]  # fmt: skip
+PLAN = ["plan", "--cost", "roofline:llama-3-70b:h100", "--gpus", "8", "--tp", "4",
+        "--num-requests", "10", "--prompt", "fixed:500", "--output", "fixed:8",
+        "--min-duration", "1"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([*SIMULATE, "--cost", "roofline:foo:h200"], "unknown preset 'foo'"),
+        ([*SIMULATE, "--cost", "roofline:llama-3-70b:h100:mfu=2"], "mfu must be in (0, 1]"),
+        ([*SIMULATE, "--cost", "roofline:llama-3-70b:h100:speed=2"], "unknown roofline setting"),
+        ([*SIMULATE, "--cost", "calibrated:/nonexistent.json"], "/nonexistent.json"),
+        ([*SIMULATE, "--layout", "1x8:abc"], "bad layout '1x8:abc'"),
+        ([*SIMULATE, "--prompt", "foo:3"], "bad length distribution"),
+        ([*SIMULATE, "--rate", "0"], "rate must be a positive number"),
+        ([*SIMULATE, "--warmup", "0.6"], "warmup must be in [0, 0.5)"),
+        ([*SIMULATE, "--prompt", "fixed:10000000"], "KV tokens"),  # UnservableError
+        ([*PLAN, "--gpus", "0"], "gpu_budget must be >= 1"),
+        ([*PLAN, "--attainment", "2"], "attainment must be in (0, 1]"),
+        ([*PLAN, "--tp", "4,x"], "--tp wants comma-separated TP sizes"),
+        ([*PLAN, "--warmup", "0.6"], "warmup must be in [0, 0.5)"),
+    ],
+)
+def test_input_errors_exit_2_with_a_message_not_a_traceback(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"pdserve {argv[0]}: ") and message in err
+
+
+def test_a_calibration_of_another_shape_is_an_input_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "c.json"
+    for text in ("not json", '{"num_layers": 4}'):
+        path.write_text(text)
+        assert main([*SIMULATE, "--cost", f"calibrated:{path}"]) == 2
+        assert f"pdserve simulate: {path}: not" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--max-num-batched-tokens", "1000"], "must be a multiple of page_size (16)"),
+        (["--provider", "tcp;ofi_rxm"], "cannot register GPU memory"),
+    ],
+)
+def test_plan_refuses_what_no_emitted_config_could_carry_before_searching(
+    flags: list[str],
+    message: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import orchestrator.sim.planner
+
+    def search(*args: object) -> None:
+        pytest.fail("searched layouts for a config the loader refuses")
+
+    monkeypatch.setattr(orchestrator.sim.planner, "plan", search)
+    config = tmp_path / "cluster.yaml"
+    assert main([*PLAN, *flags, "--emit-config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pdserve plan: ") and message in err
+    assert not config.exists()
+
+
+def test_plan_writes_nothing_the_loader_refuses(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import orchestrator.sim.emit
+    from orchestrator.config import ConfigError
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise ConfigError("groups", "refused by the loader")
+
+    # Whatever the search picked, the config is loaded before it is printed or written.
+    monkeypatch.setattr(orchestrator.sim.emit.ClusterConfig, "from_dict", refused)
+    monkeypatch.setattr(orchestrator.sim.emit, "check_options", lambda *a, **k: None)
+    config, helm = tmp_path / "cluster.yaml", tmp_path / "values.yaml"
+    argv = [*PLAN, "--emit-config", str(config), "--emit-helm", str(helm)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pdserve plan: the cluster config of ") and "refused by the" in err
+    assert not config.exists() and not helm.exists()

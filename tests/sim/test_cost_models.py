@@ -16,6 +16,7 @@ from orchestrator.sim.cost import (
     exposed_transfer_seconds,
     prefill_seconds,
 )
+from orchestrator.sim.hardware import GPUS
 from orchestrator.sim.roofline import RooflineCostModel
 
 
@@ -64,7 +65,7 @@ def test_roofline_prefill_is_compute_bound_and_decode_memory_bound() -> None:
     assert 0.5 < prefill_seconds(llama, 8192, 0, 4) < 1.0
     # Batch-1 decode ~ 141 GB of BF16 weights over 4 x 3.35 TB/s x 0.7: ~15 ms.
     assert 0.012 < decode_seconds(llama, 1, 1000, 4) < 0.02
-    # Weights do not fit on one 80 GB GPU; they do on two.
+    # Weights do not fit on one 85.5 GB (80 GiB) GPU; they do on two.
     assert not llama.supports_tp(1) and llama.supports_tp(2)
     assert not llama.supports_tp(16)  # beyond a node
 
@@ -83,8 +84,9 @@ def test_roofline_is_monotone_and_h200_decodes_faster_than_h100() -> None:
 def test_mla_replicates_kv_and_layerwise_push_hides_all_but_the_last_layer() -> None:
     r1 = create_cost_model("roofline:deepseek-r1:h200:8x400g")
     assert r1.kv_bytes(1) == 61 * 576 * 2  # one latent + rope key per layer, BF16
-    # Replicated latent: (141 GB x 0.9 - 671 GB / 8) per rank over 70 KB per token, ~612k.
-    assert 550_000 < r1.kv_capacity_tokens(8) < 650_000
+    # Replicated latent: (150.75 GB x 0.9 - 671 GB / 8) per rank over 70 KB per token, ~737k
+    # (the H200 reports 143771 MiB, not the 141e9 bytes this once assumed: ~612k).
+    assert 700_000 < r1.kv_capacity_tokens(8) < 780_000
     assert not r1.supports_tp(4)  # 671 GB of FP8 weights need a full H200 node
     assert exposed_transfer_seconds(0.061, overlap=1.0, num_layers=61) == pytest.approx(0.001)
     # A link slower than the compute exposes what the compute cannot hide.
@@ -244,3 +246,9 @@ def test_a_calibration_under_contention_prices_steps_by_how_many_others_step() -
     # Without the fits measured alone, the contended fit prices every step.
     del data["alone"]
     assert fit(data).step_seconds(chunk, 1) == pytest.approx(2 * alone)
+
+
+def test_gpu_memory_is_what_the_device_reports() -> None:
+    # nvidia-smi memory.total: 81559 MiB on an H100 80GB HBM3, 143771 MiB on an H200.
+    assert GPUS["h100"].hbm_bytes == 81559 * 2**20  # 85.5e9 bytes, not 80e9
+    assert GPUS["h200"].hbm_bytes == 143771 * 2**20  # 150.75e9 bytes, not 141e9

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
 
-from orchestrator.config import ClusterConfig
-from orchestrator.sim.emit import cluster_config, helm_values
+from orchestrator.config import ClusterConfig, ConfigError
+from orchestrator.sim.emit import check_options, checked_cluster_config, cluster_config, helm_values
 from orchestrator.sim.instances import EngineLimits
 from orchestrator.sim.metrics import SLO
 from orchestrator.sim.planner import PlanSpec, format_table, layouts, plan
@@ -108,3 +109,30 @@ def test_a_stall_bound_turns_the_choice_from_mixed_to_disaggregated() -> None:
 
     assert best(SLO(ttft_s=2.0, tpot_s=0.05)).is_mixed
     assert not best(SLO(ttft_s=2.0, tpot_s=0.05, max_itl_s=0.03)).is_mixed
+
+
+def test_layouts_stay_within_the_loaders_group_ratio() -> None:
+    spec = PlanSpec(
+        Workload(1.0, 10, LengthDist.parse("fixed:8"), LengthDist.parse("fixed:8")),
+        SLO(1.0, 1.0),
+        gpu_budget=20,
+        tp_choices=(1,),
+        include_mixed=False,
+    )
+    found = list(layouts(affine(), spec))
+    assert Layout(num_prefill=1, num_decode=16) in found
+    assert Layout(num_prefill=16, num_decode=1) in found
+    for beyond in (Layout(num_prefill=1, num_decode=17), Layout(num_prefill=17, num_decode=1)):
+        assert beyond not in found
+    for layout in found:  # every candidate is a config the orchestrator loads
+        ClusterConfig.from_dict(cluster_config(layout, LIMITS))
+
+
+def test_an_emitted_config_the_loader_refuses_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="beyond 1:16"):
+        checked_cluster_config(Layout(num_prefill=1, num_decode=17), LIMITS)
+    with pytest.raises(ConfigError, match="multiple of page_size"):
+        check_options(EngineLimits(64, 1000), model_path="/models/model", provider="efa")
+    with pytest.raises(ConfigError, match="cannot register GPU memory"):
+        check_options(EngineLimits(), model_path="/models/model", provider="tcp;ofi_rxm")
+    check_options(EngineLimits(64, 1024), model_path="/models/model", provider="verbs;ofi_rxm")

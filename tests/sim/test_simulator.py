@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 
 import numpy as np
 import pytest
 
 from orchestrator.sim.instances import EngineLimits
 from orchestrator.sim.metrics import summarize
-from orchestrator.sim.simulator import Layout, UnservableError, simulate
+from orchestrator.sim.simulator import Layout, RequestRecord, SimResult, UnservableError, simulate
 from orchestrator.sim.workload import LengthDist, Workload
 from tests.sim.toy import affine
 
@@ -135,3 +136,30 @@ def test_instances_sharing_cores_slow_each_other_only_when_both_step() -> None:
     by_contended = simulate(contended, layout, busy, limits).records
     assert sum(r.e2e for r in by_alone) < sum(r.e2e for r in by_shared)
     assert sum(r.e2e for r in by_shared) <= sum(r.e2e for r in by_contended)
+
+
+def test_itl_percentiles_pool_only_the_measured_requests_gaps() -> None:
+    # Fill-up and drain: the first and last requests decode in long steps, the middle ones in
+    # short ones. Cutting the first and last request cuts their steps from ITL too.
+    def record(i: int, gap: float) -> RequestRecord:
+        gaps = np.full(9, gap)
+        return RequestRecord(i, float(i), i, i, i + 0.1, i + 0.1 + gaps.sum(), 8, 10, gap, gaps)
+
+    records = tuple(record(i, 1.0 if i in (0, 9) else 0.01) for i in range(10))
+    steps = tuple((r.max_itl, 1) for r in records for _ in range(9))
+    result = SimResult(Layout(num_mixed=1), records, steps, (1.0,))
+    assert summarize(result, warmup=0.0).itl_p99 == 1.0
+    cut = summarize(result, warmup=0.1)
+    assert (cut.num_requests, cut.itl_p50, cut.itl_p99) == (8, 0.01, 0.01)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_itl_of_a_run_is_its_records_gaps(layout: Layout) -> None:
+    result = simulate(affine(), layout, _workload(rate=8.0, num=60), EngineLimits(8, 256))
+    # Without a cut, the records' gaps are the step log's gaps, each once.
+    steps = sorted(d for d, n in result.itl_steps for _ in range(n))
+    assert sorted(np.concatenate([r.itl_gaps for r in result.records])) == steps
+    kept = sorted(result.records, key=lambda r: r.arrival_time)[15:45]
+    gaps = np.sort(np.concatenate([r.itl_gaps for r in kept]))
+    summary = summarize(result, warmup=0.25)
+    assert summary.itl_p99 == gaps[math.ceil(len(gaps) * 0.99) - 1]  # nearest rank

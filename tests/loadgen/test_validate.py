@@ -1,0 +1,197 @@
+"""`bench validate` and `compare --simulate` against the served config: each group's limits and
+KV pool in the simulator, the calibration checked before the clusters run, the measured result
+written whatever the simulation does, and input errors reported, not raised."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import orchestrator.loadgen.compare as compare
+import orchestrator.loadgen.validate as validate
+from orchestrator.cli import main
+from orchestrator.config import ClusterConfig
+from orchestrator.loadgen.compare import load_config
+from orchestrator.loadgen.records import RequestResult
+from orchestrator.loadgen.runner import RunOutcome
+from orchestrator.loadgen.session import BenchOptions
+from orchestrator.loadgen.stats import summarize
+from orchestrator.loadgen.validate import limits_of, predict
+from orchestrator.sim.instances import EngineLimits
+from orchestrator.sim.workload import LengthDist, Workload
+from tests.sim.toy import affine
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def _with_limits(config: ClusterConfig, role: str | None, **changes: Any) -> ClusterConfig:
+    """``config`` with ``changes`` to one group's limits (every group's when ``role`` is None)."""
+    groups = tuple(
+        dataclasses.replace(g, limits=dataclasses.replace(g.limits, **changes))
+        if role in (None, g.role)
+        else g
+        for g in config.groups
+    )
+    return dataclasses.replace(config, groups=groups)
+
+
+def test_the_served_kv_pool_not_the_calibrations_bounds_the_prediction() -> None:
+    cost = affine(capacity=32320)  # the calibration engine's own pool, per rank
+    config = load_config(CONFIGS / "bench-disagg.yaml", "/nonexistent/model")
+    specs = Workload(
+        20.0, 80, LengthDist.parse("fixed:768"), LengthDist.parse("fixed:256")
+    ).requests()
+    roomy = predict(cost, _with_limits(config, None, num_pages=1024), specs, 0)
+    small = predict(cost, _with_limits(config, None, num_pages=128), specs, 0)
+    # 2048 tokens hold two 1024-token requests where 16384 hold sixteen (max_num_seqs 32).
+    assert small["output_token_throughput"] < 0.5 * roomy["output_token_throughput"]
+    assert small["ttft_p50_s"] > roomy["ttft_p50_s"]
+
+
+def test_each_group_brings_its_own_limits_and_pool() -> None:
+    config = load_config(CONFIGS / "bench-disagg.yaml", "/nonexistent/model")
+    config = _with_limits(config, "prefill", max_num_batched_tokens=1024, num_pages=512)
+    cost = affine()
+    assert limits_of(config, "prefill", cost) == EngineLimits(32, 1024, 512 * 16)
+    assert limits_of(config, "decode", cost) == EngineLimits(32, 256, 1024 * 16)
+    simulator = validate.simulator_for(cost, config)
+    assert [p.limits.max_num_batched_tokens for p in simulator.prefills] == [1024]
+    assert [d.limits.max_num_batched_tokens for d in simulator.decodes] == [256]
+    assert (simulator.prefills[0].capacity, simulator.decodes[0].capacity) == (8192, 16384)
+    # kv_memory_bytes per rank, at the cost model's 1024 bytes per token: 16 KiB pages.
+    by_bytes = _with_limits(config, "decode", num_pages=None, kv_memory_bytes=16 << 20)
+    assert limits_of(by_bytes, "decode", cost).kv_capacity_tokens == 1024 * 16
+
+
+class _FakeClusters:
+    """`run_cluster` without Ray: one finished request per cluster."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    async def __call__(
+        self, name: str, config: ClusterConfig, options: BenchOptions, num_cpus: int | None = None
+    ) -> compare.ClusterRun:
+        self.names.append(name)
+        chunks = [(0.1, 1), (0.2, 1), (0.3, 1), (0.4, 1)]
+        result = RequestResult(0, False, 0.0, 10, 4, sent_s=0.0, chunks=chunks, finish_s=0.4)
+        outcome = RunOutcome("grpc", [result], 0, 8, 1.0)
+        return compare.ClusterRun(name, config, outcome, summarize([result], options.slos), "", "")
+
+
+def _compare_argv(tmp_path: Path, calibration: Path) -> list[str]:
+    return ["bench", "compare", "--disaggregated", str(CONFIGS / "bench-disagg.yaml"),
+            "--colocated", str(CONFIGS / "bench-colocated.yaml"), "--model", str(tmp_path / "m"),
+            "--num-requests", "2", "--prompt", "fixed:64", "--output", "fixed:4",
+            "--simulate", str(calibration), "--json", str(tmp_path / "out.json")]  # fmt: skip
+
+
+def _calibration(tmp_path: Path) -> Path:
+    path = tmp_path / "calibration.json"
+    path.write_text(
+        json.dumps(
+            {
+                "num_layers": 4,
+                "kv_bytes_per_token": 1024,
+                "kv_capacity_tokens": 1 << 20,
+                "prefill": [
+                    {"tokens": t, "context": 0, "seconds": 1e-3 + 1e-4 * t} for t in (64, 128, 256)
+                ],
+                "decode": [
+                    {"batch": b, "kv_tokens": 100 * b, "seconds": 1e-3 + 1e-5 * b}
+                    for b in (1, 8, 32)
+                ],
+            }
+        )
+    )
+    return path
+
+
+@pytest.mark.parametrize("calibration", ["absent.json", "bad.json"])
+def test_compare_checks_the_calibration_before_running_the_clusters(
+    calibration: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clusters = _FakeClusters()
+    monkeypatch.setattr(compare, "run_cluster", clusters)
+    (tmp_path / "bad.json").write_text('{"prefill": []}')
+    assert main(_compare_argv(tmp_path, tmp_path / calibration)) == 2
+    assert capsys.readouterr().err.startswith("pdserve bench compare: ")
+    assert clusters.names == []  # no benchmark spent on a run that could not be validated
+
+
+def test_compare_writes_the_measured_result_before_simulating_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(compare, "run_cluster", _FakeClusters())
+
+    def unservable(*args: object) -> None:
+        raise ValueError("a request the simulated pool cannot hold")
+
+    monkeypatch.setattr(validate, "predict", unservable)
+    assert main(_compare_argv(tmp_path, _calibration(tmp_path))) == 2
+    assert "--simulate: a request the simulated pool" in capsys.readouterr().err
+    document = json.loads((tmp_path / "out.json").read_text())
+    assert [run["name"] for run in document["runs"]] == ["disaggregated", "colocated"]
+    assert document["simulation"] is None
+
+
+def test_compare_records_the_simulation_when_it_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(compare, "run_cluster", _FakeClusters())
+    assert main(_compare_argv(tmp_path, _calibration(tmp_path))) == 0
+    document = json.loads((tmp_path / "out.json").read_text())
+    assert set(document["simulation"]) == {"disaggregated", "colocated", "calibration"}
+
+
+@pytest.mark.parametrize(
+    ("error", "message"),
+    [
+        (ValueError("prompt longer than the served model's max_model_len"), "max_model_len"),
+        ("rpc", "UNAVAILABLE: no router"),
+    ],
+)
+def test_compare_reports_a_failed_measurement(
+    error: Any,
+    message: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import grpc
+
+    if error == "rpc":
+        error = grpc.aio.AioRpcError(
+            grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "no router"
+        )
+
+    async def failing(*args: object) -> None:
+        raise error
+
+    monkeypatch.setattr(compare, "run_cluster", failing)
+    assert main(_compare_argv(tmp_path, _calibration(tmp_path))) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pdserve bench compare: ") and message in err
+
+
+def test_validate_reports_input_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    calibration = _calibration(tmp_path)
+    assert main(["bench", "validate", "/nonexistent.json", "--calibration", str(calibration)]) == 2
+    assert "pdserve bench validate: " in capsys.readouterr().err
+    result = tmp_path / "result.json"
+    result.write_text("{not json")
+    assert main(["bench", "validate", str(result), "--calibration", str(calibration)]) == 2
+    assert "pdserve bench validate: " in capsys.readouterr().err
+    result.write_text(json.dumps({"command": "compare", "workload": {}, "configs": {}}))
+    missing = tmp_path / "absent.json"
+    assert main(["bench", "validate", str(result), "--calibration", str(missing)]) == 2
+    assert f"pdserve bench validate: [Errno 2] No such file or directory: '{missing}'" in (
+        capsys.readouterr().err
+    )
