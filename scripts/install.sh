@@ -44,6 +44,9 @@ pip_install() { .venv/bin/pip install -q --disable-pip-version-check "$@" 2>&1 |
 pip_install --upgrade pip setuptools wheel cffi
 # --no-build-isolation: the build needs only setuptools + cffi, already in the venv; this keeps
 # the native fabric extension built against the same cffi that imports it.
+# A copy built earlier (e.g. a `.cpython-311` one by the fallback below) would shadow the fresh
+# `.abi3` build of a changed _build.py: the interpreter prefers it. Start from none.
+rm -f workers/fabric/_fabric_cffi*.so
 pip_install --no-build-isolation -e '.[dev]'
 # The editable install builds the cffi extension in place with current setuptools; if another
 # setuptools left it elsewhere, compile it next to the sources (fails with one clear message).

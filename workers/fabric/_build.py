@@ -124,6 +124,7 @@ uint32_t pd_engine_free_slots(pd_engine *e);
 int pd_engine_wait_fd(pd_engine *e);
 
 int pd_av_insert(pd_engine *e, const void *addr, fi_addr_t *out);
+int pd_av_remove(pd_engine *e, fi_addr_t addr);
 int pd_av_straddr(pd_engine *e, const void *addr, char *buf, size_t buflen);
 
 int pd_mr_reg(pd_engine *e, void *buf, size_t len, uint64_t requested_key, int cuda_device,
@@ -390,6 +391,13 @@ int pd_av_insert(pd_engine *e, const void *addr, fi_addr_t *out)
     int n = fi_av_insert(e->av, addr, 1, out, 0, NULL);
     if (n == 1) return 0;
     return n < 0 ? n : -FI_EADDRNOTAVAIL;
+}
+
+/* fi_av(3): operations in progress that reference a removed address are undefined, so the
+ * caller removes an address only once nothing posted to it is outstanding. */
+int pd_av_remove(pd_engine *e, fi_addr_t addr)
+{
+    return fi_av_remove(e->av, &addr, 1, 0);
 }
 
 int pd_av_straddr(pd_engine *e, const void *addr, char *buf, size_t buflen)

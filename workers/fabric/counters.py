@@ -24,7 +24,9 @@ Every write posted with `imm` produces, on the target, one completion carrying `
   messenger uses it to learn when every write of an aborted transfer has landed.
 * **Deadlines.** An armed counter may carry a deadline; when it passes the counter is cancelled
   (tombstoned as above) and `on_error(ImmTimeoutError)` is called.
-* **Close.** Armed counters get `on_error(EngineClosedError)`.
+* **Close.** Armed counters get `on_error(EngineClosedError)` (`fail_all`: the engine closed,
+  was abandoned by its watchdog, or its progress thread died). From then on `expect` raises
+  `EngineClosedError`: nothing would ever fire or expire a counter armed later.
 
 The class is thread-safe and never calls user code itself: it returns the callbacks to run so
 the engine can hand them to its callback dispatcher (which runs an `Inline` one at once, on
@@ -40,7 +42,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from workers.fabric.callbacks import Fire
-from workers.fabric.errors import FabricError, ImmError, ImmTimeoutError
+from workers.fabric.errors import EngineClosedError, FabricError, ImmError, ImmTimeoutError
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +83,7 @@ class ImmCounters:
         self._late_dropped = 0
         self._overflow_dropped = 0
         self._timed_out = 0
+        self._closed: FabricError | None = None  # set by `fail_all`: why nothing fires now
 
     def expect(
         self,
@@ -93,6 +96,8 @@ class ImmCounters:
         if count < 1:
             raise ImmError(f"expected count must be >= 1, got {count}")
         with self._lock:
+            if self._closed is not None:
+                raise EngineClosedError(f"cannot arm imm {imm:#x}: {self._closed}")
             if imm in self._armed:
                 raise ImmError(f"immediate value {imm:#x} is already armed")
             self._cancelled.pop(imm, None)
@@ -155,7 +160,10 @@ class ImmCounters:
         return fires
 
     def fail_all(self, error: FabricError) -> list[Fire]:
+        """Fail every armed counter with ``error`` and refuse later arming (closed)."""
         with self._lock:
+            if self._closed is None:
+                self._closed = error
             armed = list(self._armed.values())
             self._armed.clear()
         return [(a.on_error, (error,)) for a in armed if a.on_error is not None]

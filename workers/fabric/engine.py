@@ -91,6 +91,10 @@ _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
 _MADV_COLLAPSE = 25  # Linux >= 6.1; EINVAL before
 _THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+# Context slots beyond the receive buffers' that `max_inflight_ops` must leave for writes and
+# sends: each posted receive holds one slot for the engine's life.
+MIN_FREE_OP_SLOTS = 64
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 @dataclass(frozen=True)
@@ -138,8 +142,10 @@ class TransferEngine:
         huge_pages: bool | None = None,
         hmem: bool = False,
     ) -> None:
+        _check_slots(max_inflight_ops, num_receive_buffers)
         self._id = next(_engine_ids)
         self._closed = False
+        self._peer_lock = threading.Lock()
         self._close_lock = threading.Lock()
         self._native: Any = None
         self._regions: dict[int, MemoryRegionHandle] = {}
@@ -175,8 +181,11 @@ class TransferEngine:
                 idle_wait_us=idle_wait_us,
                 provider_name=self.info.provider,
             )
-            self._loop.start()
+            self._loop.start()  # posts the receive buffers first: a refusal raises here
         except BaseException:
+            dispatcher = getattr(self, "_dispatcher", None)
+            if dispatcher is not None:
+                dispatcher.close()
             self._release_native()
             raise
         log.debug("opened %s engine %s on %s", self.provider, self._id, self.info.domain)
@@ -310,24 +319,31 @@ class TransferEngine:
             self._loop.call(lambda: lib.pd_mr_close(handle.mr))
 
     def add_peer(self, address: bytes) -> PeerHandle:
-        """Insert a peer's `address` (its `engine.address`); idempotent per address."""
+        """Insert a peer's `address` (its `engine.address`); idempotent per address, also
+        when threads race (one handle per address)."""
         self._check_open()
         address = bytes(address)
-        known = self._peers.get(address)
-        if known is not None:
-            return known
-        self._check_address(address)
-        peer: PeerHandle = self._loop.call(lambda: self._insert_peer(address))
-        self._peers[address] = peer
-        return peer
+        with self._peer_lock:
+            known = self._peers.get(address)
+            if known is not None:
+                return known
+            self._check_address(address)
+            peer: PeerHandle = self._loop.call(lambda: self._insert_peer(address))
+            self._peers[address] = peer
+            return peer
 
     def forget_peer(self, address: bytes) -> None:
         """Forget what is cached of ``address`` (its failed state): its process was replaced
-        by a new one at the same address. The next `add_peer` resolves it afresh."""
+        by a new one at the same address. The next `add_peer` resolves it afresh.
+
+        The handle is refused from now on; its address-vector entry is removed as soon as no
+        call addressed to it is queued or has ops posted (at once, usually). Ops posted to a
+        dead shm peer never complete, so such an entry stays until the engine closes."""
         self._check_open()
-        peer = self._peers.pop(bytes(address), None)
-        if peer is not None:
-            self._loop.call(lambda: self._clear_failure(peer.fi_addr))
+        with self._peer_lock:
+            peer = self._peers.pop(bytes(address), None)
+            if peer is not None:
+                self._loop.call(lambda: self._loop.retire_peer(peer))
 
     def peer_failure(self, address: bytes) -> FabricError | None:
         """Why the peer at ``address`` failed (None: it has not): `PeerFailedError` for a
@@ -337,10 +353,6 @@ class TransferEngine:
         if peer is None or peer.fi_addr not in self._loop.failed_peers:
             return None
         return self._loop.peer_failures.get(peer.fi_addr)
-
-    def _clear_failure(self, fi_addr: int) -> None:
-        self._loop.failed_peers.discard(fi_addr)
-        self._loop.peer_failures.pop(fi_addr, None)
 
     def _check_address(self, address: bytes) -> None:
         own = self.address
@@ -362,23 +374,31 @@ class TransferEngine:
                 raise AddressError(f"no shm endpoint {name!r} on this host (peer not running?)")
 
     def _insert_peer(self, address: bytes) -> PeerHandle:
+        """On the progress thread, under `_peer_lock`: the handle for ``address``."""
         # The provider may read a fixed-size name: hand it a zero-padded copy.
         raw = ffi.new("char[]", address + bytes(MAX_ADDRESS_BYTES - len(address) + 1))
-        fi_addr = ffi.new("fi_addr_t *")
-        rc = lib.pd_av_insert(self._native, raw, fi_addr)
-        if rc != 0:
-            raise AddressError(f"fi_av_insert of {address!r}: {strerror(rc)} ({rc})")
         text = ffi.new("char[]", 128)
         name = address.hex()
         if lib.pd_av_straddr(self._native, raw, text, len(text)) == 0:
             name = ffi.string(text).decode(errors="replace")
+        # Forgotten, but its entry is still in the AV (a call to it is not over): keep it.
+        fi_addr = self._loop.reclaim_peer(address)
+        if fi_addr is None:
+            out = ffi.new("fi_addr_t *")
+            rc = lib.pd_av_insert(self._native, raw, out)
+            if rc != 0:
+                raise AddressError(f"fi_av_insert of {address!r}: {strerror(rc)} ({rc})")
+            fi_addr = int(out[0])
         for other in list(self._peers.values()):
-            if other.fi_addr == fi_addr[0]:
+            if other.fi_addr == fi_addr and other.address != address:
                 # The provider reused the slot of an entry it never really kept.
                 log.warning("peer %s replaced stale AV entry of %s", name, other.name)
                 del self._peers[other.address]
-                self._clear_failure(other.fi_addr)
-        return PeerHandle(address, int(fi_addr[0]), name)
+                self._loop.failed_peers.discard(fi_addr)
+                self._loop.peer_failures.pop(fi_addr, None)
+        peer = PeerHandle(address, fi_addr, name)
+        self._loop.adopt_peer(peer)
+        return peer
 
     # -- one-sided writes -----------------------------------------------------------------------
 
@@ -446,6 +466,7 @@ class TransferEngine:
             coalesce=paging.can_coalesce(page_bytes, src_stride, dst_stride),
             max_pages_per_run=self.max_pages_per_run(page_bytes),
         )
+        _check_page_arithmetic(runs, page_bytes, (src_offset, src_stride), (dst_offset, dst_stride))
         ops = np.empty((runs.shape[0], 3), dtype=np.int64)
         ops[:, 0] = src_offset + runs[:, 0] * src_stride
         ops[:, 1] = dst_offset + runs[:, 1] * dst_stride
@@ -648,6 +669,9 @@ class TransferEngine:
         for a callback that hands the event on without blocking (`callbacks.Inline`).
         """
         self._check_open()
+        reason = self._loop.closed_reason()  # abandoned, or its progress thread died
+        if reason is not None:
+            raise EngineClosedError(reason)
         self._check_imm(imm)
         deadline = None if timeout is None else time.monotonic() + timeout
         reached = Inline(on_reached) if inline else on_reached
@@ -790,6 +814,16 @@ def _libc() -> Any:
     return libc
 
 
+def _check_slots(max_inflight_ops: int, num_receive_buffers: int) -> None:
+    if max_inflight_ops < num_receive_buffers + MIN_FREE_OP_SLOTS:
+        raise ValueError(
+            f"max_inflight_ops={max_inflight_ops} must exceed num_receive_buffers="
+            f"{num_receive_buffers} by at least {MIN_FREE_OP_SLOTS}: every posted "
+            f"receive buffer holds one of the max_inflight_ops operation contexts for good, "
+            f"and writes and sends share the rest"
+        )
+
+
 def _check_span(what: str, offset: int, length: int, limit: int) -> None:
     if offset < 0 or offset + length > limit:
         raise OutOfRangeError(
@@ -804,10 +838,32 @@ def _rows(ops: np.ndarray) -> np.ndarray:
     return rows
 
 
+def _check_page_arithmetic(
+    runs: np.ndarray, page_bytes: int, src: tuple[int, int], dst: tuple[int, int]
+) -> None:
+    """The int64 arithmetic that turns ``runs`` into byte rows (``offset + page * stride``,
+    ``pages * page_bytes``; ``src``/``dst`` are ``(offset, stride)``) cannot wrap around:
+    checked in Python ints. Beyond int64 is outside every region, hence out of range."""
+    if runs.shape[0] == 0:
+        return
+    for what, (offset, stride), column in (("source", src, 0), ("destination", dst, 1)):
+        span = int(runs[:, column].max()) * stride
+        if offset < _INT64_MIN or max(stride, span, offset + span) + page_bytes > _INT64_MAX:
+            raise OutOfRangeError(
+                f"{what} page at byte offset {offset + span} (+{page_bytes}) is outside any region"
+            )
+    if int(runs[:, 2].max()) * page_bytes > _INT64_MAX:
+        raise OutOfRangeError(f"a run of {int(runs[:, 2].max())} pages is outside any region")
+
+
 def _check_extent(what: str, offsets: np.ndarray, lengths: np.ndarray, limit: int) -> None:
-    ends = offsets + lengths
-    if int(offsets.min()) < 0 or int(ends.max()) > limit:
-        bad = int(np.argmax((offsets < 0) | (ends > limit)))
-        raise OutOfRangeError(
-            f"write [{int(offsets[bad])}, {int(ends[bad])}) is outside the {what} of {limit} bytes"
-        )
+    """Every row ``[offset, offset + length)`` (lengths positive) lies in ``[0, limit)``.
+
+    Never forms ``offsets + lengths``: int64 sums wrap (2**62 + 2**62 < 0). With the lengths
+    in ``[1, limit]``, ``limit - lengths`` cannot overflow, and offsets are compared to it."""
+    limit = min(limit, _INT64_MAX)  # a descriptor may claim up to 2**64 - 1 bytes
+    outside = (offsets < 0) | (lengths > limit) | (offsets > limit - lengths)
+    if outside.any():
+        bad = int(np.argmax(outside))
+        start, end = int(offsets[bad]), int(offsets[bad]) + int(lengths[bad])  # Python ints
+        raise OutOfRangeError(f"write [{start}, {end}) is outside the {what} of {limit} bytes")

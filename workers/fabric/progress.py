@@ -11,9 +11,18 @@ Life cycle of a submission (`Job`, keyed by `job_id`):
   EAGAIN while it retries a connection to an unreachable address) never blocks the others.
 * A job finishes exactly once: `on_done` after its last op completed, or `on_error` at its first
   error completion, its deadline, its peer's failure, or engine close. Ops of a finished job that
-  are still posted stay in `jobs` so their late completions free their contexts quietly.
-* Other threads reach the endpoint only through `call()` (register, add_peer), which runs the
-  function here; the domain is therefore opened with FI_THREAD_DOMAIN.
+  are still posted stay in `jobs` so their late completions free their contexts quietly. Those
+  of a failed peer (or, on shm, held behind one) may never complete: they are "stranded"
+  (`ProgressStats.ops_stranded`) and, unlike live ops, do not keep the thread spinning; it
+  sleeps on the CQ as when idle and still frees them if they do complete.
+* Other threads reach the endpoint only through `call()` (register, add_peer, forget_peer),
+  which runs the function here; the domain is therefore opened with FI_THREAD_DOMAIN. The
+  receive buffers are posted before the thread starts, by the constructing thread.
+* Peers: jobs are accepted only for the current handle of an fi_addr. `forget_peer` retires
+  the handle; its address-vector entry is removed (`fi_av_remove`) once no job addressed to it
+  is left, since ops in progress on a removed address are undefined (fi_av(3)).
+* Callbacks are queued in CQ order: imm arrivals are handed to the counters before any later
+  row of the same drain (a message, a local completion) is dispatched.
 
 Every accepted job ends in exactly one callback within its deadline plus a bounded slack:
 
@@ -30,8 +39,8 @@ Every accepted job ends in exactly one callback within its deadline plus a bound
 * A watchdog thread covers what that cannot (a peer dying while we wait on its lock, any other
   provider call that never returns): when one native call has not returned for `_STALL_S`, it
   fails every outstanding job (`PeerFailedError` for the peer being posted to,
-  `EngineClosedError` for the rest), fails pending `call()`s and armed counters, and refuses
-  new work. The stuck thread, should it ever return, finds every job already finished.
+  `EngineClosedError` for the rest), fails pending `call()`s and armed counters (which then
+  refuse arming: nothing would fire or expire them), and refuses new work. The stuck thread, should it ever return, finds every job already finished.
 """
 
 from __future__ import annotations
@@ -53,6 +62,7 @@ from workers.fabric._lib import ffi, lib, strerror
 from workers.fabric.callbacks import CallbackDispatcher, Fire
 from workers.fabric.counters import ImmCounters
 from workers.fabric.errors import (
+    AddressError,
     EngineClosedError,
     FabricError,
     OperationTimeoutError,
@@ -105,6 +115,8 @@ class Job:
     # Writes: called before ``on_error`` with the ops the job never posted (they cannot land),
     # when there are any and this count is exact (see `_deliver`).
     on_unposted: UnpostedCallback | None = None
+    # Finished with ops still posted that may never complete (`ProgressLoop._strand`).
+    stranded: bool = False
 
 
 @dataclass
@@ -117,6 +129,13 @@ class ProgressStats:
     error_completions: int = 0
     timeouts: int = 0
     eagain_retries: int = 0
+    # Posted ops of finished jobs that may never complete (their peer failed, or shm holds
+    # their completions behind a failed peer's): in flight, but no reason to spin.
+    ops_stranded: int = 0
+    # Times the thread slept on the CQ (idle, or every queue refused) instead of spinning.
+    sleeps: int = 0
+    # Address-vector entries removed (`forget_peer`, once nothing posted to them remained).
+    peers_removed: int = 0
 
 
 class ProgressLoop:
@@ -150,6 +169,10 @@ class ProgressLoop:
         self.pending: dict[int, collections.deque[Job]] = {}
         self._num_queued = 0
         self.failed_peers: set[int] = set()
+        # fi_addr -> the peer's current handle (only its jobs are accepted), and fi_addr ->
+        # forgotten handle whose AV entry is removed once no job of it is left (`retire_peer`).
+        self._current_peers: dict[int, PeerHandle] = {}
+        self._retiring: dict[int, PeerHandle] = {}
         # Why each failed peer failed (a later definite cause replaces a missed deadline).
         self.peer_failures: dict[int, FabricError] = {}
         self._commands: collections.deque[tuple[Callable[[], Any], Future[Any]]] = (
@@ -183,6 +206,10 @@ class ProgressLoop:
     # -- called from any thread ---------------------------------------------------------------
 
     def start(self) -> None:
+        """Post the receive buffers, then start the threads. Posting here, before the progress
+        thread owns the endpoint, makes a refusal (e.g. too few context slots) an exception of
+        the engine's constructor rather than the death of a thread nobody watches."""
+        self.pools.post_all_receives(self.native)
         self.thread.start()
         self._watchdog.start()
 
@@ -205,6 +232,8 @@ class ProgressLoop:
                 self._lock.wait(remaining)
             if self._stopping:
                 raise EngineClosedError(self._wedged or "engine is closed")
+            if self._current_peers.get(job.peer.fi_addr) is not job.peer:
+                raise AddressError(f"peer {job.peer.name} was forgotten or never added")
             if job.peer.fi_addr in self.failed_peers:
                 raise PeerFailedError(f"peer {job.peer.name} has failed")
             # Deadlines stay non-decreasing in `jobs` order (the sweep stops at the first live
@@ -229,6 +258,13 @@ class ProgressLoop:
             self._commands.append((function, future))
         self._wake()
         return future.result()
+
+    def closed_reason(self) -> str | None:
+        """Why the loop takes no more work (stopping, abandoned, or its thread died); None
+        while it runs."""
+        if self._stopping or self._stopped:
+            return self._wedged or "engine is closed"
+        return None
 
     def stop(self) -> None:
         with self._lock:
@@ -264,16 +300,18 @@ class ProgressLoop:
         last_activity = time.monotonic()
         next_check = last_activity + _DEADLINE_CHECK_S
         try:
-            self.pools.post_all_receives(self.native)
             while not self._stopping:
                 self._run_commands()
                 posted = self._post_pending()
                 spin, wait = self._spin_us, 0
-                if self.pending and not (posted or self._inflight):
+                # Stranded ops may never complete: polling (in the waits too) still frees
+                # their contexts if they do, but they are no reason to spin a core.
+                live = self._inflight - self.stats.ops_stranded
+                if self.pending and not (posted or live):
                     # Every queue is refused (EAGAIN): let the provider progress without
                     # spinning a core until the peers' deadlines.
                     spin, wait = 0, _BLOCKED_WAIT_US
-                elif not (self._inflight or self.pending or self._commands) and (
+                elif not (live or self.pending or self._commands) and (
                     time.monotonic() - last_activity >= self._idle_spin_s
                 ):
                     spin, wait = 0, self._idle_wait_us
@@ -283,6 +321,8 @@ class ProgressLoop:
                     if self.pending or self._commands or self._stopping:
                         self._sleeping = False
                         continue
+                if wait:
+                    self.stats.sleeps += 1
                 if self._poll(spin, wait):
                     last_activity = time.monotonic()
                 self._sleeping = False
@@ -395,10 +435,16 @@ class ProgressLoop:
         imm_counts: dict[int, int] = {}
         for row in range(rows):
             kind = kinds[row]
-            if kind == lib.PD_EV_LOCAL:
-                self._complete(ids[row], lens[row])
-            elif kind == lib.PD_EV_RECV:
-                self._received(ids[row], lens[row])
+            if kind == lib.PD_EV_LOCAL or kind == lib.PD_EV_RECV:
+                if imm_counts:
+                    # Callbacks follow the CQ's order: writes that landed before this row
+                    # fire their counters before its callback is queued.
+                    self.dispatcher.submit_all(self.counters.record(imm_counts))
+                    imm_counts = {}
+                if kind == lib.PD_EV_LOCAL:
+                    self._complete(ids[row], lens[row])
+                else:
+                    self._received(ids[row], lens[row])
             else:
                 imm_counts[data[row]] = imm_counts.get(data[row], 0) + lens[row]
                 if kind == lib.PD_EV_IMM_RECV:
@@ -416,6 +462,8 @@ class ProgressLoop:
         if job is None:
             return
         job.completed += count
+        if job.stranded:
+            self.stats.ops_stranded -= count
         if job.completed < job.total:
             self._forget_if_idle(job)
             return
@@ -441,6 +489,8 @@ class ProgressLoop:
             return
         self._inflight -= 1
         job.completed += 1
+        if job.stranded:
+            self.stats.ops_stranded -= 1
         what = "write" if job.kind == WRITE else "message"
         exc: FabricError = TransferError(
             f"{what} to {job.peer.name} failed: {text} "
@@ -495,6 +545,15 @@ class ProgressLoop:
             if job.send_slot >= 0:
                 self.pools.release_send_slot(job.send_slot)
                 job.send_slot = -1
+            if job.peer.fi_addr in self._retiring:
+                self._remove_if_unused(job.peer.fi_addr)
+
+    def _strand(self, job: Job) -> None:
+        """A finished job's ops still posted to a failed peer (or, on shm, held behind one)
+        may never complete: count them as stranded so they do not keep the thread spinning."""
+        if job.finished and not job.stranded and job.posted > job.completed:
+            job.stranded = True
+            self.stats.ops_stranded += job.posted - job.completed
 
     def _check_deadlines(self, now: float) -> None:
         self.dispatcher.submit_all(self.counters.expire(now))
@@ -522,6 +581,7 @@ class ProgressLoop:
                     f"{what} to {job.peer.name}: local completion blocked behind operations to "
                     f"failed peer {blocker.name} ({self.provider_name} completes in order)"
                 ))  # fmt: skip
+                self._strand(job)
                 continue
             error = OperationTimeoutError(
                 f"{what} to {job.peer.name} missed its deadline ({job.completed}/{job.total} "
@@ -543,6 +603,15 @@ class ProgressLoop:
 
     def _fail_peer(self, peer: PeerHandle, error: FabricError) -> None:
         """Mark the peer failed and fail every unfinished job addressed to it."""
+        if self._current_peers.get(peer.fi_addr) is not peer:
+            # A forgotten handle: its address may serve a new process now (or its AV slot
+            # another peer), which this must not condemn. Only its own jobs end.
+            with self._lock:
+                jobs = [j for j in self.jobs.values() if j.peer is peer]
+            for job in jobs:
+                self._finish(job, error)
+                self._strand(job)
+            return
         if peer.fi_addr not in self.failed_peers:
             log.warning("peer %s failed: %s", peer.name, error)
         with self._lock:
@@ -553,6 +622,56 @@ class ProgressLoop:
             jobs = [j for j in self.jobs.values() if j.peer.fi_addr == peer.fi_addr]
         for job in jobs:
             self._finish(job, error)
+            self._strand(job)
+
+    # -- peer life cycle (on this thread: `call`) -----------------------------------------------
+
+    def adopt_peer(self, peer: PeerHandle) -> None:
+        """``peer`` is now the handle of its fi_addr: jobs for it are accepted."""
+        with self._lock:
+            self._current_peers[peer.fi_addr] = peer
+
+    def reclaim_peer(self, address: bytes) -> int | None:
+        """The fi_addr of a forgotten ``address`` whose AV entry is still there (its jobs
+        have not all ended): added again, it keeps that entry rather than insert it twice."""
+        with self._lock:
+            for fi_addr, old in self._retiring.items():
+                if old.address == address:
+                    del self._retiring[fi_addr]
+                    break
+            else:
+                return None
+        self._unwatch_peer(address)  # the new handle is watched (and failed) at its first post
+        return fi_addr
+
+    def retire_peer(self, peer: PeerHandle) -> None:
+        """Forget ``peer`` (`TransferEngine.forget_peer`): no new jobs for the handle, its
+        failed state cleared, and its AV entry removed once no job addressed to it is left
+        (fi_av(3): operations in progress on a removed address are undefined)."""
+        with self._lock:
+            if self._current_peers.get(peer.fi_addr) is peer:
+                del self._current_peers[peer.fi_addr]
+            self.failed_peers.discard(peer.fi_addr)
+            self.peer_failures.pop(peer.fi_addr, None)
+            self._retiring[peer.fi_addr] = peer
+        self._remove_if_unused(peer.fi_addr)
+
+    def _remove_if_unused(self, fi_addr: int) -> None:
+        with self._lock:
+            if fi_addr in self._current_peers:  # the provider handed the slot out again
+                self._retiring.pop(fi_addr, None)
+                return
+            if fi_addr not in self._retiring:
+                return
+            if any(job.peer.fi_addr == fi_addr for job in self.jobs.values()):
+                return  # a job still queued or with ops posted (e.g. to a dead shm peer)
+            peer = self._retiring.pop(fi_addr)
+        self._unwatch_peer(peer.address)
+        rc = lib.pd_av_remove(self.native, fi_addr)
+        if rc != 0:
+            log.warning("fi_av_remove of peer %s: %s (%d)", peer.name, strerror(rc), rc)
+            return
+        self.stats.peers_removed += 1
 
     # -- shm peer processes ---------------------------------------------------------------------
 
@@ -574,6 +693,12 @@ class ProgressLoop:
             self._exit_poll.register(fd, select.POLLIN)
             self._fail_exited_peers()
 
+    def _unwatch_peer(self, address: bytes) -> None:
+        fd = self._exit_fds.pop(address, None)
+        if fd is not None and self._fd_peers.pop(fd, None) is not None:
+            self._exit_poll.unregister(fd)
+            os.close(fd)
+
     def _fail_exited_peers(self) -> None:
         """Fail every watched peer whose process has exited (one poll(2) for all of them)."""
         for fd, _events in self._exit_poll.poll(0):
@@ -581,6 +706,11 @@ class ProgressLoop:
             self._exit_poll.unregister(fd)
             os.close(fd)
             self._exit_fds[peer.address] = None
+            # The process behind the address is gone: fail the address's current handle too
+            # (the watch may have been opened by a forgotten one of the same address).
+            current = self._current_peers.get(peer.fi_addr)
+            if current is not None and current.address == peer.address:
+                peer = current
             self._fail_peer(peer, PeerFailedError(f"peer {peer.name}: its process has exited"))
 
     # -- watchdog -------------------------------------------------------------------------------
