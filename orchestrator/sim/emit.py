@@ -60,17 +60,10 @@ def cluster_config(
     }
 
 
-def checked_cluster_config(
-    layout: Layout,
-    limits: EngineLimits,
-    *,
-    model_path: str = "/models/model",
-    provider: str = "verbs;ofi_rxm",
-    dtype: str = "auto",
-) -> dict[str, Any]:
-    """`cluster_config`, loaded as the orchestrator loads it; `ConfigError` (a ValueError)
-    when the loader would refuse it."""
-    config = cluster_config(layout, limits, model_path=model_path, provider=provider, dtype=dtype)
+def checked_cluster_config(layout: Layout, limits: EngineLimits, **options: str) -> dict[str, Any]:
+    """`cluster_config` (same options), loaded as the orchestrator loads it; `ConfigError` (a
+    ValueError) when the loader would refuse it."""
+    config = cluster_config(layout, limits, **options)
     ClusterConfig.from_dict(config)
     return config
 
