@@ -42,7 +42,10 @@ def _generate(args: argparse.Namespace) -> int:
 
     from orchestrator.generate_cli import generate
 
-    return asyncio.run(generate(args))
+    try:
+        return asyncio.run(generate(args))
+    except KeyboardInterrupt:  # Ctrl-C: the request is cancelled with the stream
+        return 130
 
 
 def build_parser() -> argparse.ArgumentParser:

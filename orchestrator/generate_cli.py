@@ -39,11 +39,13 @@ async def generate(args: argparse.Namespace) -> int:
         return 2
     async with chan:
         stub = pb_grpc.GenerationStub(chan)
+        finished = False
         try:
             async for response in stub.Generate(request, timeout=args.timeout):
                 sys.stdout.write(response.text)
                 sys.stdout.flush()
                 if response.finish_reason:
+                    finished = True
                     t = response.timings
                     print(
                         f"\n[{response.usage.prompt_tokens} prompt + "
@@ -63,6 +65,13 @@ async def generate(args: argparse.Namespace) -> int:
                     file=sys.stderr,
                 )
             return 1
+        except BrokenPipeError:
+            # The reader left (`| head`): stop quietly; the stream's cancel aborts the request.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 1
+    if not finished:
+        print("\nerror: the stream ended without a finish reason", file=sys.stderr)
+        return 1
     return 0
 
 

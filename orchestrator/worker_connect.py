@@ -29,7 +29,8 @@ from workers.engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-def _status_of_submit_error(error: Exception) -> grpc.StatusCode:
+def status_of_submit_error(error: Exception) -> grpc.StatusCode:
+    """The status of a request the backend refused to start (both worker APIs)."""
     if isinstance(error, InvalidRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(error, CapacityError):
@@ -68,7 +69,9 @@ class ConnectSession:
                 while not self._outbox.empty():
                     deltas.append(self._outbox.get_nowait())
                 for delta in deltas:
-                    if delta.finish_reason:
+                    # A start refused (error_code) never became active; for a duplicate id its
+                    # delta names the live request, which must stay tracked (drain, abort).
+                    if delta.finish_reason and not delta.error_code:
                         self.active.discard(delta.request_id)
                 yield wpb.ConnectResponse(deltas=deltas, sent_unix_nanos=time.time_ns())
         finally:
@@ -104,6 +107,9 @@ class ConnectSession:
         if self._is_draining():
             self._fail(request_id, grpc.StatusCode.UNAVAILABLE, "the worker is draining")
             return
+        if request_id in self.active or request_id in self._starting:
+            self._fail(request_id, grpc.StatusCode.ALREADY_EXISTS, f"{request_id} is in flight")
+            return
         outbox, loop = self._outbox, self._loop
 
         def sink(delta: TokenDelta) -> None:
@@ -129,7 +135,7 @@ class ConnectSession:
                 sink,
             )
         except Exception as error:
-            code = _status_of_submit_error(error)
+            code = status_of_submit_error(error)
             if code is grpc.StatusCode.INTERNAL:
                 logger.exception("request %s failed to start", request_id)
             self._fail(request_id, code, str(error))

@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Coroutine
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 import grpc
@@ -26,10 +27,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from orchestrator.worker_backend import TokenDelta, WorkerBackend
-from orchestrator.worker_connect import ConnectSession
+from orchestrator.worker_connect import ConnectSession, status_of_submit_error
 from protos.pdserve.v1 import worker_pb2 as wpb
 from protos.pdserve.v1 import worker_pb2_grpc as wpb_grpc
-from workers.engine.errors import CapacityError, InvalidRequestError
 from workers.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         request_id = request.request_id
         try:
             params = sampling_from_proto(request.sampling)
-            await loop.run_in_executor(
+            submit = loop.run_in_executor(
                 self._executor,
                 self.backend.submit,
                 request_id,
@@ -110,12 +110,18 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
                 request.prefill_endpoint,
                 sink,
             )
-        except InvalidRequestError as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        except CapacityError as error:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
-        except ValueError as error:  # the kv worker's duplicate-id check
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(error))
+            try:
+                # Shielded: the client leaving (cancel, deadline) while the submit waits for
+                # the engine's step must not lose track of it; once in, it is aborted.
+                await asyncio.shield(submit)
+            except asyncio.CancelledError:
+                submit.add_done_callback(partial(self._abort_if_submitted, request_id))
+                raise
+        except Exception as error:
+            code = status_of_submit_error(error)
+            if code is grpc.StatusCode.INTERNAL:
+                logger.exception("request %s failed to start", request_id)
+            await context.abort(code, str(error))
         finished = False
         self.num_streams += 1
         try:
@@ -133,6 +139,10 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
             self.num_streams -= 1
             if not finished:  # the router left (cancel, deadline): free the request's pages
                 await loop.run_in_executor(self._executor, self.backend.abort, request_id)
+
+    def _abort_if_submitted(self, request_id: str, submit: asyncio.Future[None]) -> None:
+        if not submit.cancelled() and submit.exception() is None:
+            self._executor.submit(self.backend.abort, request_id)
 
     async def Connect(
         self,
