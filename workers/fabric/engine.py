@@ -343,16 +343,16 @@ class TransferEngine:
         with self._peer_lock:
             peer = self._peers.pop(bytes(address), None)
             if peer is not None:
-                self._loop.call(lambda: self._loop.retire_peer(peer))
+                self._loop.call(lambda: self._loop.peers.retire(peer))
 
     def peer_failure(self, address: bytes) -> FabricError | None:
         """Why the peer at ``address`` failed (None: it has not): `PeerFailedError` for a
         dropped connection or an exited process, `OperationTimeoutError` when an operation only
         missed its deadline (the peer may still be alive, e.g. stopped or slow)."""
         peer = self._peers.get(bytes(address))
-        if peer is None or peer.fi_addr not in self._loop.failed_peers:
+        if peer is None:
             return None
-        return self._loop.peer_failures.get(peer.fi_addr)
+        return self._loop.peers.failure(peer.fi_addr)
 
     def _check_address(self, address: bytes) -> None:
         own = self.address
@@ -382,7 +382,7 @@ class TransferEngine:
         if lib.pd_av_straddr(self._native, raw, text, len(text)) == 0:
             name = ffi.string(text).decode(errors="replace")
         # Forgotten, but its entry is still in the AV (a call to it is not over): keep it.
-        fi_addr = self._loop.reclaim_peer(address)
+        fi_addr = self._loop.peers.reclaim(address)
         if fi_addr is None:
             out = ffi.new("fi_addr_t *")
             rc = lib.pd_av_insert(self._native, raw, out)
@@ -394,10 +394,9 @@ class TransferEngine:
                 # The provider reused the slot of an entry it never really kept.
                 log.warning("peer %s replaced stale AV entry of %s", name, other.name)
                 del self._peers[other.address]
-                self._loop.failed_peers.discard(fi_addr)
-                self._loop.peer_failures.pop(fi_addr, None)
+                self._loop.peers.clear_failure(fi_addr)
         peer = PeerHandle(address, fi_addr, name)
-        self._loop.adopt_peer(peer)
+        self._loop.peers.adopt(peer)
         return peer
 
     # -- one-sided writes -----------------------------------------------------------------------

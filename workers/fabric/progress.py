@@ -18,9 +18,10 @@ Life cycle of a submission (`Job`, keyed by `job_id`):
 * Other threads reach the endpoint only through `call()` (register, add_peer, forget_peer),
   which runs the function here; the domain is therefore opened with FI_THREAD_DOMAIN. The
   receive buffers are posted before the thread starts, by the constructing thread.
-* Peers: jobs are accepted only for the current handle of an fi_addr. `forget_peer` retires
-  the handle; its address-vector entry is removed (`fi_av_remove`) once no job addressed to it
-  is left, since ops in progress on a removed address are undefined (fi_av(3)).
+* Peers (`peers.PeerTable`, sharing this loop's lock and `jobs`): jobs are accepted only for
+  the current handle of an fi_addr. `forget_peer` retires the handle; its address-vector entry
+  is removed (`fi_av_remove`) once no job addressed to it is left, since ops in progress on a
+  removed address are undefined (fi_av(3)). A failed peer's jobs end with its failure.
 * Callbacks are queued in CQ order: imm arrivals are handed to the counters before any later
   row of the same drain (a message, a local completion) is dispatched.
 
@@ -31,11 +32,10 @@ Every accepted job ends in exactly one callback within its deadline plus a bound
 * `jobs` is iterated only under `_lock` (submitters insert into it under that lock), and
   `enqueue` keeps deadlines non-decreasing in insertion order so the sweep may stop at the
   first live deadline.
-* shm: a peer SIGKILLed while it held its region's spinlock (shm's receiver holds it while it
-  copies a command's data) leaves the lock held forever, and libfabric 1.17 takes that lock
-  on every post to the peer: the post would spin forever. The peer's process is therefore
-  watched through a pidfd (opened at its first post, pid taken from its `fi_shm://<pid>:...`
-  name) and, once it has exited, the peer is failed and never posted to again.
+* shm: a peer SIGKILLed while it held its region's spinlock leaves the lock held forever,
+  and libfabric 1.17 takes that lock on every post to the peer: the post would spin forever.
+  The peer's process is therefore watched through a pidfd (`PeerTable.watch`, at its first
+  post) and, once it has exited, the peer is failed and never posted to again.
 * A watchdog thread covers what that cannot (a peer dying while we wait on its lock, any other
   provider call that never returns): when one native call has not returned for `_STALL_S`, it
   fails every outstanding job (`PeerFailedError` for the peer being posted to,
@@ -48,9 +48,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import os
-import re
-import select
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -62,7 +59,6 @@ from workers.fabric._lib import ffi, lib, strerror
 from workers.fabric.callbacks import CallbackDispatcher, Fire
 from workers.fabric.counters import ImmCounters
 from workers.fabric.errors import (
-    AddressError,
     EngineClosedError,
     FabricError,
     OperationTimeoutError,
@@ -72,6 +68,7 @@ from workers.fabric.errors import (
 )
 from workers.fabric.handles import PeerHandle
 from workers.fabric.messages import MessagePools
+from workers.fabric.peers import PeerTable
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +82,6 @@ _BLOCKED_WAIT_US = 500
 # A post or poll call that has not returned after this long is stuck inside the provider.
 _STALL_S = 3.0
 _WATCHDOG_PERIOD_S = 0.25
-_SHM_PID = re.compile(rb"^fi_shm://(\d+):")
 # errno values that mean the connection to the peer is gone, not that one operation was bad.
 _CONNECTION_ERRORS = {32, 103, 104, 107, 110, 111, 112, 113}  # EPIPE ECONNABORTED ... EHOSTUNREACH
 
@@ -115,7 +111,7 @@ class Job:
     # Writes: called before ``on_error`` with the ops the job never posted (they cannot land),
     # when there are any and this count is exact (see `_deliver`).
     on_unposted: UnpostedCallback | None = None
-    # Finished with ops still posted that may never complete (`ProgressLoop._strand`).
+    # Finished with ops still posted that may never complete (`PeerTable.strand`).
     stranded: bool = False
 
 
@@ -156,11 +152,6 @@ class ProgressLoop:
         self.native = native
         self.provider_name = provider_name
         self._ordered_tx_completions = provider_name == "shm"
-        # shm: peers' processes are watched so a dead one is never posted to (module docstring).
-        self._track_exits = provider_name == "shm"
-        self._exit_fds: dict[bytes, int | None] = {}  # peer address -> pidfd (None: untracked)
-        self._fd_peers: dict[int, PeerHandle] = {}
-        self._exit_poll = select.poll()
         self.counters = counters
         self.dispatcher = dispatcher
         self.pools = pools
@@ -168,17 +159,19 @@ class ProgressLoop:
         self.jobs: dict[int, Job] = {}
         self.pending: dict[int, collections.deque[Job]] = {}
         self._num_queued = 0
-        self.failed_peers: set[int] = set()
-        # fi_addr -> the peer's current handle (only its jobs are accepted), and fi_addr ->
-        # forgotten handle whose AV entry is removed once no job of it is left (`retire_peer`).
-        self._current_peers: dict[int, PeerHandle] = {}
-        self._retiring: dict[int, PeerHandle] = {}
-        # Why each failed peer failed (a later definite cause replaces a missed deadline).
-        self.peer_failures: dict[int, FabricError] = {}
         self._commands: collections.deque[tuple[Callable[[], Any], Future[Any]]] = (
             collections.deque()
         )
         self._lock = threading.Condition()
+        # Peer handles, failures and (shm) process watches; shares `_lock` and `jobs`.
+        self.peers = PeerTable(
+            native,
+            lock=self._lock,
+            jobs=self.jobs,
+            stats=self.stats,
+            finish=self._finish,
+            watch_exits=provider_name == "shm",
+        )
         self._max_queued = max_queued_submits
         self._spin_us = spin_us
         self._idle_spin_s = idle_spin_us / 1e6
@@ -232,10 +225,7 @@ class ProgressLoop:
                 self._lock.wait(remaining)
             if self._stopping:
                 raise EngineClosedError(self._wedged or "engine is closed")
-            if self._current_peers.get(job.peer.fi_addr) is not job.peer:
-                raise AddressError(f"peer {job.peer.name} was forgotten or never added")
-            if job.peer.fi_addr in self.failed_peers:
-                raise PeerFailedError(f"peer {job.peer.name} has failed")
+            self.peers.check_accepts(job.peer)
             # Deadlines stay non-decreasing in `jobs` order (the sweep stops at the first live
             # one) even when submitters race or wait for room; a later acceptance bounds it.
             job.deadline = max(job.deadline, self._last_deadline)
@@ -346,13 +336,14 @@ class ProgressLoop:
     def _post_pending(self) -> bool:
         """Post from every peer's queue; True if any operation was posted."""
         before = self.stats.ops_posted
-        if self._track_exits and self._fd_peers and self.pending:
-            self._fail_exited_peers()  # right before posting: never post to a dead process
+        peers = self.peers
+        if peers.watches_exits and self.pending:
+            peers.fail_exited()  # right before posting: never post to a dead process
         for fi_addr, queue in list(self.pending.items()):
             while queue:
                 job = queue[0]
-                if self._track_exits and job.peer.address not in self._exit_fds:
-                    self._watch_peer(job.peer)  # may fail the peer (and so this job) at once
+                if peers.watches_exits:
+                    peers.watch(job.peer)  # may fail the peer (and so this job) at once
                 if not job.finished:
                     blocked = self._post_writes(job) if job.kind == WRITE else self._post_send(job)
                     if blocked:
@@ -501,7 +492,7 @@ class ProgressLoop:
         # rxm/tcp reports a dropped connection as FI_ECANCELED with the socket errno as the
         # provider errno; either side naming a connection error means the peer is gone.
         if error.err in _CONNECTION_ERRORS or abs(error.prov_errno) in _CONNECTION_ERRORS:
-            self._fail_peer(job.peer, PeerFailedError(str(exc)))
+            self.peers.fail(job.peer, PeerFailedError(str(exc)))
         self._finish(job, exc)
 
     def _claim(self, job: Job) -> bool:
@@ -545,20 +536,12 @@ class ProgressLoop:
             if job.send_slot >= 0:
                 self.pools.release_send_slot(job.send_slot)
                 job.send_slot = -1
-            if job.peer.fi_addr in self._retiring:
-                self._remove_if_unused(job.peer.fi_addr)
-
-    def _strand(self, job: Job) -> None:
-        """A finished job's ops still posted to a failed peer (or, on shm, held behind one)
-        may never complete: count them as stranded so they do not keep the thread spinning."""
-        if job.finished and not job.stranded and job.posted > job.completed:
-            job.stranded = True
-            self.stats.ops_stranded += job.posted - job.completed
+            self.peers.job_forgotten(job.peer.fi_addr)
 
     def _check_deadlines(self, now: float) -> None:
         self.dispatcher.submit_all(self.counters.expire(now))
-        if self._track_exits and self._fd_peers:
-            self._fail_exited_peers()  # its posted ops would otherwise wait for their deadline
+        if self.peers.watches_exits:
+            self.peers.fail_exited()  # its posted ops would otherwise wait for their deadline
         # `enqueue` keeps `jobs` (insertion-ordered) deadline-ordered.
         expired = []
         with self._lock:  # submitters insert into `jobs` under it
@@ -572,7 +555,7 @@ class ProgressLoop:
                 continue
             self.stats.timeouts += 1
             what = "write" if job.kind == WRITE else "message"
-            blocker = self._wedging_peer() if self._ordered_tx_completions else None
+            blocker = self.peers.wedging_peer() if self._ordered_tx_completions else None
             if blocker is not None and blocker.fi_addr != job.peer.fi_addr and job.posted:
                 # shm completes transmits strictly in order per endpoint: an op to a dead peer
                 # never completes and holds back every later completion. This peer may be fine
@@ -581,137 +564,17 @@ class ProgressLoop:
                     f"{what} to {job.peer.name}: local completion blocked behind operations to "
                     f"failed peer {blocker.name} ({self.provider_name} completes in order)"
                 ))  # fmt: skip
-                self._strand(job)
+                self.peers.strand(job)
                 continue
             error = OperationTimeoutError(
                 f"{what} to {job.peer.name} missed its deadline ({job.completed}/{job.total} "
                 f"ops completed, {job.posted} posted): peer unreachable or dead"
             )
-            self._fail_peer(job.peer, error)
-
-    def _wedging_peer(self) -> PeerHandle | None:
-        """A failed peer with operations still posted (they will never complete on shm)."""
-        with self._lock:
-            for job in self.jobs.values():
-                if (
-                    job.finished
-                    and job.posted > job.completed
-                    and job.peer.fi_addr in self.failed_peers
-                ):
-                    return job.peer
-        return None
+            self.peers.fail(job.peer, error)
 
     def _fail_peer(self, peer: PeerHandle, error: FabricError) -> None:
-        """Mark the peer failed and fail every unfinished job addressed to it."""
-        if self._current_peers.get(peer.fi_addr) is not peer:
-            # A forgotten handle: its address may serve a new process now (or its AV slot
-            # another peer), which this must not condemn. Only its own jobs end.
-            with self._lock:
-                jobs = [j for j in self.jobs.values() if j.peer is peer]
-            for job in jobs:
-                self._finish(job, error)
-                self._strand(job)
-            return
-        if peer.fi_addr not in self.failed_peers:
-            log.warning("peer %s failed: %s", peer.name, error)
-        with self._lock:
-            known = self.peer_failures.get(peer.fi_addr)
-            if known is None or isinstance(known, OperationTimeoutError):
-                self.peer_failures[peer.fi_addr] = error  # before the mark: readers take no lock
-            self.failed_peers.add(peer.fi_addr)
-            jobs = [j for j in self.jobs.values() if j.peer.fi_addr == peer.fi_addr]
-        for job in jobs:
-            self._finish(job, error)
-            self._strand(job)
-
-    # -- peer life cycle (on this thread: `call`) -----------------------------------------------
-
-    def adopt_peer(self, peer: PeerHandle) -> None:
-        """``peer`` is now the handle of its fi_addr: jobs for it are accepted."""
-        with self._lock:
-            self._current_peers[peer.fi_addr] = peer
-
-    def reclaim_peer(self, address: bytes) -> int | None:
-        """The fi_addr of a forgotten ``address`` whose AV entry is still there (its jobs
-        have not all ended): added again, it keeps that entry rather than insert it twice."""
-        with self._lock:
-            for fi_addr, old in self._retiring.items():
-                if old.address == address:
-                    del self._retiring[fi_addr]
-                    break
-            else:
-                return None
-        self._unwatch_peer(address)  # the new handle is watched (and failed) at its first post
-        return fi_addr
-
-    def retire_peer(self, peer: PeerHandle) -> None:
-        """Forget ``peer`` (`TransferEngine.forget_peer`): no new jobs for the handle, its
-        failed state cleared, and its AV entry removed once no job addressed to it is left
-        (fi_av(3): operations in progress on a removed address are undefined)."""
-        with self._lock:
-            if self._current_peers.get(peer.fi_addr) is peer:
-                del self._current_peers[peer.fi_addr]
-            self.failed_peers.discard(peer.fi_addr)
-            self.peer_failures.pop(peer.fi_addr, None)
-            self._retiring[peer.fi_addr] = peer
-        self._remove_if_unused(peer.fi_addr)
-
-    def _remove_if_unused(self, fi_addr: int) -> None:
-        with self._lock:
-            if fi_addr in self._current_peers:  # the provider handed the slot out again
-                self._retiring.pop(fi_addr, None)
-                return
-            if fi_addr not in self._retiring:
-                return
-            if any(job.peer.fi_addr == fi_addr for job in self.jobs.values()):
-                return  # a job still queued or with ops posted (e.g. to a dead shm peer)
-            peer = self._retiring.pop(fi_addr)
-        self._unwatch_peer(peer.address)
-        rc = lib.pd_av_remove(self.native, fi_addr)
-        if rc != 0:
-            log.warning("fi_av_remove of peer %s: %s (%d)", peer.name, strerror(rc), rc)
-            return
-        self.stats.peers_removed += 1
-
-    # -- shm peer processes ---------------------------------------------------------------------
-
-    def _watch_peer(self, peer: PeerHandle) -> None:
-        """Open a pidfd on the peer's process (first post to it); fail it if it is gone."""
-        fd: int | None = None
-        match = _SHM_PID.match(peer.address)
-        pid = int(match.group(1)) if match else 0
-        if pid and pid != os.getpid():
-            try:
-                fd = os.pidfd_open(pid)
-            except (OSError, AttributeError):
-                # Not visible here (another pid namespace, or already gone) or no pidfd
-                # support: only the deadline and the watchdog cover this peer.
-                log.debug("cannot watch process %d of shm peer %s", pid, peer.name)
-        self._exit_fds[peer.address] = fd
-        if fd is not None:
-            self._fd_peers[fd] = peer
-            self._exit_poll.register(fd, select.POLLIN)
-            self._fail_exited_peers()
-
-    def _unwatch_peer(self, address: bytes) -> None:
-        fd = self._exit_fds.pop(address, None)
-        if fd is not None and self._fd_peers.pop(fd, None) is not None:
-            self._exit_poll.unregister(fd)
-            os.close(fd)
-
-    def _fail_exited_peers(self) -> None:
-        """Fail every watched peer whose process has exited (one poll(2) for all of them)."""
-        for fd, _events in self._exit_poll.poll(0):
-            peer = self._fd_peers.pop(fd)
-            self._exit_poll.unregister(fd)
-            os.close(fd)
-            self._exit_fds[peer.address] = None
-            # The process behind the address is gone: fail the address's current handle too
-            # (the watch may have been opened by a forgotten one of the same address).
-            current = self._current_peers.get(peer.fi_addr)
-            if current is not None and current.address == peer.address:
-                peer = current
-            self._fail_peer(peer, PeerFailedError(f"peer {peer.name}: its process has exited"))
+        """`PeerTable.fail`, on this thread (tests inject a peer's failure through it)."""
+        self.peers.fail(peer, error)
 
     # -- watchdog -------------------------------------------------------------------------------
 
@@ -744,7 +607,7 @@ class ProgressLoop:
             self._wedged = reason
             self._stopping = True
             if peer is not None:
-                self.failed_peers.add(peer.fi_addr)
+                self.peers.failed_peers.add(peer.fi_addr)
             commands = list(self._commands)
             self._commands.clear()
             jobs = list(self.jobs.values())
@@ -777,9 +640,7 @@ class ProgressLoop:
             self._finish(job, closed)
         fires: list[Fire] = self.counters.fail_all(EngineClosedError("engine closed"))
         self.dispatcher.submit_all(fires)
-        for fd in self._fd_peers:
-            os.close(fd)
-        self._fd_peers.clear()
+        self.peers.close_watches()
         # Whatever the watchdog delivers is queued before the caller closes the dispatcher.
         self._watchdog_stop.set()
         if self._watchdog.is_alive():
