@@ -94,7 +94,9 @@ class MixedBackend:
         # The router detokenizes; the engine still decodes text when a request has stop strings.
         self.engine = EngineCore(model_dir, config, detokenize=False)
         self._sinks: dict[str, Sink] = {}
-        self._loop = StepLoop("mixed-step", self.engine, self._on_outputs)
+        self._loop = StepLoop(
+            "mixed-step", self.engine, self._on_outputs, on_error=self._on_loop_error
+        )
         self._loop.thread.start()
 
     def submit(
@@ -133,10 +135,24 @@ class MixedBackend:
         return b""
 
     def close(self) -> None:
-        self._loop.stop()
-        for sink in self._sinks.values():
-            sink(TokenDelta([], None, True, "error", "worker closed"))
-        self._sinks.clear()
+        """Stop the step thread, end every open stream, then stop the engine's TP ranks."""
+        try:
+            self._loop.stop()
+            self._end_streams("worker closed")
+        finally:
+            self.engine.close()
+
+    def _on_loop_error(self, error: BaseException) -> None:
+        """Step thread, after the loop died: no stream will get another token."""
+        self._end_streams(f"engine failed: {error!r}")
+
+    def _end_streams(self, error: str) -> None:
+        sinks, self._sinks = self._sinks, {}
+        for request_id, sink in sinks.items():
+            try:
+                sink(TokenDelta([], None, True, "error", error))
+            except Exception:  # one consumer's bug must not keep the others' streams open
+                logger.exception("sink of %s failed", request_id)
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:

@@ -23,7 +23,7 @@ import grpc
 
 from orchestrator.worker_backend import TokenDelta, WorkerBackend
 from protos.pdserve.v1 import worker_pb2 as wpb
-from workers.engine.errors import CapacityError, InvalidRequestError
+from workers.engine.errors import CapacityError, EngineClosedError, InvalidRequestError
 from workers.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -37,6 +37,8 @@ def status_of_submit_error(error: Exception) -> grpc.StatusCode:
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(error, ValueError):  # the kv worker's duplicate-id check
         return grpc.StatusCode.ALREADY_EXISTS
+    if isinstance(error, EngineClosedError):  # stopping or its step loop died: go elsewhere
+        return grpc.StatusCode.UNAVAILABLE
     return grpc.StatusCode.INTERNAL
 
 

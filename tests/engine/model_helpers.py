@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from workers.engine.attention import AttentionBackend, AttentionBatch, create_attention_backend
 from workers.engine.layer_progress import LayerProgress
 from workers.engine.model import CausalLM
 from workers.engine.model_config import ModelConfig
+from workers.engine.presets import preset_config, random_weights, write_random_checkpoint
 
 
 class PagedRunner:
@@ -119,3 +122,17 @@ def hf_logits(
 def random_tokens(n: int, seed: int, high: int = 256) -> list[int]:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, high, (n,), generator=generator).tolist()
+
+
+def write_attention_bias_checkpoint(preset: str, out_dir: Path, seed: int = 7) -> Path:
+    """Preset ``preset`` with ``attention_bias: true``: q/k/v biases, and an o_proj bias where
+    the family has one (Llama, Qwen3), scaled up so that adding it twice would show."""
+    write_random_checkpoint(preset, out_dir, seed)
+    raw = {**preset_config(preset), "attention_bias": True}
+    (out_dir / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    tensors = random_weights(ModelConfig.from_dict(raw), seed)
+    for name in tensors:
+        if name.endswith("o_proj.bias"):
+            tensors[name] = tensors[name] * 10
+    save_file(tensors, str(out_dir / "model.safetensors"), {"format": "pt"})
+    return out_dir

@@ -7,7 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.engine.model_helpers import PagedRunner, hf_logits, random_tokens
+from tests.engine.model_helpers import (
+    PagedRunner,
+    hf_logits,
+    random_tokens,
+    write_attention_bias_checkpoint,
+)
 from workers.engine.model import load_model
 
 ATOL = 1e-4
@@ -28,6 +33,19 @@ def test_single_pass_matches_hf(model_dir: Path) -> None:
     [ours] = PagedRunner(model, config).step([(0, tokens)])
     expected = hf_logits(model_dir, tokens)
     torch.testing.assert_close(ours, expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "preset", ["tiny", "qwen3-tiny", "qwen2-tiny"], ids=["llama", "qwen3", "qwen2"]
+)
+def test_attention_bias_matches_hf(preset: str, tmp_path: Path) -> None:
+    """``attention_bias: true``: HF's Llama and Qwen3 give o_proj a bias too, Qwen2 does not."""
+    model_dir = write_attention_bias_checkpoint(preset, tmp_path)
+    model, config = load_model(model_dir)
+    assert config.o_proj_bias is (preset != "qwen2-tiny")
+    tokens = random_tokens(37, seed=3)
+    [ours] = PagedRunner(model, config).step([(0, tokens)])
+    torch.testing.assert_close(ours, hf_logits(model_dir, tokens), atol=ATOL, rtol=0)
 
 
 def test_two_chunks_equal_one_pass(tiny_model_dir: Path) -> None:

@@ -12,6 +12,7 @@ import pytest
 from tests.engine.engine_helpers import GREEDY, make_engine, prompts_of_lengths, run_engine
 from workers.engine.engine_core import EngineCore
 from workers.engine.kv_cache import copy_pages, read_pages
+from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import ScheduledChunk
 
 LENGTHS = [1, 2, 15, 16, 17, 40, 100]
@@ -173,3 +174,43 @@ def test_abort_prefill_role_and_waiting_for_kv(tiny_model_dir: Path) -> None:
         decode.step()
     decode.check_invariants()
     assert decode.block_manager.num_free_pages == 16 and decode.block_manager.num_pinned_pages == 0
+
+
+def test_pages_pinned_for_incoming_kv_delay_a_decode_but_never_end_it(
+    tiny_model_dir: Path,
+) -> None:
+    """8 pages of 4 tokens: while 4 are pinned for a transfer, a decoding request that needs a
+    5th page waits (it fits the pool); once the KV lands it finishes all its tokens."""
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    prompt, incoming = prompts_of_lengths([12, 17], seed=4)
+    expected = run_engine(make_engine(tiny_model_dir, page_size=4), [prompt, incoming], params)
+    prefill = make_engine(tiny_model_dir, role="prefill", page_size=4, num_pages=8)
+    prefill.add_request("b", incoming, params)
+    while prefill.has_unfinished():
+        prefill.step()
+
+    decode = make_engine(tiny_model_dir, role="decode", page_size=4, num_pages=8)
+    decode.add_request("a", prompt, params)
+    tokens: dict[str, list[int]] = {"a": [], "b": []}
+    reasons: dict[str, str | None] = {}
+
+    def step() -> None:
+        for output in decode.step():
+            tokens[output.request_id].extend(output.new_token_ids)
+            if output.finished:
+                reasons[output.request_id] = output.finish_reason
+
+    step()  # a's prompt and first token
+    pinned = decode.allocate_pinned(decode.num_prefill_pages(len(incoming)))
+    assert len(pinned) == 4
+    for _ in range(8):
+        step()
+    assert reasons == {} and len(tokens["a"]) < 10
+    copy_pages(prefill.kv_cache, prefill.pages_of("b"), decode.kv_cache, pinned)
+    decode.add_prefilled_request("b", incoming, params, pinned)
+    while decode.has_unfinished():
+        step()
+    assert [tokens["a"], tokens["b"]] == expected
+    assert reasons == {"a": "length", "b": "length"}
+    decode.check_invariants()
+    assert decode.block_manager.num_free_pages == 8

@@ -115,6 +115,26 @@ def test_pinned_pages_are_never_taken_by_preemption_pressure() -> None:
     bm.check_invariants()
 
 
+def test_pages_pinned_for_a_transfer_delay_a_sequence_but_never_finish_it() -> None:
+    # 8 pages of 4 tokens. Once 4 pages are pinned for incoming KV, the 17th token does not fit
+    # (5 pages) until the transfer ends; the sequence fits the pool, so it waits.
+    scheduler = _scheduler(num_pages=8)
+    bm = scheduler.block_manager
+    seq = _seq("a", 12, max_tokens=10)
+    scheduler.add(seq)
+    _fake_step(scheduler)  # the prompt, and a first token: 13 tokens
+    pinned = bm.allocate_pinned(4)
+    for _ in range(8):
+        out = _fake_step(scheduler)
+        assert not out.hopeless
+        bm.check_invariants()
+    assert seq.status is SequenceStatus.WAITING and seq.num_output_tokens < 10
+    bm.free_pinned(pinned)  # the transfer failed or timed out (a landed one is handed over)
+    _drain(scheduler)
+    assert seq.finish_reason is FinishReason.LENGTH and seq.num_output_tokens == 10
+    assert bm.num_free_pages == 8
+
+
 def test_sequence_larger_than_the_pool_is_finished_not_looped() -> None:
     scheduler = _scheduler(num_pages=3, max_num_batched_tokens=64)
     seq = _seq("big", 10, max_tokens=20)  # grows past 12 tokens

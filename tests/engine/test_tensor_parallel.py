@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from tests.engine.engine_helpers import GREEDY, hf_greedy, make_engine, prompts_of_lengths
+from tests.engine.model_helpers import write_attention_bias_checkpoint
 from workers.engine.engine_core import EngineCore
 from workers.engine.errors import (
     TensorParallelConfigError,
@@ -233,6 +234,18 @@ def test_each_rank_loads_its_slices(preset: str, tp: int, request: pytest.Fixtur
 def _children() -> set[int | None]:
     # Engines of the module-scoped fixture may still be alive: compare sets, not emptiness.
     return {p.pid for p in multiprocessing.active_children()}
+
+
+def test_o_proj_bias_is_added_once_across_ranks(tmp_path: Path) -> None:
+    """o_proj is row-parallel: its bias (replicated on every rank) joins after the all-reduce."""
+    model_dir = write_attention_bias_checkpoint("tiny", tmp_path)
+    prompts = prompts_of_lengths([7, 50], seed=6)
+    expected = [hf_greedy(model_dir, p, GREEDY.max_tokens) for p in prompts]
+    engine = make_engine(model_dir, num_pages=64, tensor_parallel_size=2)
+    try:
+        assert _run(engine, prompts)[0] == expected
+    finally:
+        engine.close()
 
 
 def test_invalid_tp_fails_before_spawning(tiny_model_dir: Path) -> None:

@@ -17,6 +17,7 @@ from orchestrator.worker_service import WorkerServer, WorkerServicer
 from protos.pdserve.v1 import worker_pb2 as wpb
 from protos.pdserve.v1 import worker_pb2_grpc as wpb_grpc
 from workers.engine.config import EngineConfig
+from workers.engine.errors import EngineClosedError
 
 
 @pytest.fixture
@@ -108,15 +109,25 @@ def test_a_duplicate_id_on_connect_leaves_the_live_request_tracked(
     asyncio.run(run())
 
 
-def test_an_unexpected_start_failure_is_internal(
-    mixed: tuple[MixedBackend, WorkerServer], monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        (RuntimeError("unexpected"), grpc.StatusCode.INTERNAL),
+        (EngineClosedError("the engine's step loop died"), grpc.StatusCode.UNAVAILABLE),
+    ],
+)
+def test_start_failures_have_their_status(
+    mixed: tuple[MixedBackend, WorkerServer],
+    monkeypatch: pytest.MonkeyPatch,
+    error: Exception,
+    code: grpc.StatusCode,
 ) -> None:
-    """Fake, named: the backend's submit raises what no check expects (as a dead step loop's
-    error does); the status is INTERNAL, as on Connect, not gRPC's UNKNOWN."""
+    """Fake, named: the backend's submit raises. Unexpected: INTERNAL, as on Connect (not
+    gRPC's UNKNOWN); a closed engine: UNAVAILABLE, the router's cue to go elsewhere."""
     backend, server = mixed
 
     def broken(*args: object) -> None:
-        raise RuntimeError("engine step loop died")
+        raise error
 
     monkeypatch.setattr(backend, "submit", broken)
 
@@ -127,7 +138,7 @@ def test_an_unexpected_start_failure_is_internal(
                     pass
             return failed.value.code()
 
-    assert asyncio.run(run()) == grpc.StatusCode.INTERNAL
+    assert asyncio.run(run()) == code
 
 
 # --- `pdserve generate` ------------------------------------------------------------------------

@@ -34,3 +34,10 @@ class TensorParallelError(EngineError):
 
     The group cannot continue: close the engine and start a new one.
     """
+
+
+class EngineClosedError(EngineError, RuntimeError):
+    """The engine's step loop has stopped or died: it will run nothing more.
+
+    Raised by `StepLoop.call` at once (``__cause__`` is the loop's error when it died).
+    """

@@ -61,6 +61,8 @@ class Attention(nn.Module):
         self.qkv_proj_weight = _empty(qkv_rows, config.hidden_size, dtype=dtype)
         self.qkv_proj_bias = _empty(qkv_rows, dtype=dtype) if config.attention_bias else None
         self.o_proj_weight = _empty(config.hidden_size, self.q_size, dtype=dtype)
+        # Replicated under TP: added once, after the all-reduce of the partial products.
+        self.o_proj_bias = _empty(config.hidden_size, dtype=dtype) if config.o_proj_bias else None
         self.q_norm = (
             RMSNorm(config.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
         )
@@ -94,6 +96,8 @@ class Attention(nn.Module):
         if self.reduce is not None:
             # Every rank's heads have written their KV once this returns on any rank.
             self.reduce(projected)
+        if self.o_proj_bias is not None:
+            projected += self.o_proj_bias
         return projected
 
 

@@ -155,6 +155,9 @@ def _target(model: CausalLM, name: str, shard: ShardSpec) -> _Placement | None:
         "self_attn.o_proj.weight": _Placement(
             attn.o_proj_weight, 1, shard.q_head_start * head_dim, q_full
         ),
+        "self_attn.o_proj.bias": (
+            _Placement(attn.o_proj_bias) if attn.o_proj_bias is not None else None
+        ),
         "self_attn.q_norm.weight": _Placement(attn.q_norm.weight) if attn.q_norm else None,
         "self_attn.k_norm.weight": _Placement(attn.k_norm.weight) if attn.k_norm else None,
         "mlp.gate_proj.weight": _Placement(
@@ -186,6 +189,8 @@ def expected_tensor_names(config: ModelConfig) -> set[str]:
     ]
     if config.attention_bias:
         per_layer += [f"self_attn.{p}.bias" for p in ("q_proj", "k_proj", "v_proj")]
+    if config.o_proj_bias:
+        per_layer.append("self_attn.o_proj.bias")
     if config.qk_norm:
         per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
     for i in range(config.num_layers):

@@ -10,11 +10,13 @@ from typing import Any
 from workers.engine.errors import UnsupportedCheckpointError
 
 # HF ``architectures`` entries we can run, and the per-family switches they imply.
+# ``o_proj_bias``: whether ``attention_bias`` gives o_proj a bias too (transformers' Llama and
+# Qwen3 attention do; Qwen2's biases are on q/k/v only).
 SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": {"qk_norm": False, "default_bias": False},
-    "MistralForCausalLM": {"qk_norm": False, "default_bias": False},
-    "Qwen2ForCausalLM": {"qk_norm": False, "default_bias": True},
-    "Qwen3ForCausalLM": {"qk_norm": True, "default_bias": False},
+    "LlamaForCausalLM": {"qk_norm": False, "default_bias": False, "o_proj_bias": True},
+    "MistralForCausalLM": {"qk_norm": False, "default_bias": False, "o_proj_bias": False},
+    "Qwen2ForCausalLM": {"qk_norm": False, "default_bias": True, "o_proj_bias": False},
+    "Qwen3ForCausalLM": {"qk_norm": True, "default_bias": False, "o_proj_bias": True},
 }
 
 
@@ -47,8 +49,9 @@ class ModelConfig:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
+    attention_bias: bool  # q/k/v projections carry a bias (Qwen2; Llama / Qwen3 when set)
     qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    o_proj_bias: bool = False  # o_proj carries a bias (Llama / Qwen3 with attention_bias)
     rope_scaling: dict[str, Any] | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
@@ -79,6 +82,7 @@ class ModelConfig:
             hidden = int(raw["hidden_size"])
             eos = raw.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+            attention_bias = bool(raw.get("attention_bias", family["default_bias"]))
             return cls(
                 architecture=arch,
                 vocab_size=int(raw["vocab_size"]),
@@ -96,7 +100,8 @@ class ModelConfig:
                 ),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                attention_bias=bool(raw.get("attention_bias", family["default_bias"])),
+                attention_bias=attention_bias,
+                o_proj_bias=attention_bias and bool(family["o_proj_bias"]),
                 qk_norm=bool(family["qk_norm"]),
                 rope_scaling=_rope_scaling(raw),
                 bos_token_id=raw.get("bos_token_id"),

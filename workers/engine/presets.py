@@ -145,6 +145,7 @@ def _tensor_shape(config: ModelConfig, name: str) -> tuple[int, ...]:
         "self_attn.k_proj.bias": (kv_size,),
         "self_attn.v_proj.bias": (kv_size,),
         "self_attn.o_proj.weight": (hidden, q_size),
+        "self_attn.o_proj.bias": (hidden,),
         "self_attn.q_norm.weight": (head_dim,),
         "self_attn.k_norm.weight": (head_dim,),
         "mlp.gate_proj.weight": (inter, hidden),

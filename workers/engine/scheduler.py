@@ -14,8 +14,11 @@ exactly once per layer (the KV messenger counts writes per page in advance).
 When a running sequence needs a page and none is free, the most recently admitted running
 sequence is preempted by recompute: its pages go back to the pool and it rejoins the front of
 ``waiting`` with nothing computed. Pinned pages belong to no running sequence and so are never
-taken. On the prefill role a sequence gets all its pages when admitted, so it is never
-preempted (its KV is already on its way to a decoder).
+taken; but they are reserved only until their transfer lands, fails or times out, so a sequence
+that does not fit only because of them waits (preempted, or first in ``waiting``) instead of
+being finished. Only a sequence that outgrows the whole pool is finished (``length``). On the
+prefill role a sequence gets all its pages when admitted, so it is never preempted (its KV is
+already on its way to a decoder).
 """
 
 from __future__ import annotations
@@ -125,13 +128,13 @@ class Scheduler:
             num_new = self._chunk_size(seq, budget)
             if num_new == 0:
                 break
-            if not self._fits_alone(seq, num_new):
-                self.finish(seq, FinishReason.LENGTH)
-                out.hopeless.append(seq)
-                continue
             # The prefill role reserves a prompt's pages at admission, so it never preempts:
             # a recomputed chunk would send its pages to the decoder a second time.
             reserve = seq.num_remaining_tokens if seq.prefill_only else num_new
+            if not self._fits_alone(seq, reserve):
+                self.finish(seq, FinishReason.LENGTH)
+                out.hopeless.append(seq)
+                continue
             if not self._can_append(seq, reserve) and not self._drop_waiting_kv(seq, reserve, out):
                 break
             self.waiting.popleft()
@@ -227,10 +230,13 @@ class Scheduler:
         return self._can_append(seq, num_new)
 
     def _fits_alone(self, seq: Sequence, num_new: int) -> bool:
-        """Whether the pages ``seq`` needs fit in the pool with every unpinned page free.
+        """Whether the pages ``seq`` needs fit in the whole pool.
 
         A sequence that does not can never run (preempting others would not help): the
-        scheduler finishes it with ``length`` rather than preempting forever.
+        scheduler finishes it with ``length`` rather than preempting forever. Pinned pages do
+        not count against it: each is freed or handed to a request once its transfer lands,
+        fails or passes its deadline, after which preemption (or dropping waiting KV) can
+        reclaim it, so a sequence they block only waits.
         """
         needed = self.block_manager.pages_for_tokens(seq.num_computed_tokens + num_new)
-        return needed <= self.block_manager.num_pages - self.block_manager.num_pinned_pages
+        return needed <= self.block_manager.num_pages

@@ -1,11 +1,21 @@
 """The one thread that drives an `EngineCore` (the engine is not thread-safe).
 
     loop: run shipped calls ─▶ poll() ─▶ engine.step() (if work) ─▶ on_outputs(outputs)
-          (idle: wait until a call or ``wake()``; shorter waits while ``has_work()``)
+          (idle, or a step that could schedule nothing: wait until a call or ``wake()``;
+          shorter waits while ``has_work()``)
 
 Other threads reach the engine only through ``call(function)``, which runs ``function`` on this
 thread and returns its result. Used by the KV workers (``poll`` / ``has_work`` drive the
 messenger) and by the colocated worker backend (no messenger).
+
+A step that schedules nothing (every waiting request blocked by pages held for transfers) waits
+too: spinning would hold the GIL against the messenger and fabric threads that free the pages;
+whatever frees them calls ``wake()``.
+
+Closing: once ``stop()`` is called or the loop dies, the loop is *closed*: ``call`` raises
+`EngineClosedError` at once, and calls queued before that are run (stop) or failed with it
+(death). When the loop dies, ``on_error(error)`` runs on the loop thread, so the owner can end
+the requests it still streams.
 """
 
 from __future__ import annotations
@@ -16,6 +26,8 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
+
+from workers.engine.errors import EngineClosedError
 
 if TYPE_CHECKING:
     from workers.engine.engine_core import EngineCore
@@ -36,6 +48,10 @@ def _no_work() -> bool:
     return False
 
 
+def _ignore_error(error: BaseException) -> None:
+    return None
+
+
 class StepLoop:
     """Not started by the constructor: start ``thread`` once whatever ``poll`` uses exists."""
 
@@ -47,32 +63,49 @@ class StepLoop:
         *,
         poll: Callable[[], None] = _nothing,
         has_work: Callable[[], bool] = _no_work,
+        on_error: Callable[[BaseException], None] = _ignore_error,
     ) -> None:
         self._engine = engine
         self._poll = poll
         self._has_work = has_work
         self._on_outputs = on_outputs
+        self._on_error = on_error
         self._calls: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
         self._wake = threading.Event()
+        # ``_closed`` and every put into ``_calls`` happen under ``_lock``: once closed, the
+        # final drain sees every call that will ever be queued.
+        self._lock = threading.Lock()
+        self._closed = False
         self._stopped = False
         self.error: BaseException | None = None
+        self.num_waits = 0  # times the loop waited for a call or a wake-up
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
 
     def wake(self) -> None:
         self._wake.set()
 
     def call(self, function: Callable[[], T], timeout: float = 60.0) -> T:
-        if self.error is not None:
-            raise RuntimeError(f"engine step loop died: {self.error!r}")
+        """Run ``function`` on the loop thread; raises `EngineClosedError` once closed."""
         future: Future[T] = Future()
-        self._calls.put((function, future))
+        with self._lock:
+            if self._closed:
+                raise self._closed_error()
+            self._calls.put((function, future))
         self._wake.set()
         return future.result(timeout)
 
     def stop(self, timeout: float = 30.0) -> None:
-        self._stopped = True
+        with self._lock:
+            self._closed = self._stopped = True
         self._wake.set()
-        if self.thread.is_alive() and threading.current_thread() is not self.thread:
+        if not self.thread.is_alive():
+            # Never started (or already ended): nobody else will answer what is queued.
+            self._fail_calls(self._closed_error())
+        elif threading.current_thread() is not self.thread:
             self.thread.join(timeout)
 
     def _run(self) -> None:
@@ -80,16 +113,43 @@ class StepLoop:
             while not self._stopped:
                 self._run_calls()
                 self._poll()
-                if self._engine.has_unfinished():
-                    self._on_outputs(self._engine.step())
+                if self._engine.has_unfinished() and self._step():
                     continue
+                self.num_waits += 1
                 self._wake.wait(_BUSY_WAIT_S if self._has_work() else _IDLE_WAIT_S)
                 self._wake.clear()
         except BaseException as error:  # reported to callers through call() and health
             log.exception("engine step loop failed")
             self.error = error
         finally:
-            self._run_calls()
+            with self._lock:
+                self._closed = True
+            if self.error is None:
+                self._run_calls()
+            else:
+                self._fail_calls(self._closed_error())
+                self._report(self.error)
+
+    def _step(self) -> bool:
+        """One engine step; whether it did anything (ran the model, preempted or output)."""
+        stats = self._engine.stats
+        before = (stats.num_steps, stats.num_preemptions)
+        outputs = self._engine.step()
+        self._on_outputs(outputs)
+        return bool(outputs) or (stats.num_steps, stats.num_preemptions) != before
+
+    def _report(self, error: BaseException) -> None:
+        try:
+            self._on_error(error)
+        except Exception:
+            log.exception("on_error hook of the engine step loop failed")
+
+    def _closed_error(self) -> EngineClosedError:
+        if self.error is None:
+            return EngineClosedError("engine step loop stopped")
+        closed = EngineClosedError(f"engine step loop died: {self.error!r}")
+        closed.__cause__ = self.error
+        return closed
 
     def _run_calls(self) -> None:
         while True:
@@ -101,3 +161,11 @@ class StepLoop:
                 future.set_result(function())
             except BaseException as error:
                 future.set_exception(error)
+
+    def _fail_calls(self, error: EngineClosedError) -> None:
+        while True:
+            try:
+                _, future = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            future.set_exception(error)

@@ -246,6 +246,7 @@ class DecodeWorker:
                 self._on_outputs,
                 poll=self._poll,
                 has_work=self._has_work,
+                on_error=self._on_loop_error,
             )
             self.messenger = DecodeMessenger(
                 self.engine,
@@ -386,6 +387,14 @@ class DecodeWorker:
                     output.finish_reason,
                     logprobs=list(output.logprobs) if output.logprobs is not None else None,
                 )
+            )
+
+    def _on_loop_error(self, error: BaseException) -> None:
+        """The step loop died: no stream will get another output, so end them all."""
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.put(
+                WorkerOutput(stream.request_id, [], True, "error", f"engine failed: {error!r}")
             )
 
     def _emit(self, output: WorkerOutput) -> None:
