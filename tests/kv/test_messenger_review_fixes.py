@@ -213,7 +213,7 @@ def test_a_decoder_marked_failed_is_resolved_again_when_it_sends(
     # does when an operation to it misses the operation deadline (a decoder stalled by SIGSTOP,
     # swap or a GC). The workers fix that deadline at 30 s, longer than a test can stall a
     # peer; the mark is the fabric's own, made on its progress thread.
-    loop.call(lambda: loop._fail_peer(peer, OperationTimeoutError("injected: missed deadline")))
+    loop.call(lambda: loop.peers.fail(peer, OperationTimeoutError("injected: missed deadline")))
     assert isinstance(prefill.fabric.peer_failure(decode.fabric.address), OperationTimeoutError)
 
     # The decoder is alive: its next requests prove it, and are served.

@@ -177,7 +177,7 @@ class EngineCore:
         prompt_token_ids: Sequence[int],
         params: SamplingParams | None = None,
     ) -> None:
-        prompt = self._validate(request_id, prompt_token_ids, params or SamplingParams())
+        prompt = self.validate(request_id, prompt_token_ids, params or SamplingParams())
         prefill_only = self.config.role == "prefill"
         seq = Seq(request_id, prompt, params or SamplingParams(), prefill_only=prefill_only)
         self._requests[request_id] = seq
@@ -212,7 +212,7 @@ class EngineCore:
         The pages pass to the request (unpinned); its first step runs the last prompt token.
         """
         params = params or SamplingParams()
-        prompt = self._validate(request_id, prompt_token_ids, params)
+        prompt = self.validate(request_id, prompt_token_ids, params)
         self._check_pinned_pages(page_ids, len(prompt))
         seq = Seq(request_id, prompt, params)
         self.block_manager.unpin(page_ids)
@@ -230,7 +230,7 @@ class EngineCore:
         The request is invisible to the scheduler until ``kv_ready(request_id)``.
         """
         params = params or SamplingParams()
-        prompt = self._validate(request_id, prompt_token_ids, params)
+        prompt = self.validate(request_id, prompt_token_ids, params)
         page_ids = self.allocate_pinned(self.num_prefill_pages(len(prompt)))
         seq = Seq(request_id, prompt, params, status=SequenceStatus.WAITING_FOR_KV)
         seq.page_ids = page_ids
@@ -338,9 +338,15 @@ class EngineCore:
 
     # --- helpers ---------------------------------------------------------------------------
 
-    def _validate(
+    @property
+    def pool_tokens(self) -> int:
+        """Tokens the whole KV pool holds."""
+        return self.num_pages * self.config.page_size
+
+    def validate(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
     ) -> list[int]:
+        """The checks of `add_request` (typed errors, nothing allocated): the prompt as ints."""
         if request_id in self._requests or request_id in self._held:
             raise InvalidRequestError(f"request id {request_id!r} is already active")
         return validate_request(
@@ -349,7 +355,7 @@ class EngineCore:
             params,
             vocab_size=self.model_config.vocab_size,
             max_model_len=self.max_model_len,
-            pool_tokens=self.num_pages * self.config.page_size,
+            pool_tokens=self.pool_tokens,
             has_tokenizer=self.stop_checker.tokenizer is not None,
         )
 

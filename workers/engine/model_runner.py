@@ -99,6 +99,7 @@ class ModelRunner:
             slot_mapping=tensor(slots),
             query_lens_list=tuple(query_lens),
             seq_lens_list=tuple(seq_lens),
-            num_prompt_tokens=tensor(num_prompt_tokens),
+            # Only dynamic-NTK RoPE reads it: no tensor (and device copy) per step otherwise.
+            num_prompt_tokens=tensor(num_prompt_tokens) if self.model.rotary.is_dynamic else None,
         )
         return tensor(input_ids), tensor(positions), batch

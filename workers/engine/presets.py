@@ -19,7 +19,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from workers.engine.loader import expected_tensor_names
 from workers.engine.model_config import ModelConfig
-from workers.engine.tokenizer import DEFAULT_CHAT_TEMPLATE
+from workers.engine.tokenizer import DEFAULT_CHAT_TEMPLATE, bytes_to_unicode
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ def byte_level_tokenizer() -> Tokenizer:
     """Token id b encodes byte b (0..255); specials <s>=256, </s>=257, <pad>=258."""
     byte_chars = pre_tokenizers.ByteLevel.alphabet()
     # The ByteLevel alphabet maps each byte to one printable character; order ids by byte value.
-    byte_to_char = _bytes_to_unicode()
+    byte_to_char = bytes_to_unicode()
     assert set(byte_to_char.values()) == set(byte_chars)
     vocab = {byte_to_char[b]: b for b in range(NUM_BYTE_TOKENS)}
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -167,22 +167,6 @@ def byte_level_tokenizer() -> Tokenizer:
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens([BOS_TOKEN, EOS_TOKEN, PAD_TOKEN])
     return tokenizer
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character table (what ByteLevel uses)."""
-    printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    table = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
 
 
 def _tokenizer_config(max_length: int) -> dict[str, Any]:

@@ -210,10 +210,6 @@ class CudaPool:
         raw = torch.as_tensor(_ArrayInterface(self._address.value, nbytes), device=f"cuda:{device}")
         self.tensor = raw.view(dtype).view(shape)
 
-    @property
-    def address(self) -> int:
-        return int(self._address.value)
-
     def close(self) -> None:
         """Unmap and release; the tensor must not be used afterwards."""
         driver = _cuda()

@@ -76,7 +76,6 @@ class StepLoop:
         # final drain sees every call that will ever be queued.
         self._lock = threading.Lock()
         self._closed = False
-        self._stopped = False
         self.error: BaseException | None = None
         self.num_waits = 0  # times the loop waited for a call or a wake-up
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -100,7 +99,7 @@ class StepLoop:
 
     def stop(self, timeout: float = 30.0) -> None:
         with self._lock:
-            self._closed = self._stopped = True
+            self._closed = True
         self._wake.set()
         if not self.thread.is_alive():
             # Never started (or already ended): nobody else will answer what is queued.
@@ -110,7 +109,7 @@ class StepLoop:
 
     def _run(self) -> None:
         try:
-            while not self._stopped:
+            while not self._closed:
                 self._run_calls()
                 self._poll()
                 if self._engine.has_unfinished() and self._step():

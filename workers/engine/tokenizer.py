@@ -25,12 +25,24 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 logger = logging.getLogger(__name__)
 
 
-# GPT-2's byte-level map, reversed: printable Latin-1 bytes stand for themselves, the others (in
-# byte order) for chr(256), chr(257), ... (`HFTokenizer.token_bytes`).
-_GPT2_PRINTABLE = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-_GPT2_BYTE_OF = {chr(b): b for b in _GPT2_PRINTABLE} | {
-    chr(256 + i): b for i, b in enumerate(b for b in range(256) if b not in _GPT2_PRINTABLE)
-}
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table (what ByteLevel uses)."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+# Its reverse (`HFTokenizer.token_bytes`).
+_GPT2_BYTE_OF = {char: byte for byte, char in bytes_to_unicode().items()}
 
 # Used when a checkpoint has no template of its own (random presets, byte-level fallback).
 DEFAULT_CHAT_TEMPLATE = (

@@ -163,7 +163,7 @@ class TransferEngine:
         try:
             self.address = self._getname()
             self._pools = MessagePools(max_message_bytes, num_send_buffers, num_receive_buffers)
-            self._pools.register(lambda array: self._register_native(array).desc)
+            self._pools.register(lambda array: self._register_native(self._extent(array)).desc)
             self.counters = ImmCounters()
             self._dispatcher = CallbackDispatcher(f"fabric-callbacks-{self._id}")
             if idle_wait_us is None:
@@ -247,8 +247,7 @@ class TransferEngine:
             raise ProviderError(f"fi_getname: {strerror(rc)}", -rc)
         return bytes(ffi.buffer(buffer, length[0]))
 
-    def _register_native(self, owner: object) -> MemoryRegionHandle:
-        extent = self._extent(owner)
+    def _register_native(self, extent: BufferExtent) -> MemoryRegionHandle:
         key = self._next_key
         self._next_key += 1
         mr = ffi.new("struct fid_mr **")
@@ -305,7 +304,7 @@ class TransferEngine:
         extent = self._extent(buffer)  # typed errors on this thread, before the provider
         if self._huge_pages and extent.cuda_device < 0:
             advise_huge_pages(extent.address, extent.length)
-        handle: MemoryRegionHandle = self._loop.call(lambda: self._register_native(buffer))
+        handle: MemoryRegionHandle = self._loop.call(lambda: self._register_native(extent))
         virt = bool(self.info.mr_mode & lib.FI_MR_VIRT_ADDR)
         descriptor = MemoryRegionDescriptor(
             self.provider, handle.address if virt else 0, handle.length, handle.key, virt

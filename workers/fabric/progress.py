@@ -572,10 +572,6 @@ class ProgressLoop:
             )
             self.peers.fail(job.peer, error)
 
-    def _fail_peer(self, peer: PeerHandle, error: FabricError) -> None:
-        """`PeerTable.fail`, on this thread (tests inject a peer's failure through it)."""
-        self.peers.fail(peer, error)
-
     # -- watchdog -------------------------------------------------------------------------------
 
     def _watch(self) -> None:

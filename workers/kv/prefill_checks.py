@@ -73,7 +73,7 @@ def check_request(
     num_prompt_tokens = len(request.token_ids) + 1
     if num_prompt_tokens >= engine.max_model_len:
         raise RequestRejected(RejectReason.TOO_LONG, f"{num_prompt_tokens} tokens")
-    pool_tokens = engine.num_pages * engine.config.page_size
+    pool_tokens = engine.pool_tokens
     if num_prompt_tokens + 1 > pool_tokens:
         raise RequestRejected(
             RejectReason.TOO_LONG,

@@ -662,9 +662,7 @@ class PrefillMessenger:
         with self._lock:
             if out.transfer.state is PrefillState.WRITING and not out.prefilled:
                 return
-            # Already terminal: a failed completion of its last write in flight stopped it
-            # straight to FAILED (`PrefillTransfer.record_completion`); it is freed here.
-            finished = out.transfer.is_terminal or out.transfer.finish_if_drained(time.monotonic())
+            finished = out.transfer.finish_if_drained(time.monotonic())
         if finished:
             self._free(out)
 

@@ -336,7 +336,11 @@ class PrefillTransfer(_StateMachine[PrefillState]):
         self.advance(PrefillState.DRAINING if self.num_writes_in_flight else outcome, now_s)
 
     def finish_if_drained(self, now_s: float) -> bool:
-        """From WRITING or DRAINING, enter the terminal state once nothing is in flight."""
+        """From WRITING or DRAINING, enter the terminal state once nothing is in flight; True
+        when the transfer is terminal now (also if it already was: `stop` or a failed last
+        write in flight ends it at once, with nothing left to drain)."""
+        if self.is_terminal:
+            return True
         if self.num_writes_in_flight:
             return False
         if self.state is PrefillState.WRITING:

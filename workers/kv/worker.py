@@ -29,7 +29,6 @@ from workers.engine.engine_core import EngineCore
 from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.step_loop import StepLoop
-from workers.engine.validation import validate_request
 from workers.fabric import TransferEngine
 from workers.kv.decode_messenger import DecodeMessenger, DecodeMessengerConfig
 from workers.kv.endpoint import PrefillEndpoint
@@ -287,18 +286,9 @@ class DecodeWorker:
         prompt = list(prompt_ids)
 
         def start() -> None:
-            engine = self.engine
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already active")
-            validate_request(
-                request_id,
-                prompt,
-                params,
-                vocab_size=engine.model_config.vocab_size,
-                max_model_len=engine.max_model_len,
-                pool_tokens=engine.num_pages * engine.config.page_size,
-                has_tokenizer=engine.tokenizer is not None,
-            )
+            self.engine.validate(request_id, prompt, params)
             self._streams[request_id] = stream
             try:
                 self.messenger.start(request_id, prompt, params, prefill)
@@ -364,9 +354,7 @@ class DecodeWorker:
             self.fabric.close()
         finally:
             self.engine.close()
-        for stream in self._streams.values():
-            stream.put(WorkerOutput(stream.request_id, [], True, "error", "worker closed"))
-        self._streams.clear()
+        self._end_streams("worker closed")
 
     # -- step thread ------------------------------------------------------------------------
 
@@ -391,11 +379,12 @@ class DecodeWorker:
 
     def _on_loop_error(self, error: BaseException) -> None:
         """The step loop died: no stream will get another output, so end them all."""
+        self._end_streams(f"engine failed: {error!r}")
+
+    def _end_streams(self, reason: str) -> None:
         streams, self._streams = self._streams, {}
         for stream in streams.values():
-            stream.put(
-                WorkerOutput(stream.request_id, [], True, "error", f"engine failed: {error!r}")
-            )
+            stream.put(WorkerOutput(stream.request_id, [], True, "error", reason))
 
     def _emit(self, output: WorkerOutput) -> None:
         stream = self._streams.get(output.request_id)
