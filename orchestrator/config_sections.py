@@ -19,6 +19,8 @@ FABRIC_PROVIDERS: tuple[str, ...] = ("tcp;ofi_rxm", "shm", "verbs;ofi_rxm", "efa
 # Short names accepted for convenience, as in `workers.fabric.providers`.
 FABRIC_PROVIDER_ALIASES: dict[str, str] = {"tcp": "tcp;ofi_rxm", "verbs": "verbs;ofi_rxm"}
 ROUTING_POLICIES: tuple[str, ...] = ("least_outstanding", "round_robin", "random")
+# Bind addresses that mean "every interface": no peer can dial them.
+WILDCARD_HOSTS: frozenset[str] = frozenset({"0.0.0.0", "::"})
 # router.max_request_bytes: gRPC's own default receive limit, so nothing that fit before is
 # refused; room for a 128k-token prompt as token ids (at most 5 bytes each) or as text.
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
@@ -328,9 +330,8 @@ class RouterConfig:
         grpc_host, grpc_port = _split_address(self.address)
         if self.http_address is not None:
             http_host, http_port = _split_address(self.http_address, "http_address")
-            wildcard = {"0.0.0.0", "::"}
             if grpc_port == http_port != 0 and (
-                grpc_host == http_host or {grpc_host, http_host} & wildcard
+                grpc_host == http_host or {grpc_host, http_host} & WILDCARD_HOSTS
             ):
                 # Else the second bind fails only after every worker was placed.
                 raise ConfigError(

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.worker_backend import Sink, TokenDelta, WorkerLoad
+from orchestrator.worker_backend import Sink, TokenDelta, WorkerLoad, client_request_id
 from workers.engine.config import EngineConfig
 from workers.engine.sampling_params import SamplingParams
 
@@ -156,9 +156,7 @@ class PrefillBackend:
 
 def _transfer_stats(worker: DecodeWorker | PrefillWorker, request_id: str) -> dict[str, Any] | None:
     """The record of ``request_id``: a worker request id, or a client's id, whose latest attempt
-    it then is (workers know requests by the router's per-attempt ids, `orchestrator.router`)."""
-    from orchestrator.router import client_request_id
-
+    it then is (workers know requests by the router's per-attempt ids, `worker_request_id`)."""
     record = worker.transfer_stats(request_id)
     if record is not None:
         return record

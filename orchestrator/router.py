@@ -54,6 +54,7 @@ from orchestrator.errors import (
 from orchestrator.policy import PrefillLoad, RoutingPolicy, create_policy
 from orchestrator.registry import Registry, WorkerRecord
 from orchestrator.text_stream import TextStream
+from orchestrator.worker_backend import worker_request_id
 from orchestrator.worker_link import DeltaQueue, LinkBroken, WorkerLink
 from orchestrator.worker_service import sampling_to_proto
 from protos.pdserve.v1 import worker_pb2 as wpb
@@ -86,6 +87,9 @@ class RouterSettings:
     # Other prefill workers a disaggregated request may try when its KV transfer failed before
     # any token was streamed (0: fail it at once).
     prefill_retries: int = 1
+    # EOS ids whose text is not output (the engine's `StopChecker`: the model config's and the
+    # tokenizer's); ``ignore_eos`` disables them.
+    eos_token_ids: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -120,17 +124,6 @@ class StreamEvent:
     num_prompt_tokens: int = 0
     num_completion_tokens: int = 0
     timings: Timings | None = None
-
-
-def worker_request_id(request_id: str, attempt: int) -> str:
-    """The id a worker knows attempt ``attempt`` (router-unique) of client request
-    ``request_id`` by."""
-    return f"{request_id}#{attempt}"
-
-
-def client_request_id(worker_request: str) -> str:
-    """The client's id in a `worker_request_id` (client ids may contain ``#`` themselves)."""
-    return worker_request.rpartition("#")[0]
 
 
 @dataclass
@@ -364,7 +357,7 @@ class Router:
         if reason != "stop" or not token_ids:
             return token_ids
         last = token_ids[-1]
-        eos = () if params.ignore_eos or self.tokenizer is None else self.tokenizer.eos_token_ids
+        eos = () if params.ignore_eos else self.settings.eos_token_ids
         return token_ids[:-1] if last in params.stop_token_ids or last in eos else token_ids
 
     async def _stream(

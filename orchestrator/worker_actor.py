@@ -16,7 +16,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from orchestrator.config_sections import join_host_port
+from orchestrator.config_sections import WILDCARD_HOSTS, join_host_port
 
 logger = logging.getLogger(__name__)
 
@@ -44,10 +44,6 @@ class WorkerSpec:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> WorkerSpec:
         return cls(**data)
-
-
-# Bind addresses that mean "every interface": no peer can dial them.
-WILDCARD_HOSTS: frozenset[str] = frozenset({"0.0.0.0", "::"})
 
 
 def advertised_address(bind_host: str, port: int) -> str:

@@ -46,6 +46,17 @@ class TokenDelta:
 Sink = Callable[[TokenDelta], None]
 
 
+def worker_request_id(request_id: str, attempt: int) -> str:
+    """The id a worker knows attempt ``attempt`` (router-unique) of client request
+    ``request_id`` by."""
+    return f"{request_id}#{attempt}"
+
+
+def client_request_id(worker_request: str) -> str:
+    """The client's id in a `worker_request_id` (client ids may contain ``#`` themselves)."""
+    return worker_request.rpartition("#")[0]
+
+
 @dataclass(frozen=True)
 class WorkerLoad:
     num_running_requests: int

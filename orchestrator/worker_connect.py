@@ -29,8 +29,16 @@ from workers.engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-def status_of_submit_error(error: Exception) -> grpc.StatusCode:
-    """The status of a request the backend refused to start (both worker APIs)."""
+def status_of_submit_error(error: Exception, request_id: str) -> grpc.StatusCode:
+    """The status of request ``request_id`` the backend refused to start (both worker APIs);
+    an INTERNAL one (not the client's fault nor a known refusal) is logged with its traceback."""
+    code = _submit_error_status(error)
+    if code is grpc.StatusCode.INTERNAL:
+        logger.error("request %s failed to start", request_id, exc_info=error)
+    return code
+
+
+def _submit_error_status(error: Exception) -> grpc.StatusCode:
     if isinstance(error, InvalidRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(error, CapacityError):
@@ -137,9 +145,7 @@ class ConnectSession:
                 sink,
             )
         except Exception as error:
-            code = status_of_submit_error(error)
-            if code is grpc.StatusCode.INTERNAL:
-                logger.exception("request %s failed to start", request_id)
+            code = status_of_submit_error(error, request_id)
             self._fail(request_id, code, str(error))
             return
         finally:

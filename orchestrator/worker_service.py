@@ -26,6 +26,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from orchestrator.config_sections import join_host_port
 from orchestrator.worker_backend import TokenDelta, WorkerBackend
 from orchestrator.worker_connect import ConnectSession, status_of_submit_error
 from protos.pdserve.v1 import worker_pb2 as wpb
@@ -118,9 +119,7 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
                 submit.add_done_callback(partial(self._abort_if_submitted, request_id))
                 raise
         except Exception as error:
-            code = status_of_submit_error(error)
-            if code is grpc.StatusCode.INTERNAL:
-                logger.exception("request %s failed to start", request_id)
+            code = status_of_submit_error(error, request_id)
             await context.abort(code, str(error))
         finished = False
         self.num_streams += 1
@@ -198,7 +197,7 @@ class WorkerServer:
         self._server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
         self.port = self._run(self._start(host, port))
-        self.address = f"{host}:{self.port}"
+        self.address = join_host_port(host, self.port)
 
     def _run(self, coroutine: Coroutine[Any, Any, int], timeout: float = 30.0) -> int:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
@@ -211,7 +210,7 @@ class WorkerServer:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         names = (WORKER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, server)
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = server.add_insecure_port(join_host_port(host, port))
         await server.start()
         await self._health.set(WORKER_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)

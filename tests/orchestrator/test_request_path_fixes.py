@@ -73,6 +73,7 @@ def mixed_router(
         capacity_per_worker=capacity,
         max_queue=8,
         default_max_tokens=16,
+        eos_token_ids=frozenset(tokenizer.eos_token_ids),
     )
     return Router(settings, registry, tokenizer, metrics)
 

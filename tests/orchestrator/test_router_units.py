@@ -26,11 +26,10 @@ from orchestrator.router import (
     Router,
     RouterSettings,
     StreamEvent,
-    client_request_id,
 )
 from orchestrator.servicer import input_from_proto, status_of
 from orchestrator.text_stream import TextStream
-from orchestrator.worker_backend import Sink, TokenDelta, WorkerLoad
+from orchestrator.worker_backend import Sink, TokenDelta, WorkerLoad, client_request_id
 from orchestrator.worker_service import WorkerServer, WorkerServicer
 from protos.pdserve.v1 import generation_pb2 as pb
 from workers.engine.sampling_params import SamplingParams

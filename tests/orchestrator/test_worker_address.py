@@ -1,11 +1,17 @@
 """Where workers listen and what the registry advertises: loopback on one machine; on a
 wildcard bind (``worker_host: 0.0.0.0``, the Helm chart) the node's IP, which the router on
-another pod can dial."""
+another pod can dial. A worker server on the IPv6 wildcard (``worker_host: "::"``) binds
+and reports its address with the host in brackets (grpc refuses ``":::0"``)."""
 
 from __future__ import annotations
 
+import asyncio
+import socket
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 import ray.util
 
@@ -13,6 +19,11 @@ from orchestrator.config import ClusterConfig
 from orchestrator.controller import Controller
 from orchestrator.registry import Registry
 from orchestrator.worker_actor import advertised_address
+from orchestrator.worker_backend import Sink, WorkerLoad
+from orchestrator.worker_service import WorkerServer, WorkerServicer
+from protos.pdserve.v1 import worker_pb2 as wpb
+from protos.pdserve.v1 import worker_pb2_grpc as wpb_grpc
+from workers.engine.sampling_params import SamplingParams
 
 
 @pytest.fixture
@@ -46,3 +57,72 @@ def test_controller_hands_worker_host_to_every_worker(tmp_path: Path, host: str)
     controller = Controller(config, Registry())
     for group in config.groups:
         assert controller._spec(group, f"{group.role}-0").host == host
+
+
+def ipv6_unavailable() -> str | None:
+    """Why this machine cannot bind ``::`` and dial ``::1`` (None: it can)."""
+    if not socket.has_ipv6:
+        return "Python was built without IPv6 support (socket.has_ipv6 is False)"
+    for host in ("::", "::1"):
+        try:
+            with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as sock:
+                sock.bind((host, 0))
+        except OSError as error:
+            return f"this machine cannot bind an IPv6 socket to {host!r}: {error}"
+    return None
+
+
+class IdleBackend:
+    """A backend with nothing running: only `load` is called here."""
+
+    role = "mixed"
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        prefill_endpoint: bytes,
+        sink: Sink,
+    ) -> None:
+        raise AssertionError("not called")
+
+    def abort(self, request_id: str) -> None:
+        pass
+
+    def load(self) -> WorkerLoad:
+        return WorkerLoad(0, 0, 7, 8)
+
+    def transfer_stats(self, request_id: str) -> dict[str, Any] | None:
+        return None
+
+    def prefill_endpoint(self) -> bytes:
+        return b""
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_worker_server_on_the_ipv6_wildcard_binds_and_reports_a_bracketed_address() -> None:
+    reason = ipv6_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    servicer = WorkerServicer("mixed-0", IdleBackend())
+    server = WorkerServer(servicer, host="::", port=0)
+    try:
+        assert server.port > 0
+        assert server.address == f"[::]:{server.port}"
+
+        async def state() -> wpb.GetWorkerStateResponse:
+            async with grpc.aio.insecure_channel(f"[::1]:{server.port}") as channel:
+                stub = wpb_grpc.WorkerStub(channel)
+                response: wpb.GetWorkerStateResponse = await stub.GetWorkerState(
+                    wpb.GetWorkerStateRequest(), timeout=30
+                )
+                return response
+
+        response = asyncio.run(state())
+        assert (response.worker_id, response.num_free_kv_pages) == ("mixed-0", 7)
+    finally:
+        server.stop(0.1)
+        servicer.close()
