@@ -25,12 +25,13 @@ Queues and life cycle (all keyed by the decoder's request id)::
   its count (kept for ``finished_memory`` transfers), for one never seen (or forgotten: its
   writes all completed long ago) with 0. **Deadline** (the request's ``timeout_ms``): same as
   an abort, marked failed; no write is submitted after it.
-- **Giving up** (deadline, a failed write, the engine ending the request, `shutdown`): the
-  transfer stops as on an abort and `PrefillFailed(reason, num_writes_submitted)` goes to the
-  decoder at once, so it fails the request without waiting for its own deadline. Writes are
-  counted before they are posted; those the fabric refuses at once (queue full, peer failed,
-  engine closed) are taken back out of the count first (`_not_posted`), then the transfer is
-  given up: a count reported never names a write that cannot land.
+- **Giving up** (deadline, a failed write, the engine ending the request, `shutdown`, the
+  step loop dying: `engine_failed`): the transfer stops as on an abort and
+  `PrefillFailed(reason, num_writes_submitted)` goes to the decoder at once, so it fails the
+  request without waiting for its own deadline. Writes are counted before they are posted;
+  those the fabric refuses at once (queue full, peer failed, engine closed) are taken back out
+  of the count first (`_not_posted`), then the transfer is given up: a count reported never
+  names a write that cannot land.
 - A message from a decoder the fabric marked failed proves it alive: the peer is resolved
   afresh (`_sender`), else every later answer and write to that decoder would fail.
   `shutdown` (the worker's graceful close) also rejects new requests (DRAINING); the worker
@@ -40,8 +41,9 @@ Queues and life cycle (all keyed by the decoder's request id)::
   after the hidden state, goes once both the forward pass ended and every layer is summed.
 
 Threads: `poll`, the engine hooks and `after_step` run on the worker's step thread (the only
-one touching the engine); the push thread calls `_gate`; fabric callbacks only enqueue. Transfer
-state is shared under one lock.
+one touching the engine; once it died, `poll` runs on the thread that took the messenger over,
+and the engine is not touched again); the push thread calls `_gate`; fabric callbacks only
+enqueue. Transfer state is shared under one lock.
 """
 
 from __future__ import annotations
@@ -171,7 +173,9 @@ class PrefillMessenger:
         # (request, its row in the pass's hidden states) of each request whose last chunk runs
         # in the current pass: set before the pass, used at its end (`_on_forward_end`).
         self._pass_last: list[tuple[Outgoing, int]] = []
-        self._draining = False
+        # Why new requests are refused (None while serving): draining, or the engine failed.
+        self._refusal: tuple[RejectReason, str] | None = None
+        self._engine_failed = False
         self._sends_lock = threading.Lock()
         self._sends_in_flight = 0
         engine.on_step_scheduled = self.on_step_scheduled
@@ -458,8 +462,8 @@ class PrefillMessenger:
             rejected = PrefillRejected(request.request_id, request.transfer_id, reason, detail)
             self._send(peer, rejected)
 
-        if self._draining:
-            return reject(RejectReason.DRAINING, "worker is shutting down")
+        if self._refusal is not None:
+            return reject(*self._refusal)
         peer = self._decoder_peer(request, peer)
         if request.request_id in self._by_id:
             return reject(RejectReason.INTERNAL, "request id already in flight")
@@ -673,7 +677,9 @@ class PrefillMessenger:
         self._free_rows.append(out.context_row)
         if out.in_engine:
             self._reserved_pages -= out.num_pages_total
-            if out.transfer.state is PrefillState.DONE:
+            if self._engine_failed:
+                pass  # never call a failed engine; its pages go with the process
+            elif out.transfer.state is PrefillState.DONE:
                 self.engine.release(request_id)
             else:
                 self.engine.abort(request_id)
@@ -707,10 +713,27 @@ class PrefillMessenger:
     def shutdown(self) -> None:
         """Step thread, first step of a graceful close: reject new requests (DRAINING) and
         give up every live transfer, each decoder told with `PrefillFailed(DRAINING)`."""
-        self._draining = True
+        self._refusal = (RejectReason.DRAINING, "worker is shutting down")
         for out in list(self._by_id.values()):
             if out.transfer.state in _ACTIVE:
                 self._give_up(out, FailReason.DRAINING, "prefill worker draining (shutting down)")
+
+    def engine_failed(self, detail: str) -> None:
+        """The step loop died (called on its thread, as its last act): give up every live
+        transfer now, each decoder told `PrefillFailed(ENGINE_ERROR)`, so it fails the request
+        (and the router retries it on another prefill worker) at once instead of at its
+        deadline; refuse every new request from now on. The engine is never called again (its
+        state after a failed step is unknown); `poll` keeps answering messages and draining
+        completions for whoever takes the messenger over (`PrefillWorker`)."""
+        self._engine_failed = True
+        self._refusal = (RejectReason.INTERNAL, detail[:MAX_DETAIL_CHARS])
+        for out in list(self._by_id.values()):
+            if out.transfer.state in _ACTIVE:
+                self._give_up(out, FailReason.ENGINE_ERROR, detail)
+
+    def set_wake(self, wake: Callable[[], None]) -> None:
+        """Whom fabric callbacks wake from now on (the thread that polls the messenger)."""
+        self._wake = wake
 
     def is_drained(self) -> bool:
         """No transfer left (every in-flight write completed) and every message sent."""
@@ -719,7 +742,7 @@ class PrefillMessenger:
         return not self._by_id and sends == 0
 
     def close(self) -> None:
-        self._draining = True
+        self._refusal = (RejectReason.DRAINING, "worker is shutting down")
         self.fabric.on_message(None)
         self._push.close()
         self._hook.remove()

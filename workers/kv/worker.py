@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -147,6 +148,7 @@ class PrefillWorker:
                 self._on_outputs,
                 poll=self._poll,
                 has_work=self._has_work,
+                on_error=self._on_loop_error,
             )
             self.messenger = PrefillMessenger(
                 self.engine,
@@ -159,10 +161,37 @@ class PrefillWorker:
             self.fabric.close()
             self.engine.close()
             raise
+        # After the step loop died: the thread that answers decoders in its place.
+        self._orphan_poller: threading.Thread | None = None
+        self._orphan_stop = threading.Event()
         self._loop.thread.start()
 
     def _poll(self) -> None:
         self.messenger.poll()
+
+    def _on_loop_error(self, error: BaseException) -> None:
+        """The step loop died (its thread, last act): every decoder with a live transfer is told
+        at once (`PrefillMessenger.engine_failed`), and a thread of its own keeps the messenger
+        answering (new requests refused, aborts acknowledged with their counts, completions of
+        writes still in flight drained) until `close`. Left unpolled, each decoder would wait
+        for its transfer deadline; the worker's `state` raises from now on, so its health check
+        fails and the control plane replaces it."""
+        self.messenger.engine_failed(f"prefill engine failed: {error!r}")
+        self._orphan_poller = threading.Thread(
+            target=self._poll_orphaned, name="prefill-orphaned", daemon=True
+        )
+        self._orphan_poller.start()
+
+    def _poll_orphaned(self) -> None:
+        wake = threading.Event()
+        self.messenger.set_wake(wake.set)
+        while not self._orphan_stop.is_set():
+            try:
+                self.messenger.poll()
+            except Exception:  # keep answering: one bad message must not silence the rest
+                log.exception("polling the orphaned prefill messenger failed")
+            wake.wait(0.02)
+            wake.clear()
 
     def _has_work(self) -> bool:
         return self.messenger.has_work()
@@ -211,6 +240,9 @@ class PrefillWorker:
         except Exception:  # a dead step loop: close what is left regardless
             log.exception("prefill worker could not drain before closing")
         self._loop.stop()
+        self._orphan_stop.set()
+        if self._orphan_poller is not None:
+            self._orphan_poller.join(5.0)
         try:
             self.messenger.close()
             self.fabric.close()
