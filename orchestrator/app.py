@@ -229,7 +229,7 @@ def describe(config: ClusterConfig, registry: Any, seed: int | None) -> tuple[An
     tokenizer = try_load_tokenizer(config.model)
     role = "decode" if config.is_disaggregated else "mixed"
     engine = config.engine_config(role)
-    max_model_len = config.limits.max_model_len or model.max_position_embeddings
+    max_model_len = config.limits.max_model_len or model.max_len
     eos = set(model.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
     # A prompt must fit the KV pool of its decode worker and, disaggregated, of its prefill one.
     roles = (role, "prefill") if config.is_disaggregated else (role,)

@@ -250,13 +250,17 @@ class ClusterConfig:
         if self.limits.max_model_len is None:
             why = " (the model's own limit; set limits.max_model_len to lower it)"
             for limits, path in self._all_limits():
-                self._check_pages_fit(limits, path, model.max_position_embeddings, why)
-                self._check_step_budget(limits, path, model.max_position_embeddings, why)
-        elif self.limits.max_model_len > model.max_position_embeddings:
+                self._check_pages_fit(limits, path, model.max_len, why)
+                self._check_step_budget(limits, path, model.max_len, why)
+        elif self.limits.max_model_len > model.max_len:
+            limit = (
+                f"max_position_embeddings ({model.max_position_embeddings})"
+                if model.max_len == model.max_position_embeddings
+                else f"sliding window ({model.max_len} tokens; not implemented past it)"
+            )
             raise ConfigError(
                 "limits.max_model_len",
-                f"{self.limits.max_model_len} exceeds the model's max_position_embeddings "
-                f"({model.max_position_embeddings})",
+                f"{self.limits.max_model_len} exceeds the model's {limit}",
             )
 
     def _check_kv_budget(self, group: GroupConfig, model: ModelConfig) -> None:
@@ -270,7 +274,7 @@ class ClusterConfig:
         heads = max(1, model.num_kv_heads // group.tp)
         page_bytes = 2 * model.num_layers * heads * self.page_size * model.head_dim * element
         num_pages = limits.kv_memory_bytes // page_bytes
-        max_model_len = self.limits.max_model_len or model.max_position_embeddings
+        max_model_len = self.limits.max_model_len or model.max_len
         if num_pages * self.page_size < max_model_len:
             raise ConfigError(
                 f"groups.{group.role}.limits.kv_memory_bytes",

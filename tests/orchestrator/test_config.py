@@ -329,6 +329,20 @@ def test_max_model_len_beyond_the_model_is_rejected(smol_dir: Path) -> None:
         ClusterConfig.from_dict(raw)
 
 
+def test_max_model_len_is_bounded_by_a_sliding_window(tmp_path: Path) -> None:
+    """The engine does not implement sliding-window attention, so a checkpoint's window bounds
+    max_model_len: given, the config refuses more; left to the model, the window applies."""
+    model = write_model(tmp_path / "m", **SMOLLM2_SHAPE)
+    config = json.loads((model / "config.json").read_text())
+    config.update(architectures=["MistralForCausalLM"], sliding_window=512)
+    (model / "config.json").write_text(json.dumps(config))
+    raw = base_dict(model)
+    with pytest.raises(ConfigError, match=r"^limits\.max_model_len: 1024 exceeds .*sliding window"):
+        ClusterConfig.from_dict(copy.deepcopy(raw))
+    del raw["limits"]["max_model_len"]  # the window's 512 applies: 128 pages hold 2048 tokens
+    ClusterConfig.from_dict(raw)
+
+
 def test_kv_pool_must_hold_the_models_own_limit_when_none_is_given(smol_dir: Path) -> None:
     raw = base_dict(smol_dir)
     del raw["limits"]["max_model_len"]  # the model's 8192 applies; 128 pages hold 2048 tokens

@@ -39,7 +39,7 @@ from workers.engine.block_manager import BlockManager
 from workers.engine.config import DEFAULT_KV_MEMORY_BYTES, EngineConfig
 from workers.engine.decode_graphs import DecodeGraphs
 from workers.engine.device import resolve_device
-from workers.engine.errors import InvalidRequestError
+from workers.engine.errors import InvalidRequestError, UnsupportedCheckpointError
 from workers.engine.kv_cache import allocate_kv_cache, num_pages_for_budget
 from workers.engine.layer_progress import create_layer_progress
 from workers.engine.model import load_model
@@ -78,7 +78,14 @@ class EngineCore:
     ) -> None:
         self.config = config = config or EngineConfig()
         self.model_config = ModelConfig.from_dir(model_dir)
-        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.max_model_len = config.max_model_len or self.model_config.max_len
+        window = self.model_config.sliding_window
+        if window is not None and self.max_model_len > window:
+            raise UnsupportedCheckpointError(
+                f"max_model_len {self.max_model_len} exceeds the checkpoint's sliding window "
+                f"({window} tokens); this engine attends to the whole sequence, which differs "
+                f"from sliding-window attention past it: set max_model_len <= {window}"
+            )
         config.check_max_model_len(self.max_model_len)  # before loading weights: fail fast
         device = resolve_device(config.device)
         torch.manual_seed(config.seed)

@@ -204,16 +204,6 @@ def check_features(model_dir: Path) -> None:
     activation = raw.get("hidden_act", "silu")
     if activation != "silu":
         raise UnsupportedCheckpointError(f"hidden_act {activation!r} is not supported (only silu)")
-    if raw.get("use_sliding_window") or (
-        raw.get("sliding_window") and "use_sliding_window" not in raw
-    ):
-        # Exact for sequences shorter than the window; longer ones would differ from HF.
-        logger.warning(
-            "%s asks for sliding-window attention (window %s), which is not implemented: "
-            "results are exact only for sequences within the window",
-            model_dir,
-            raw.get("sliding_window"),
-        )
 
 
 def _column_major_projections(model: CausalLM) -> None:

@@ -10,14 +10,28 @@ from typing import Any
 from workers.engine.errors import UnsupportedCheckpointError
 
 # HF ``architectures`` entries we can run, and the per-family switches they imply.
+# ``default_bias``: q/k/v biases when ``attention_bias`` is absent; None: the family has no
+# biases at all and ignores the key (transformers' Mistral attention).
 # ``o_proj_bias``: whether ``attention_bias`` gives o_proj a bias too (transformers' Llama and
 # Qwen3 attention do; Qwen2's biases are on q/k/v only).
-SUPPORTED_ARCHITECTURES = {
+SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool | None]] = {
     "LlamaForCausalLM": {"qk_norm": False, "default_bias": False, "o_proj_bias": True},
-    "MistralForCausalLM": {"qk_norm": False, "default_bias": False, "o_proj_bias": False},
+    "MistralForCausalLM": {"qk_norm": False, "default_bias": None, "o_proj_bias": False},
     "Qwen2ForCausalLM": {"qk_norm": False, "default_bias": True, "o_proj_bias": False},
     "Qwen3ForCausalLM": {"qk_norm": True, "default_bias": False, "o_proj_bias": True},
 }
+
+
+def _sliding_window(raw: dict[str, Any]) -> int | None:
+    """The window of a checkpoint that uses sliding-window attention, else None. Qwen2 /
+    Qwen3 configs carry a ``sliding_window`` size that only ``use_sliding_window`` turns on;
+    Mistral's is on whenever it is set."""
+    window = raw.get("sliding_window")
+    if window is None or not raw.get("use_sliding_window", True):
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise UnsupportedCheckpointError(f"sliding_window must be a positive integer: {window!r}")
+    return window
 
 
 def _rope_scaling(raw: dict[str, Any]) -> dict[str, Any] | None:
@@ -56,6 +70,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     torch_dtype: str = "float32"
+    # Sliding-window attention the checkpoint asks for (tokens), None for full attention. The
+    # engine attends to the whole sequence, so it is exact only within the window (`max_len`).
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -82,7 +99,10 @@ class ModelConfig:
             hidden = int(raw["hidden_size"])
             eos = raw.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-            attention_bias = bool(raw.get("attention_bias", family["default_bias"]))
+            default_bias = family["default_bias"]
+            attention_bias = default_bias is not None and bool(
+                raw.get("attention_bias", default_bias)
+            )
             return cls(
                 architecture=arch,
                 vocab_size=int(raw["vocab_size"]),
@@ -107,6 +127,7 @@ class ModelConfig:
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+                sliding_window=_sliding_window(raw),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise UnsupportedCheckpointError(f"malformed config.json: {exc}") from exc
@@ -117,6 +138,14 @@ class ModelConfig:
         if not path.is_file():
             raise UnsupportedCheckpointError(f"{path} not found: not an HF checkpoint directory")
         return cls.from_dict(json.loads(path.read_text()))
+
+    @property
+    def max_len(self) -> int:
+        """The longest sequence this engine computes as the checkpoint defines it: the position
+        limit, and the sliding window when there is one (full attention differs past it)."""
+        if self.sliding_window is None:
+            return self.max_position_embeddings
+        return min(self.max_position_embeddings, self.sliding_window)
 
     @property
     def kv_bytes_per_token_per_layer(self) -> int:
