@@ -9,10 +9,13 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from workers.kv.endpoint import PrefillEndpoint
 from workers.kv.worker_process import prefill_process_main
+
+if TYPE_CHECKING:
+    from workers.kv.worker import DecodeWorker
 
 SPAWN = multiprocessing.get_context("spawn")
 START_TIMEOUT_S = 120.0
@@ -122,3 +125,13 @@ def wait_until(condition: Callable[[], bool], timeout: float = 20.0, what: str =
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what or condition}")
         time.sleep(0.01)
+
+
+def decode_pool_full(decode: DecodeWorker, num_pages: int) -> bool:
+    """A `DecodeWorker` is back to rest: every page free, none pinned, no transfer live."""
+    state = decode.state()
+    return (
+        state["num_free_pages"] == num_pages
+        and state["num_pinned_pages"] == 0
+        and state["num_transfers"] == 0
+    )

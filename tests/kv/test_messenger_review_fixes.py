@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 
 from tests.engine.engine_helpers import make_engine, prompts_of_lengths, run_engine
-from tests.kv.harness import RemotePrefill, wait_until
+from tests.kv.harness import RemotePrefill, decode_pool_full, wait_until
 from workers.engine.config import EngineConfig
 from workers.engine.errors import CapacityError
 from workers.engine.sampling_params import SamplingParams
@@ -56,21 +56,12 @@ def decode_worker(model_dir: Path, *, timeout_s: float, drain_s: float = 0.2) ->
     )
 
 
-def decode_pool_full(decode: DecodeWorker) -> bool:
-    state = decode.state()
-    return (
-        state["num_free_pages"] == DECODE_PAGES
-        and state["num_pinned_pages"] == 0
-        and state["num_transfers"] == 0
-    )
-
-
 def prefill_pool_full(state: dict[str, Any], num_pages: int) -> bool:
     return state["num_free_pages"] == num_pages and state["num_transfers"] == 0
 
 
 def assert_pools_full(prefill: PrefillWorker, decode: DecodeWorker, prefill_pages: int) -> None:
-    wait_until(lambda: decode_pool_full(decode), what="decode pool full again")
+    wait_until(lambda: decode_pool_full(decode, DECODE_PAGES), what="decode pool full again")
     # state() runs on the prefill step loop: it raises if the loop died.
     wait_until(
         lambda: prefill_pool_full(prefill.state(), prefill_pages), what="prefill pool full again"
@@ -183,7 +174,7 @@ def test_writes_never_posted_are_not_reported_and_the_quarantine_drains(
 
     # Every write that was posted lands; the prefill's count names exactly those, so the
     # quarantine drains (the count of before included writes that never come: held forever).
-    wait_until(lambda: decode_pool_full(decode), what="decode pool full again")
+    wait_until(lambda: decode_pool_full(decode, DECODE_PAGES), what="decode pool full again")
     record = decode.transfer_stats("bad") or {}
     assert record.get("quarantine_release") == "drained", record
     sent = prefill.transfer_stats("bad") or {}
@@ -271,7 +262,7 @@ def test_a_stale_endpoint_frees_no_quarantined_page_of_a_live_prefill(tiny_model
         # landed, and the incarnation it rejected as stale was never taken for its own.
         os.kill(pid, signal.SIGCONT)
         stopped = False
-        wait_until(lambda: decode_pool_full(decode), what="decode pool full again")
+        wait_until(lambda: decode_pool_full(decode, DECODE_PAGES), what="decode pool full again")
         assert (decode.transfer_stats("A") or {}).get("quarantine_release") == "drained"
         assert decode.peer_incarnation(endpoint.address) == endpoint.incarnation
         assert decode.submit("after", after, GREEDY, endpoint).result(60)[0] == expected_after
@@ -279,7 +270,7 @@ def test_a_stale_endpoint_frees_no_quarantined_page_of_a_live_prefill(tiny_model
             lambda: prefill_pool_full(prefill.state(), DECODE_PAGES),
             what="prefill pool full again",
         )
-        assert decode_pool_full(decode)
+        assert decode_pool_full(decode, DECODE_PAGES)
     finally:
         if stopped:
             os.kill(pid, signal.SIGCONT)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.engine.engine_helpers import make_engine, prompts_of_lengths, run_engine
-from tests.kv.harness import wait_until
+from tests.kv.harness import decode_pool_full, wait_until
 from workers.engine.config import EngineConfig
 from workers.engine.errors import EngineClosedError
 from workers.engine.outputs import RequestOutput
@@ -69,15 +69,6 @@ def _fail_on_pass(prefill: PrefillWorker, pass_number: int) -> None:
     engine.step = failing_step  # type: ignore[method-assign]
 
 
-def _decode_pool_full(decode: DecodeWorker) -> bool:
-    state = decode.state()
-    return (
-        state["num_free_pages"] == DECODE_PAGES
-        and state["num_pinned_pages"] == 0
-        and state["num_transfers"] == 0
-    )
-
-
 def test_a_dead_prefill_loop_fails_its_transfers_at_once_and_refuses_new_ones(
     tiny_model_dir: Path, decode: DecodeWorker
 ) -> None:
@@ -94,7 +85,7 @@ def test_a_dead_prefill_loop_fails_its_transfers_at_once_and_refuses_new_ones(
         record = decode.transfer_stats("mid")
         assert record is not None and record["state"] == "failed"
         assert record["num_writes_landed"] > 0 and record["quarantine_release"] == "drained"
-        wait_until(lambda: _decode_pool_full(decode), what="decode pool full again")
+        wait_until(lambda: decode_pool_full(decode, DECODE_PAGES), what="decode pool full again")
 
         # The worker is unhealthy (its state raises, as the health check sees it) but still
         # answers: a new request is refused with the cause, nothing allocated for it.
@@ -104,7 +95,7 @@ def test_a_dead_prefill_loop_fails_its_transfers_at_once_and_refuses_new_ones(
         assert tokens == [] and final.finish_reason == "error"
         assert final.error is not None and "INTERNAL" in final.error
         assert "prefill engine failed" in final.error
-        wait_until(lambda: _decode_pool_full(decode), what="decode pool full again")
+        wait_until(lambda: decode_pool_full(decode, DECODE_PAGES), what="decode pool full again")
 
         # The same decoder, its pages reused, serves both prompts from a healthy prefill worker.
         expected = run_engine(make_engine(tiny_model_dir), [long_prompt, short_prompt], GREEDY)
@@ -115,7 +106,7 @@ def test_a_dead_prefill_loop_fails_its_transfers_at_once_and_refuses_new_ones(
                 WAIT_S
             )
             assert (got, final.finish_reason) == (want, "length")
-        wait_until(lambda: _decode_pool_full(decode), what="decode pool full again")
+        wait_until(lambda: decode_pool_full(decode, DECODE_PAGES), what="decode pool full again")
         state = healthy.state()
         assert (state["num_free_pages"], state["num_transfers"]) == (PREFILL_PAGES, 0)
     finally:
