@@ -2,6 +2,11 @@
 + fabric): `DecodeBackend` (the router names the prefill worker per request) and
 `PrefillBackend` (takes no requests from the router; publishes its endpoint for decoders).
 Contract: `orchestrator.worker_backend.WorkerBackend`.
+
+``load()`` gets the messenger's numbers through the worker's step loop (``state()``) but reads
+the scheduler's queue lengths and the `EngineStats` token counters from the caller's thread:
+the step thread is their only writer and each is one int read whole, so every number is one it
+really had (counters never go back), though not all from the same instant.
 """
 
 from __future__ import annotations
@@ -86,13 +91,16 @@ class DecodeBackend:
 
     def load(self) -> WorkerLoad:
         state = self.worker.state()
-        scheduler = self.worker.engine.scheduler
+        scheduler, stats = self.worker.engine.scheduler, self.worker.engine.stats
         return WorkerLoad(
             num_running_requests=len(scheduler.running),
             num_waiting_requests=max(0, int(state["num_requests"]) - len(scheduler.running)),
             num_free_kv_pages=int(state["num_free_pages"]),
             num_total_kv_pages=int(state["num_pages"]),
             num_transfers_in_flight=int(state.get("num_transfers", 0)),
+            # Off the step thread: see the module docstring.
+            num_computed_prompt_tokens=stats.num_computed_prompt_tokens,
+            num_sampled_tokens=stats.num_sampled_tokens,
         )
 
     def transfer_stats(self, request_id: str) -> dict[str, Any] | None:
@@ -142,6 +150,9 @@ class PrefillBackend:
             num_free_kv_pages=engine.block_manager.num_free_pages,
             num_total_kv_pages=engine.num_pages,
             num_transfers_in_flight=int(state.get("num_transfers", 0)),
+            # Off the step thread: see the module docstring.
+            num_computed_prompt_tokens=engine.stats.num_computed_prompt_tokens,
+            num_sampled_tokens=engine.stats.num_sampled_tokens,
         )
 
     def transfer_stats(self, request_id: str) -> dict[str, Any] | None:

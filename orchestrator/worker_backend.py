@@ -59,11 +59,17 @@ def client_request_id(worker_request: str) -> str:
 
 @dataclass(frozen=True)
 class WorkerLoad:
+    """A worker's load now, and two counters since its engine started (`EngineStats`):
+    ``num_computed_prompt_tokens`` (prompt tokens run through the model, recomputation
+    included) and ``num_sampled_tokens`` (tokens sampled; 0 on the prefill role)."""
+
     num_running_requests: int
     num_waiting_requests: int
     num_free_kv_pages: int
     num_total_kv_pages: int
     num_transfers_in_flight: int = 0
+    num_computed_prompt_tokens: int = 0
+    num_sampled_tokens: int = 0
 
 
 class WorkerBackend(Protocol):
@@ -135,6 +141,8 @@ class MixedBackend:
                 num_waiting_requests=len(scheduler.waiting),
                 num_free_kv_pages=self.engine.block_manager.num_free_pages,
                 num_total_kv_pages=self.engine.num_pages,
+                num_computed_prompt_tokens=self.engine.stats.num_computed_prompt_tokens,
+                num_sampled_tokens=self.engine.stats.num_sampled_tokens,
             )
 
         return self._loop.call(load)

@@ -2,10 +2,19 @@
 backend when Prometheus scrapes (no polling thread).
 
     num_requests_running / waiting, kv_pages_used / capacity     every role (`WorkerLoad`)
+    prompt_tokens_total, generation_tokens_total                  every role (`EngineStats`)
     kv_pages_pinned_for_transfer, kv_messenger_queue_depth        decode / prefill (messenger)
     kv_transfer_seconds / bytes / exposed_seconds                 prefill (it pushes the KV)
     kv_transfer_failures_total                                    decode / prefill
     kv_checksum_failures_total                                    decode (checksum mode)
+
+The token counters are this worker's engine's, not the requests' (the router counts those):
+``prompt_tokens_total`` counts prompt tokens run through the model, so a prompt recomputed after
+preemption counts again, and a request split across roles counts on both (a decoder computes its
+last prompt token, the prefill worker the others); ``generation_tokens_total`` counts tokens
+sampled, which a prefill worker never does (its series stays at 0). Each scrape adds what the
+engine counted since the last one; if the engine's count went back (a new engine counts from 0
+again), it adds the new count.
 
 Transfer histograms observe each ended transfer once: the messenger keeps a bounded record of
 recent ones (`finished_transfers`), and a scrape observes those it has not seen. Transfers that
@@ -15,11 +24,12 @@ ended and left that memory between two scrapes are not observed (bounded memory,
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.metrics_core import Metric
 
 from workers.metrics import LABEL_VALUES, Metrics, serve_metrics
@@ -71,6 +81,9 @@ class WorkerMetricsExporter:
         self.registry = _RefreshingRegistry(self.refresh)
         self.metrics = Metrics(self.registry, role=role, model=Path(model_dir).name)
         self._seen: set[str] = set()
+        # The engine's token counts at the last scrape, by counter.
+        self._last_counts: dict[str, int] = {}
+        self._lock = threading.Lock()
         self._server: Any = None
         self.port = 0
 
@@ -85,11 +98,17 @@ class WorkerMetricsExporter:
             self._server = None
 
     def refresh(self) -> None:
+        with self._lock:  # scrapes may overlap (one thread each): count each token once
+            self._refresh()
+
+    def _refresh(self) -> None:
         metrics, load = self.metrics, self.backend.load()
         metrics.num_requests_running.set(load.num_running_requests)
         metrics.num_requests_waiting.set(load.num_waiting_requests)
         metrics.kv_pages_capacity.set(load.num_total_kv_pages)
         metrics.kv_pages_used.set(load.num_total_kv_pages - load.num_free_kv_pages)
+        self._count_up(metrics.prompt_tokens, "prompt", load.num_computed_prompt_tokens)
+        self._count_up(metrics.generation_tokens, "generation", load.num_sampled_tokens)
         worker = getattr(self.backend, "worker", None)  # the KV roles' `workers.kv.worker`
         if worker is None:
             return
@@ -99,6 +118,12 @@ class WorkerMetricsExporter:
         for queue in LABEL_VALUES["queue"]:
             metrics.set_queue_depth(queue, int(by_state.get(queue, 0)))
         self._observe_transfers(worker.finished_transfers())
+
+    def _count_up(self, counter: Counter, key: str, total: int) -> None:
+        """Bring ``counter`` up by what the engine's ``total`` grew since the last scrape, or by
+        all of it when it went back (it counts from 0 again): a counter never goes down."""
+        last, self._last_counts[key] = self._last_counts.get(key, 0), total
+        counter.inc(total - last if total >= last else total)
 
     def _observe_transfers(self, records: dict[str, dict[str, Any]]) -> None:
         self._seen &= records.keys()  # forget what left the worker's memory

@@ -127,8 +127,19 @@ METRIC_SPECS: tuple[MetricSpec, ...] = (
     ),
     MetricSpec("pdserve_num_requests_running", "gauge", "Requests being processed now."),
     MetricSpec("pdserve_num_requests_waiting", "gauge", "Requests waiting to be scheduled."),
-    MetricSpec("pdserve_prompt_tokens_total", "counter", "Prompt tokens processed."),
-    MetricSpec("pdserve_generation_tokens_total", "counter", "Output tokens generated."),
+    # The router counts the tokens of the requests it finished; a worker what its engine did
+    # (`orchestrator.worker_metrics`), so a prompt split between prefill and decode counts on
+    # both and a prompt recomputed after preemption counts again.
+    MetricSpec(
+        "pdserve_prompt_tokens_total",
+        "counter",
+        "Prompt tokens: of finished requests (router); run through the model (workers).",
+    ),
+    MetricSpec(
+        "pdserve_generation_tokens_total",
+        "counter",
+        "Output tokens: of finished requests (router); sampled by the engine (workers).",
+    ),
     MetricSpec(
         "pdserve_request_success_total",
         "counter",

@@ -42,7 +42,9 @@ def family_of(series_name: str, contract: dict[str, ContractEntry]) -> str | Non
 # on another role finds only flat zeros or nothing). The router's share is what
 # `orchestrator/router.py` records (role "router", `orchestrator/app.py`); the workers' is
 # `orchestrator/worker_metrics.py`'s `WorkerMetricsExporter.refresh`, which `test_metrics.py`
-# checks against this table.
+# and `test_worker_token_metrics.py` check against this table. The token counters mean the
+# requests' tokens on the router and the engine's work on a worker; a prefill worker never
+# samples, so it does not export generation tokens.
 _ROUTER = ("router",)
 _KV_ROLES = ("prefill", "decode")
 _EVERY_ROLE = ("router", "prefill", "decode", "mixed")
@@ -53,8 +55,8 @@ EXPORTED_BY: dict[str, tuple[str, ...]] = {
     "pdserve_request_queue_time_seconds": _ROUTER,
     "pdserve_num_requests_running": _EVERY_ROLE,
     "pdserve_num_requests_waiting": _EVERY_ROLE,
-    "pdserve_prompt_tokens_total": _ROUTER,
-    "pdserve_generation_tokens_total": _ROUTER,
+    "pdserve_prompt_tokens_total": _EVERY_ROLE,
+    "pdserve_generation_tokens_total": ("router", "decode", "mixed"),
     "pdserve_request_success_total": _ROUTER,
     "pdserve_kv_pages_used": ("prefill", "decode", "mixed"),
     "pdserve_kv_pages_capacity": ("prefill", "decode", "mixed"),

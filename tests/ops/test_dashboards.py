@@ -172,7 +172,7 @@ def test_exported_by_covers_the_contract() -> None:
 
 def test_role_check_catches_a_role_that_does_not_export() -> None:
     assert role_problems(
-        'sum(rate(pdserve_prompt_tokens_total{role="prefill", model=~"$model"}[5m]))'
+        'sum(rate(pdserve_generation_tokens_total{role="prefill", model=~"$model"}[5m]))'
     )
     assert role_problems('pdserve_kv_transfer_bytes_bucket{role="decode"}')
     assert role_problems('pdserve_router_decisions_total{role=~"$role"}')

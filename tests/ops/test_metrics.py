@@ -228,6 +228,8 @@ class _FakeBackend:
             num_waiting_requests=1,
             num_total_kv_pages=64,
             num_free_kv_pages=60,
+            num_computed_prompt_tokens=40,
+            num_sampled_tokens=5,
         )
 
 

@@ -53,7 +53,7 @@ from workers.engine.parallel_runner import (
 )
 from workers.engine.sampler import Sampler, SamplingRow
 from workers.engine.sampling_params import SamplingParams
-from workers.engine.scheduler import ScheduledChunk, Scheduler
+from workers.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from workers.engine.sequence import FinishReason, SequenceStatus
 from workers.engine.sequence import Sequence as Seq
 from workers.engine.stop_checker import StopChecker
@@ -301,7 +301,7 @@ class EngineCore:
             self.on_step_scheduled(scheduled.chunks)
         logits = self.runner.run(scheduled)
         self.scheduler.postprocess(scheduled)
-        self._account(scheduled.num_tokens)
+        self._account(scheduled)
 
         sampling = [
             seq for seq, c in zip(scheduled.seqs, scheduled.chunks, strict=True) if c.samples
@@ -405,10 +405,15 @@ class EngineCore:
             page_ids=tuple(seq.page_ids),
         )
 
-    def _account(self, num_tokens: int) -> None:
+    def _account(self, scheduled: SchedulerOutput) -> None:
+        num_tokens = scheduled.num_tokens
         self.stats.num_steps += 1
         self.stats.num_model_tokens += num_tokens
         self.stats.max_step_tokens = max(self.stats.max_step_tokens, num_tokens)
+        self.stats.num_computed_prompt_tokens += sum(
+            max(0, min(chunk.end, seq.num_prompt_tokens) - chunk.start)
+            for seq, chunk in zip(scheduled.seqs, scheduled.chunks, strict=True)
+        )
 
     def check_invariants(self) -> None:
         """Every page is free, pinned, or owned by exactly the requests that list it."""

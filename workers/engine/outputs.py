@@ -32,5 +32,8 @@ class EngineStats:
     num_steps: int = 0
     num_preemptions: int = 0
     num_model_tokens: int = 0  # tokens run through the model (prefill chunks + decodes)
-    num_sampled_tokens: int = 0
+    # The prompt positions among them: a prompt recomputed after preemption counts again; a
+    # decoder computes one per request (the last prompt token), a prefill worker the others.
+    num_computed_prompt_tokens: int = 0
+    num_sampled_tokens: int = 0  # never on the prefill role
     max_step_tokens: int = 0
