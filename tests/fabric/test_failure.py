@@ -24,6 +24,7 @@ from workers.fabric import (
     TransferEngine,
     TransferError,
     progress,
+    watchdog,
 )
 
 MIB = 1 << 20
@@ -224,8 +225,8 @@ def test_stuck_provider_call_still_ends_every_operation_once(
             return 0
 
     monkeypatch.setattr(progress, "lib", StuckPosts())
-    monkeypatch.setattr(progress, "_STALL_S", 0.2)
-    monkeypatch.setattr(progress, "_WATCHDOG_PERIOD_S", 0.05)
+    monkeypatch.setattr(watchdog, "_STALL_S", 0.2)
+    monkeypatch.setattr(watchdog, "_WATCHDOG_PERIOD_S", 0.05)
     engine = make_engine(op_timeout=600.0)
     other = make_engine()
     handle, descriptor = engine.register(np.zeros(4096, dtype=np.uint8))

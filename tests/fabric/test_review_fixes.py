@@ -23,6 +23,7 @@ from workers.fabric import (
     ProviderError,
     TransferEngine,
     progress,
+    watchdog,
 )
 from workers.fabric.counters import ImmCounters
 from workers.fabric.engine import MIN_FREE_OP_SLOTS
@@ -109,8 +110,8 @@ def test_expect_after_the_watchdog_abandoned_the_engine_raises(
             return 0
 
     monkeypatch.setattr(progress, "lib", StuckPosts())
-    monkeypatch.setattr(progress, "_STALL_S", 0.2)
-    monkeypatch.setattr(progress, "_WATCHDOG_PERIOD_S", 0.05)
+    monkeypatch.setattr(watchdog, "_STALL_S", 0.2)
+    monkeypatch.setattr(watchdog, "_WATCHDOG_PERIOD_S", 0.05)
     engine = make_engine(op_timeout=600.0)
     handle, descriptor = engine.register(np.zeros(4096, dtype=np.uint8))
     peer = engine.add_peer(engine.address)

@@ -28,9 +28,9 @@ from workers.fabric.errors import (
     TransferError,
 )
 from workers.fabric.handles import MemoryRegionHandle, PeerHandle
+from workers.fabric.jobs import ProgressStats
 from workers.fabric.messages import Message
 from workers.fabric.paging import can_coalesce, coalesce_page_runs, count_paged_write_runs
-from workers.fabric.progress import ProgressStats
 from workers.fabric.providers import FabricInfo, query_fabric, select_nics
 
 __all__ = [

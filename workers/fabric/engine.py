@@ -71,15 +71,9 @@ from workers.fabric.errors import (
     RegistrationError,
 )
 from workers.fabric.handles import BufferExtent, MemoryRegionHandle, PeerHandle, buffer_extent
+from workers.fabric.jobs import SEND, WRITE, Job, ProgressStats, UnpostedCallback
 from workers.fabric.messages import MAX_ADDRESS_BYTES, Message, MessagePools
-from workers.fabric.progress import (
-    SEND,
-    WRITE,
-    Job,
-    ProgressLoop,
-    ProgressStats,
-    UnpostedCallback,
-)
+from workers.fabric.progress import ProgressLoop
 from workers.fabric.providers import FabricInfo, describe, fi_info_list, normalize_provider
 
 log = logging.getLogger(__name__)

@@ -51,7 +51,7 @@ from workers.fabric.errors import (
 from workers.fabric.handles import PeerHandle
 
 if TYPE_CHECKING:
-    from workers.fabric.progress import Job, ProgressStats
+    from workers.fabric.jobs import Job, ProgressStats
 
 log = logging.getLogger(__name__)
 

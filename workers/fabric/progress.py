@@ -29,18 +29,28 @@ Every accepted job ends in exactly one callback within its deadline plus a bound
 
 * `_finish` claims the job under `_finish_lock`, so the progress thread, the watchdog and
   shutdown can race on a job and still deliver one outcome.
-* `jobs` is iterated only under `_lock` (submitters insert into it under that lock), and
-  `enqueue` keeps deadlines non-decreasing in insertion order so the sweep may stop at the
-  first live deadline.
+* `jobs` is iterated only under `_lock` (submitters insert into it under that lock).
+* Every `deadlines.SWEEP_PERIOD_S` this thread runs the deadline sweep
+  (`deadlines.DeadlineSweep`), which ends the jobs that missed their deadline and expires
+  counters; `enqueue` admits each job to it under the lock, which keeps deadlines in `jobs`
+  order so the sweep may stop at the first live one.
 * shm: a peer SIGKILLed while it held its region's spinlock leaves the lock held forever,
   and libfabric 1.17 takes that lock on every post to the peer: the post would spin forever.
   The peer's process is therefore watched through a pidfd (`PeerTable.watch`, at its first
   post) and, once it has exited, the peer is failed and never posted to again.
-* A watchdog thread covers what that cannot (a peer dying while we wait on its lock, any other
-  provider call that never returns): when one native call has not returned for `_STALL_S`, it
+* A watchdog thread (`watchdog.Watchdog`) covers what that cannot (a peer dying while we wait
+  on its lock, any other provider call that never returns). It reads `native_call()`, which
+  this thread keeps current around each post and poll by plain attribute stores (no lock).
+  When one native call has not returned for `watchdog._STALL_S` it calls `_abandon`, which
   fails every outstanding job (`PeerFailedError` for the peer being posted to,
   `EngineClosedError` for the rest), fails pending `call()`s and armed counters (which then
-  refuse arming: nothing would fire or expire them), and refuses new work. The stuck thread, should it ever return, finds every job already finished.
+  refuse arming: nothing would fire or expire them), and refuses new work. The stuck thread,
+  should it ever return, finds every job already finished. `_abandon` stays here, beside
+  `_shutdown`: both end the loop's work and act on the state its lock guards.
+
+The job record and the loop's counters are in `workers.fabric.jobs`, the deadline sweep and the
+watchdog in modules of their own, so that this one is the loop: queues, posting, the CQ drain,
+job outcomes, and how the loop ends.
 """
 
 from __future__ import annotations
@@ -52,86 +62,31 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 from workers.fabric._lib import ffi, lib, strerror
 from workers.fabric.callbacks import CallbackDispatcher, Fire
 from workers.fabric.counters import ImmCounters
+from workers.fabric.deadlines import SWEEP_PERIOD_S, DeadlineSweep
 from workers.fabric.errors import (
     EngineClosedError,
     FabricError,
-    OperationTimeoutError,
     PeerFailedError,
     SubmitQueueFullError,
     TransferError,
 )
 from workers.fabric.handles import PeerHandle
+from workers.fabric.jobs import SEND, WRITE, Job, ProgressStats
 from workers.fabric.messages import MessagePools
 from workers.fabric.peers import PeerTable
+from workers.fabric.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
-ErrorCallback = Callable[[FabricError], None]
-# (writes of a failed write job that were never posted, their bytes, why): see `Job`.
-UnpostedCallback = Callable[[int, int, FabricError], None]
-WRITE, SEND = 0, 1
 _POLL_ROWS = 256
-_DEADLINE_CHECK_S = 0.005
 _BLOCKED_WAIT_US = 500
-# A post or poll call that has not returned after this long is stuck inside the provider.
-_STALL_S = 3.0
-_WATCHDOG_PERIOD_S = 0.25
 # errno values that mean the connection to the peer is gone, not that one operation was bad.
 _CONNECTION_ERRORS = {32, 103, 104, 107, 110, 111, 112, 113}  # EPIPE ECONNABORTED ... EHOSTUNREACH
-
-
-@dataclass(eq=False)
-class Job:
-    job_id: int
-    kind: int
-    peer: PeerHandle
-    total: int
-    deadline: float
-    on_done: Callable[[], None] | None
-    on_error: ErrorCallback | None
-    # Writes: native arrays of local addresses, lengths, remote addresses (one row per op).
-    arrays: Any = None
-    desc: Any = None
-    key: int = 0
-    imm: int | None = None
-    # Sends: the framed message.
-    payload: bytes = b""
-    send_slot: int = -1
-    posted: int = 0
-    completed: int = 0
-    finished: bool = False
-    byte_count: int = 0
-    keep_alive: Any = None
-    # Writes: called before ``on_error`` with the ops the job never posted (they cannot land),
-    # when there are any and this count is exact (see `_deliver`).
-    on_unposted: UnpostedCallback | None = None
-    # Finished with ops still posted that may never complete (`PeerTable.strand`).
-    stranded: bool = False
-
-
-@dataclass
-class ProgressStats:
-    ops_posted: int = 0
-    ops_completed: int = 0
-    bytes_written: int = 0
-    messages_sent: int = 0
-    messages_received: int = 0
-    error_completions: int = 0
-    timeouts: int = 0
-    eagain_retries: int = 0
-    # Posted ops of finished jobs that may never complete (their peer failed, or shm holds
-    # their completions behind a failed peer's): in flight, but no reason to spin.
-    ops_stranded: int = 0
-    # Times the thread slept on the CQ (idle, or every queue refused) instead of spinning.
-    sleeps: int = 0
-    # Address-vector entries removed (`forget_peer`, once nothing posted to them remained).
-    peers_removed: int = 0
 
 
 class ProgressLoop:
@@ -151,7 +106,6 @@ class ProgressLoop:
     ) -> None:
         self.native = native
         self.provider_name = provider_name
-        self._ordered_tx_completions = provider_name == "shm"
         self.counters = counters
         self.dispatcher = dispatcher
         self.pools = pools
@@ -172,6 +126,18 @@ class ProgressLoop:
             finish=self._finish,
             watch_exits=provider_name == "shm",
         )
+        # Ends jobs past their deadline, on this thread every `SWEEP_PERIOD_S`; shares `_lock`
+        # and `jobs` too.
+        self._deadlines = DeadlineSweep(
+            lock=self._lock,
+            jobs=self.jobs,
+            stats=self.stats,
+            peers=self.peers,
+            counters=counters,
+            dispatcher=dispatcher,
+            finish=self._finish,
+            provider_name=provider_name,
+        )
         self._max_queued = max_queued_submits
         self._spin_us = spin_us
         self._idle_spin_s = idle_spin_us / 1e6
@@ -183,14 +149,15 @@ class ProgressLoop:
         # Per submitting thread: inside `wakes_deferred`, and whether a wake is owed at its end.
         self._local = threading.local()
         self._next_job_id = 1
-        self._last_deadline = 0.0
         self._finish_lock = threading.Lock()
-        # Start of the post/poll call in progress (0.0: none) and the peer it posts to.
+        # Start of the post/poll call in progress (0.0: none) and the peer it posts to, for the
+        # watchdog (`native_call`): the peer is stored before the start, the start cleared after.
         self._native_since = 0.0
         self._native_peer: PeerHandle | None = None
         self._wedged = ""
-        self._watchdog_stop = threading.Event()
-        self._watchdog = threading.Thread(target=self._watch, name=f"{name}-watchdog", daemon=True)
+        self._watchdog = Watchdog(
+            name=f"{name}-watchdog", probe=self.native_call, on_stall=self._abandon
+        )
         self._rows = [ffi.new("uint64_t[]", _POLL_ROWS) for _ in range(4)]
         self._error = ffi.new("pd_error_t *")
         self._rc = ffi.new("int *")
@@ -226,10 +193,7 @@ class ProgressLoop:
             if self._stopping:
                 raise EngineClosedError(self._wedged or "engine is closed")
             self.peers.check_accepts(job.peer)
-            # Deadlines stay non-decreasing in `jobs` order (the sweep stops at the first live
-            # one) even when submitters race or wait for room; a later acceptance bounds it.
-            job.deadline = max(job.deadline, self._last_deadline)
-            self._last_deadline = job.deadline
+            self._deadlines.admit(job)  # before the insert: keeps `jobs` deadline-ordered
             self.jobs[job.job_id] = job
             self.pending.setdefault(job.peer.fi_addr, collections.deque()).append(job)
             self._num_queued += 1
@@ -255,6 +219,16 @@ class ProgressLoop:
         if self._stopping or self._stopped:
             return self._wedged or "engine is closed"
         return None
+
+    def native_call(self) -> tuple[float, PeerHandle | None]:
+        """The native call in progress (watchdog thread): its start and the peer it posts to
+        (None: the CQ poll), or (0.0, None) when none is. The start is read again after the
+        peer, so a pair is only returned when both belong to the same call."""
+        since = self._native_since
+        peer = self._native_peer
+        if since and self._native_since == since:
+            return since, peer
+        return 0.0, None
 
     def stop(self) -> None:
         with self._lock:
@@ -288,7 +262,7 @@ class ProgressLoop:
 
     def _run(self) -> None:
         last_activity = time.monotonic()
-        next_check = last_activity + _DEADLINE_CHECK_S
+        next_check = last_activity + SWEEP_PERIOD_S
         try:
             while not self._stopping:
                 self._run_commands()
@@ -318,8 +292,8 @@ class ProgressLoop:
                 self._sleeping = False
                 now = time.monotonic()
                 if now >= next_check:
-                    self._check_deadlines(now)
-                    next_check = now + _DEADLINE_CHECK_S
+                    self._deadlines.sweep(now)
+                    next_check = now + SWEEP_PERIOD_S
         except Exception:
             log.exception("fabric progress thread failed; failing all operations")
         finally:
@@ -538,60 +512,11 @@ class ProgressLoop:
                 job.send_slot = -1
             self.peers.job_forgotten(job.peer.fi_addr)
 
-    def _check_deadlines(self, now: float) -> None:
-        self.dispatcher.submit_all(self.counters.expire(now))
-        if self.peers.watches_exits:
-            self.peers.fail_exited()  # its posted ops would otherwise wait for their deadline
-        # `enqueue` keeps `jobs` (insertion-ordered) deadline-ordered.
-        expired = []
-        with self._lock:  # submitters insert into `jobs` under it
-            for job in self.jobs.values():
-                if job.deadline > now:
-                    break
-                if not job.finished:
-                    expired.append(job)
-        for job in expired:
-            if job.finished:
-                continue
-            self.stats.timeouts += 1
-            what = "write" if job.kind == WRITE else "message"
-            blocker = self.peers.wedging_peer() if self._ordered_tx_completions else None
-            if blocker is not None and blocker.fi_addr != job.peer.fi_addr and job.posted:
-                # shm completes transmits strictly in order per endpoint: an op to a dead peer
-                # never completes and holds back every later completion. This peer may be fine
-                # (its target saw the data), so fail the job without condemning the peer.
-                self._finish(job, TransferError(
-                    f"{what} to {job.peer.name}: local completion blocked behind operations to "
-                    f"failed peer {blocker.name} ({self.provider_name} completes in order)"
-                ))  # fmt: skip
-                self.peers.strand(job)
-                continue
-            error = OperationTimeoutError(
-                f"{what} to {job.peer.name} missed its deadline ({job.completed}/{job.total} "
-                f"ops completed, {job.posted} posted): peer unreachable or dead"
-            )
-            self.peers.fail(job.peer, error)
-
-    # -- watchdog -------------------------------------------------------------------------------
-
-    def _watch(self) -> None:
-        """Watchdog thread: abandon the engine if one provider call never returns."""
-        suspect = 0.0
-        while not self._watchdog_stop.wait(_WATCHDOG_PERIOD_S):
-            since = self._native_since
-            peer = self._native_peer
-            if not (since and self._native_since == since and time.monotonic() - since > _STALL_S):
-                suspect = 0.0
-            elif suspect != since:
-                # Seen once: wait a period (without the GIL) so a thread that merely waited
-                # for the GIL to note its return gets to do so before we judge it stuck.
-                suspect = since
-            else:
-                self._abandon(peer, time.monotonic() - since)
-                return
+    # -- ending: abandoned by the watchdog, or shut down --------------------------------------
 
     def _abandon(self, peer: PeerHandle | None, stalled_s: float) -> None:
-        """The progress thread is stuck in the provider: end everything it owes, refuse more."""
+        """The progress thread is stuck in the provider (`Watchdog`'s `on_stall`, on its
+        thread): end everything it owes, refuse more."""
         call = f"posting to peer {peer.name}" if peer is not None else "polling the CQ"
         reason = (
             f"fabric progress thread stuck in {self.provider_name} ({call} has not returned "
@@ -638,7 +563,5 @@ class ProgressLoop:
         self.dispatcher.submit_all(fires)
         self.peers.close_watches()
         # Whatever the watchdog delivers is queued before the caller closes the dispatcher.
-        self._watchdog_stop.set()
-        if self._watchdog.is_alive():
-            self._watchdog.join()
+        self._watchdog.stop()
         self._stopped = True
