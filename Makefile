@@ -45,6 +45,7 @@ bench: install
 	$(PY) bench/engine.py
 	$(PY) bench/fabric.py
 	$(PY) bench/router.py
+	$(PY) bench/transfer.py
 
 # The long soak (issue #8): 10 minutes of mixed traffic, random cancels, 4 worker kills.
 soak: install

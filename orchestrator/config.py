@@ -18,7 +18,8 @@ Layout (every key optional unless marked; `configs/*.yaml` are complete examples
         limits: {...}               # overrides of GROUP_LIMIT_KEYS for this group
         nice: 0                     # CPU priority of its processes (0-19, see GroupConfig)
         threads: 1                  # torch intra-op threads per rank
-    transfer: {deadline_seconds, drain_interval_seconds, coalesce_pages, checksum}
+    transfer: {deadline_seconds, drain_interval_seconds, liveness_interval_seconds,
+               coalesce_pages, checksum}
     router: {address, http_address, policy, max_queue, default_max_tokens, grace_seconds,
              max_request_bytes, prefill_retries, auth: {token | token_file}, tls: {cert, key, ca}}
 

@@ -242,6 +242,10 @@ class TransferConfig:
         are freed only once no write can land in them (acknowledged writes landed, or the
         prefill process gone), never after a time: a late write can never land in a page given
         to a newer request (`workers.kv.quarantine`).
+    liveness_interval_seconds: how often a decoder checks the prefill worker of a transfer that
+        had no write land since the last check (the fabric's failure record; on tcp a connect
+        to its listener). A gone one (killed, crashed) fails its transfers at once, so the
+        router retries them on another prefill worker instead of at the deadline. 0: off.
     coalesce_pages: merge writes of adjacent pages (both sides must agree: it is sent along).
     checksum: decoders verify every transfer's KV against checksums the prefill worker sends in
         the context write (`workers.kv.checksum`); a mismatch fails the request. Off by default:
@@ -250,12 +254,14 @@ class TransferConfig:
 
     deadline_seconds: float = 30.0
     drain_interval_seconds: float = 5.0
+    liveness_interval_seconds: float = 1.0
     coalesce_pages: bool = True
     checksum: bool = False
 
     def __post_init__(self) -> None:
         check_number("deadline_seconds", self.deadline_seconds, 0, strict=True)
         check_number("drain_interval_seconds", self.drain_interval_seconds, 0)
+        check_number("liveness_interval_seconds", self.liveness_interval_seconds, 0)
         check_bool("coalesce_pages", self.coalesce_pages)
         check_bool("checksum", self.checksum)
 

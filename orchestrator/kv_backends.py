@@ -49,6 +49,7 @@ class DecodeBackend:
         messenger = DecodeMessengerConfig(
             transfer_timeout_s=transfer.get("deadline_seconds", 30.0),
             drain_interval_s=transfer.get("drain_interval_seconds", 5.0),
+            liveness_interval_s=transfer.get("liveness_interval_seconds", 1.0),
             coalesce_pages=transfer.get("coalesce_pages", True),
             checksum=transfer.get("checksum", False),
         )

@@ -33,7 +33,7 @@ class WorkerSpec:
     provider: str = "tcp;ofi_rxm"
     fabric_node: str | None = "127.0.0.1"
     host: str = "127.0.0.1"  # ClusterConfig.worker_host: where gRPC and /metrics listen
-    # ClusterConfig.transfer: deadline_seconds, drain_interval_seconds, coalesce_pages.
+    # ClusterConfig.transfer (`TransferConfig` as a dict).
     transfer: dict[str, Any] = field(default_factory=dict)
     metrics_port: int | None = 0  # the worker's /metrics on ``host`` (0: any free; None: none)
     nice: int = 0  # GroupConfig.nice: CPU priority of the process and of every thread it starts

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 
 def add_subcommands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    bench = sub.add_parser("bench", help="open-loop load generator (run, compare)")
+    bench = sub.add_parser("bench", help="open-loop load generator (run, compare, validate)")
     commands = bench.add_subparsers(dest="bench_command", required=True)
 
     p = commands.add_parser("run", help="load a running router; report latencies and goodput")
@@ -86,8 +86,12 @@ def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arrival", choices=["poisson", "fixed"], default="poisson")
     p.add_argument("--num-requests", type=int, default=50, help="requests, warm-up included")
     p.add_argument("--duration", type=float, default=None, help="seconds of arrivals, at most")
-    p.add_argument("--prompt", default="uniform:512-1024", help="fixed:N | uniform:A-B | chat:M")
-    p.add_argument("--output", default="uniform:64-128", help="fixed:N | uniform:A-B | chat:M")
+    p.add_argument(
+        "--prompt", default="uniform:512-1024", help="fixed:N | uniform:A-B | chat:M[:A-B]"
+    )
+    p.add_argument(
+        "--output", default="uniform:64-128", help="fixed:N | uniform:A-B | chat:M[:A-B]"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=0, help="first N requests left out of stats")
     p.add_argument("--ttft-slo", type=float, default=2.0, help="seconds")

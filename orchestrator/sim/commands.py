@@ -117,8 +117,12 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", type=float, default=1.0, help="arrivals per second (plan: start)")
     p.add_argument("--num-requests", type=int, default=200)
     p.add_argument("--arrival", choices=["poisson", "fixed"], default="poisson")
-    p.add_argument("--prompt", default="uniform:4096-8192", help="fixed:N | uniform:A-B | chat:M")
-    p.add_argument("--output", default="uniform:1024-2048", help="fixed:N | uniform:A-B | chat:M")
+    p.add_argument(
+        "--prompt", default="uniform:4096-8192", help="fixed:N | uniform:A-B | chat:M[:A-B]"
+    )
+    p.add_argument(
+        "--output", default="uniform:1024-2048", help="fixed:N | uniform:A-B | chat:M[:A-B]"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)

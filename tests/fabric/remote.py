@@ -7,6 +7,7 @@ only if their engine closed cleanly and its threads ended.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import threading
 from multiprocessing.connection import Connection
@@ -39,6 +40,7 @@ class _Pipe:
 
 def target_main(conn: Connection, provider: str, num_bytes: int) -> None:
     """A write target: registers `num_bytes`, publishes (address, descriptor), arms counters."""
+    faulthandler.enable()  # a crash in native code shows its Python stacks in the test's output
     pipe = _Pipe(conn)
     engine = TransferEngine(provider)
     buffer = np.zeros(num_bytes, dtype=np.uint8)
@@ -79,6 +81,7 @@ def target_main(conn: Connection, provider: str, num_bytes: int) -> None:
 
 def sender_main(conn: Connection, provider: str, peer_address: bytes, num_messages: int) -> None:
     """Sends `num_messages` numbered messages to `peer_address`, then waits for "close"."""
+    faulthandler.enable()
     pipe = _Pipe(conn)
     engine = TransferEngine(provider)
     peer = engine.add_peer(peer_address)

@@ -25,13 +25,15 @@ SLOW_PREFILL = {"num_pages": PREFILL_PAGES, "max_num_batched_tokens": 16}
 pytestmark = pytest.mark.slow
 
 
-def decode_worker(model_dir: Path, provider: str, timeout_s: float, drain_s: float) -> DecodeWorker:
+def decode_worker(
+    model_dir: Path, provider: str, timeout_s: float, drain_s: float, liveness_s: float = 1.0
+) -> DecodeWorker:
     return DecodeWorker(
         model_dir,
         EngineConfig(num_pages=DECODE_PAGES),
         provider=provider,
         messenger_config=DecodeMessengerConfig(
-            transfer_timeout_s=timeout_s, drain_interval_s=drain_s
+            transfer_timeout_s=timeout_s, drain_interval_s=drain_s, liveness_interval_s=liveness_s
         ),
     )
 
@@ -55,7 +57,8 @@ def test_prefill_killed_mid_transfer_fails_after_deadline(
     tiny_model_dir: Path, provider: str
 ) -> None:
     prefill = RemotePrefill(tiny_model_dir, provider, engine=SLOW_PREFILL)
-    decode = decode_worker(tiny_model_dir, provider, timeout_s=2.0, drain_s=0.5)
+    # Liveness checks off: the deadline is what ends the request.
+    decode = decode_worker(tiny_model_dir, provider, timeout_s=2.0, drain_s=0.5, liveness_s=0)
     try:
         (prompt,) = prompts_of_lengths([1600], seed=7)
         stream = decode.submit("k", prompt, GREEDY, prefill.endpoint)
@@ -70,6 +73,33 @@ def test_prefill_killed_mid_transfer_fails_after_deadline(
         assert time.monotonic() >= killed_at  # ordering only: the failure came after the kill
         # Freed because the process is known gone (tcp: nothing listens at its address any
         # more; shm: its process exited), not by time: no write of it can land any more.
+        wait_until(lambda: decode_pool_full(decode), what="decode pool full again")
+        assert decode.state()["num_transfers"] == 0
+        record = decode.transfer_stats("k") or {}
+        assert record.get("state") == "failed"
+        assert record.get("quarantine_release") == "peer_gone", record
+    finally:
+        decode.close()
+        prefill.close()
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_a_killed_prefill_process_is_noticed_before_the_deadline(
+    tiny_model_dir: Path, provider: str
+) -> None:
+    """The decoder checks the prefill worker of a transfer that stopped moving: gone (tcp:
+    nothing listens at its address; shm: its process exited), the request fails long before
+    its deadline (an hour: a test that waited for it would time out) and its pages are freed."""
+    prefill = RemotePrefill(tiny_model_dir, provider, engine=SLOW_PREFILL)
+    decode = decode_worker(tiny_model_dir, provider, timeout_s=3600.0, drain_s=3600.0)
+    try:
+        (prompt,) = prompts_of_lengths([1600], seed=7)
+        stream = decode.submit("k", prompt, GREEDY, prefill.endpoint)
+        wait_for_landed_writes(decode, "k")
+        prefill.kill()
+        tokens, final = stream.result(60)
+        assert tokens == [] and final.finish_reason == "error"
+        assert final.error is not None and "prefill worker gone" in final.error, final.error
         wait_until(lambda: decode_pool_full(decode), what="decode pool full again")
         assert decode.state()["num_transfers"] == 0
         record = decode.transfer_stats("k") or {}

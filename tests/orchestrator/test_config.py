@@ -226,6 +226,11 @@ REJECTIONS: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ),
     ("transfer.deadline_seconds", _set("transfer.deadline_seconds", 0), "must be > 0"),
     ("transfer.coalesce_pages", _set("transfer.coalesce_pages", 1), "true or false"),
+    (
+        "transfer.liveness_interval_seconds",
+        _set("transfer.liveness_interval_seconds", -1),
+        "must be >= 0",
+    ),
     ("router.address", _set("router.address", "localhost"), "host:port"),
     ("router.address", _set("router.address", "localhost:70000"), "0-65535"),
     ("router.address", _set("router.address", 50051), "host:port"),

@@ -35,7 +35,11 @@ MAX_TOKENS = 6
 def cluster(ray_local: None, tiny_model_dir: Path) -> Iterator[ServedCluster]:
     served = ServedCluster(
         cluster_config(
-            tiny_model_dir, disaggregated_groups(2, 1), transfer={"deadline_seconds": 5}
+            # The transfer deadline is far beyond the clients' timeout: what ends a transfer
+            # to the dead worker is a failed send or the decoder's liveness check (1 s).
+            tiny_model_dir,
+            disaggregated_groups(2, 1),
+            transfer={"deadline_seconds": 3600, "liveness_interval_seconds": 1},
         ),
         # No health check during the test: only the router's retry stands between a request
         # and the dead prefill worker.

@@ -16,6 +16,10 @@ Queues and life cycle (keyed by request id)::
 - A prefill worker that fails a transfer it accepted sends `PrefillFailed` (reason and the
   number of writes it submitted): the request fails at once and its pages are quarantined as
   on an abort, released when that many writes landed (or the prefill process is gone).
+- A prefill process that dies sends nothing: every ``liveness_interval_s`` the prefill worker
+  of each address whose live transfers had no write land since the last look is checked
+  (`_check_liveness`, the same evidence as the quarantine's below); gone, its transfers fail
+  at once and their pages are freed (`_gone`), long before their deadline.
 - **Quarantine** (`workers.kv.quarantine`): time never frees pages, since a paused prefill
   process can post a write long after any deadline. Every ``drain_interval_s`` the decoder
   re-sends `AbortPrefill` for each quarantined transfer; the prefill worker answers with its
@@ -99,6 +103,7 @@ from workers.kv.writes import expected_write_count_from_dst
 
 log = logging.getLogger(__name__)
 
+_WAITING_FOR_WRITES = (DecodeState.REQUESTED, DecodeState.RECEIVING)
 _UNKNOWN_COUNT = 1 << 62  # quarantine bound while the prefill side never told its count
 # Floor of the AbortPrefill re-send interval (drain_interval_s may be 0: no message storm).
 _MIN_RESEND_S = 0.05
@@ -115,6 +120,9 @@ class DecodeMessengerConfig:
     # How often AbortPrefill is re-sent for a quarantined transfer (and the liveness of its
     # prefill worker checked); never a time after which pages are freed.
     drain_interval_s: float = 5.0
+    # How often the prefill workers of live transfers that made no progress since the last look
+    # are checked for being gone (`_check_liveness`); 0: only the deadline ends such transfers.
+    liveness_interval_s: float = 1.0
     max_transfers: int = 256  # imm slots and rows of the context buffer
     coalesce_pages: bool = True
     finished_memory: int = 4096
@@ -185,6 +193,9 @@ class DecodeMessenger:
             queue.SimpleQueue()
         )
         self._probe_results: queue.SimpleQueue[tuple[bytes, bool]] = queue.SimpleQueue()
+        # Writes landed per live transfer (imm) at the last liveness look, and the next look.
+        self._liveness_marks: dict[int, int] = {}
+        self._next_liveness_s = 0.0
         self._rng = random.Random(config.seed)
         # This registration's id, sent in each PrefillRequest (a restart draws anew), and the
         # incarnation last confirmed at each prefill address (`_confirm_incarnation`, `_peer`).
@@ -380,10 +391,50 @@ class DecodeMessenger:
                     f"{seen} of {expected if expected is not None else 'an unknown number of'} "
                     "writes landed (prefill worker dead or overloaded?)",
                 )
+        interval = self.config.liveness_interval_s
+        if interval > 0 and now >= self._next_liveness_s:
+            self._next_liveness_s = now + interval
+            self._check_liveness()
         self._tend_quarantine(now)
         self._start_pending()
         failures, self._failures = self._failures, []
         return failures
+
+    def _check_liveness(self) -> None:
+        """Ask whether the prefill worker is still there for each address whose every live
+        transfer had no write land since the last look: the fabric's record (a failed
+        connection, an exited shm process), else, on ``tcp``, a connect to its listener (off
+        this thread, `_probe`). A killed prefill process sends nothing, so without this its
+        transfers would only end at their deadline; gone, they fail now (`_gone`) and the
+        router can retry them elsewhere. A slow or paused prefill worker still accepts:
+        its transfers wait, as before, for their writes or their deadline."""
+        marks: dict[int, int] = {}
+        stalled: dict[bytes, bool] = {}  # address -> no live transfer to it moved
+        for incoming in self._by_id.values():
+            transfer = incoming.transfer
+            if transfer is None or transfer.state not in _WAITING_FOR_WRITES:
+                continue
+            seen = self.fabric.imm_arrivals(transfer.imm)
+            marks[transfer.imm] = seen
+            moved = self._liveness_marks.get(transfer.imm) != seen  # a new one counts as moved
+            address = incoming.endpoint.address
+            stalled[address] = stalled.get(address, True) and not moved
+        self._liveness_marks = marks
+        for address, still in stalled.items():
+            if not still:
+                continue
+            failure = self.fabric.peer_failure(address)
+            if isinstance(failure, PeerFailedError):  # connection failed or process exited
+                self._gone(address, failure)
+                continue
+            try:
+                watch = self._watch(address)
+            except AddressError as error:  # resolved when the request went: nobody there now
+                self._gone(address, error)
+            except FabricError as error:
+                log.warning("liveness of the prefill worker not checked: %s", error)
+            else:
+                self._probe(address, watch)
 
     def _admission_timeout(self, incoming: _Incoming) -> AdmissionTimeoutError:
         num_pages = self.engine.num_prefill_pages(len(incoming.prompt))
@@ -617,9 +668,20 @@ class DecodeMessenger:
         return watch
 
     def _gone(self, address: bytes, why: object) -> None:
+        """The prefill process at ``address`` is gone, so no write from it can land any more:
+        its live transfers fail (their KV will never arrive) and its quarantined pages are
+        freed, theirs included."""
         watch = self._watches.get(address)
         name = watch.name if watch is not None else address.hex()
-        log.info("prefill worker %s gone (%s): its quarantined pages are freed", name, why)
+        log.info("prefill worker %s gone (%s): its transfers end, their pages are freed", name, why)
+        live = [
+            request_id
+            for request_id, incoming in self._by_id.items()
+            if incoming.transfer is not None and incoming.endpoint.address == address
+        ]
+        for request_id in live:
+            if request_id in self._by_id:  # a nested judgement may have ended it already
+                self._fail(request_id, f"prefill worker gone ({why}): its KV will never arrive")
         self._release(self.quarantine.peer_gone(address), "peer_gone")
 
     def _on_abort_sent(self, address: bytes, error: FabricError | None) -> None:

@@ -185,11 +185,14 @@ class PrefillWorker:
     def _poll_orphaned(self) -> None:
         wake = threading.Event()
         self.messenger.set_wake(wake.set)
+        logged = False
         while not self._orphan_stop.is_set():
             try:
                 self.messenger.poll()
             except Exception:  # keep answering: one bad message must not silence the rest
-                log.exception("polling the orphaned prefill messenger failed")
+                if not logged:  # the same fault may recur on every poll: log it once
+                    log.exception("polling the orphaned prefill messenger failed")
+                    logged = True
             wake.wait(0.02)
             wake.clear()
 
