@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +14,7 @@ from tests.engine.engine_helpers import make_engine, prompts_of_lengths, run_eng
 from tests.kv.harness import RemotePrefill, wait_until
 from workers.engine.config import EngineConfig
 from workers.engine.sampling_params import SamplingParams
+from workers.fabric import OperationTimeoutError
 from workers.kv.decode_messenger import DecodeMessengerConfig
 from workers.kv.worker import DecodeWorker
 
@@ -106,6 +109,88 @@ def test_a_killed_prefill_process_is_noticed_before_the_deadline(
         assert record.get("state") == "failed"
         assert record.get("quarantine_release") == "peer_gone", record
     finally:
+        decode.close()
+        prefill.close()
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_a_killed_prefill_process_fails_hundreds_of_waiting_transfers(
+    tiny_model_dir: Path, provider: str
+) -> None:
+    """Every transfer waiting on the dead worker fails at once and every page comes back,
+    however many there are: ending each one used to judge the dead peer again for the next
+    (shm: its exit is on record), and ~270 waiting at the kill exceeded Python's recursion
+    limit and killed the decode step loop."""
+    num_requests, num_pages = 450, 1000
+    prefill = RemotePrefill(
+        tiny_model_dir, provider, engine=SLOW_PREFILL, messenger={"max_transfers": 512}
+    )
+    decode = DecodeWorker(
+        tiny_model_dir,
+        EngineConfig(num_pages=num_pages),
+        provider=provider,
+        messenger_config=DecodeMessengerConfig(
+            transfer_timeout_s=3600.0, drain_interval_s=3600.0, max_transfers=512
+        ),
+    )
+    try:
+        prompts = prompts_of_lengths([20] * num_requests, seed=9)
+        streams = [
+            decode.submit(f"w{i}", prompt, GREEDY, prefill.endpoint)
+            for i, prompt in enumerate(prompts)
+        ]
+        wait_until(lambda: decode.imm_writes_received() > 0, what="a first write")
+        prefill.kill()
+        finals = [stream.result(120)[1] for stream in streams]
+        failed = [f for f in finals if f.finish_reason == "error"]
+        assert failed, "every request finished before the kill"
+        assert all(f.error is not None and "prefill worker gone" in f.error for f in failed)
+        wait_until(
+            lambda: (
+                decode.state()["num_free_pages"] == num_pages
+                and decode.state()["num_transfers"] == 0
+            ),
+            what="decode pool full again",
+        )
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_a_stopped_prefill_with_a_missed_deadline_on_record_is_not_gone(
+    tiny_model_dir: Path,
+) -> None:
+    """A missed operation deadline is no proof of death: the liveness check asks the stopped
+    prefill worker's listener (which still accepts), so its transfer waits, its pages stay
+    its own, and once resumed it completes with the right tokens."""
+    provider = "tcp;ofi_rxm"
+    prefill = RemotePrefill(tiny_model_dir, provider, engine=SLOW_PREFILL)
+    decode = decode_worker(tiny_model_dir, provider, 3600.0, 0.5, liveness_s=0.2)
+    pid = prefill.process.pid or 0
+    stopped = False
+    try:
+        (prompt,) = prompts_of_lengths([1600], seed=7)
+        (expected,) = run_engine(make_engine(tiny_model_dir), [prompt], GREEDY)
+        stream = decode.submit("paused", prompt, GREEDY, prefill.endpoint)
+        wait_for_landed_writes(decode, "paused")
+        os.kill(pid, signal.SIGSTOP)
+        stopped = True
+        # NAMED FAULT INJECTION: the decoder's fabric records a missed deadline for the stopped
+        # prefill worker, as its progress loop does when an operation to it outlives the
+        # operation deadline (30 s in the workers, longer than a test stops a process).
+        loop = decode.fabric._loop
+        peer = decode.fabric.add_peer(prefill.endpoint.address)
+        loop.call(lambda: loop.peers.fail(peer, OperationTimeoutError("injected: missed deadline")))
+        time.sleep(2.0)  # ten liveness looks: time alone fails nothing
+        assert decode.transfer_progress("paused") is not None, decode.transfer_stats("paused")
+        os.kill(pid, signal.SIGCONT)
+        stopped = False
+        tokens, final = stream.result(60)
+        assert (tokens, final.error) == (expected, None)
+        wait_until(lambda: decode_pool_full(decode), what="decode pool full again")
+    finally:
+        if stopped:
+            os.kill(pid, signal.SIGCONT)
         decode.close()
         prefill.close()
 

@@ -17,7 +17,6 @@ from tests.engine.engine_helpers import make_engine, prompts_of_lengths, run_eng
 from tests.kv.harness import decode_pool_full, wait_until
 from workers.engine.config import EngineConfig
 from workers.engine.errors import EngineClosedError
-from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import SamplingParams
 from workers.kv.decode_messenger import DecodeMessengerConfig
 from workers.kv.worker import DecodeWorker, PrefillWorker
@@ -54,19 +53,17 @@ def decode(tiny_model_dir: Path) -> Iterator[DecodeWorker]:
     worker.close()
 
 
-def _fail_on_pass(prefill: PrefillWorker, pass_number: int) -> None:
-    """NAMED TEST FAULT: the prefill engine's step raises once it has run ``pass_number``
-    forward passes (after that pass's layer writes were submitted)."""
+def _fail_in_pass(prefill: PrefillWorker, pass_number: int) -> None:
+    """NAMED TEST FAULT: the prefill engine's forward pass ``pass_number`` raises in its second
+    layer (a bug or a device error cannot be produced on demand): the earlier passes' writes
+    are submitted, and this pass is planned for the push thread but never ends."""
     engine = prefill.engine
-    real_step = engine.step
 
-    def failing_step() -> list[RequestOutput]:
-        outputs = real_step()
-        if engine.stats.num_steps >= pass_number:
+    def fail(module: object, args: object, output: object) -> None:
+        if engine.stats.num_steps + 1 >= pass_number:  # counted once the pass returned
             raise RuntimeError("injected prefill step failure")
-        return outputs
 
-    engine.step = failing_step  # type: ignore[method-assign]
+    engine.model.layers[1].register_forward_hook(fail)
 
 
 def test_a_dead_prefill_loop_fails_its_transfers_at_once_and_refuses_new_ones(
@@ -76,7 +73,7 @@ def test_a_dead_prefill_loop_fails_its_transfers_at_once_and_refuses_new_ones(
     dead = _prefill(tiny_model_dir)
     healthy = _prefill(tiny_model_dir)
     try:
-        _fail_on_pass(dead, 2)
+        _fail_in_pass(dead, 2)
         tokens, final = decode.submit("mid", long_prompt, GREEDY, dead.endpoint()).result(WAIT_S)
         assert tokens == [] and final.finish_reason == "error"
         assert final.error is not None
@@ -87,6 +84,8 @@ def test_a_dead_prefill_loop_fails_its_transfers_at_once_and_refuses_new_ones(
         assert record["num_writes_landed"] > 0 and record["quarantine_release"] == "drained"
         wait_until(lambda: decode_pool_full(decode, DECODE_PAGES), what="decode pool full again")
 
+        # The pass it died in will never end: the push thread was told so, it does not wait.
+        wait_until(lambda: dead.messenger.push_idle, what="push thread idle")
         # The worker is unhealthy (its state raises, as the health check sees it) but still
         # answers: a new request is refused with the cause, nothing allocated for it.
         with pytest.raises(EngineClosedError, match="injected prefill step failure"):

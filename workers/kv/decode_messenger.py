@@ -423,16 +423,17 @@ class DecodeMessenger:
         for address, still in stalled.items():
             if not still:
                 continue
-            failure = self.fabric.peer_failure(address)
-            if isinstance(failure, PeerFailedError):  # connection failed or process exited
-                self._gone(address, failure)
-                continue
             try:
                 watch = self._watch(address)
             except AddressError as error:  # resolved when the request went: nobody there now
                 self._gone(address, error)
+                continue
             except FabricError as error:
                 log.warning("liveness of the prefill worker not checked: %s", error)
+                continue
+            failure = self.fabric.peer_failure(address)
+            if failure is not None:  # judged as the quarantine does: a missed deadline is probed
+                self._judge(address, failure)
             else:
                 self._probe(address, watch)
 
@@ -551,11 +552,13 @@ class DecodeMessenger:
         aborted: bool = False,
         rejected: bool = False,
         prefill_writes: int | None = None,
+        send_aborts: bool = True,
     ) -> None:
         """End a request: FAILED, counter cancelled, pages + slot quarantined. ``rejected``:
         nothing was written (free at once); ``prefill_writes``: the prefill side stopped after
         submitting that many writes (`PrefillFailed`: acknowledged; the AbortPrefill re-sends
-        still watch the peer, whose death would leave that count unreachable)."""
+        still watch the peer, whose death would leave that count unreachable); ``send_aborts``
+        False: the caller frees the peer's pages next (`_gone`), so no AbortPrefill goes now."""
         incoming = self._by_id.pop(request_id)
         transfer = incoming.transfer
         if transfer is None:  # still pending (or its allocation failed): nothing to free
@@ -587,7 +590,8 @@ class DecodeMessenger:
         elif prefill_writes is not None:
             released += self.quarantine.acknowledge_abort(imm, prefill_writes)
         self._release(released)
-        self._send_aborts(now)  # the first AbortPrefill goes at once
+        if send_aborts:
+            self._send_aborts(now)  # the first AbortPrefill goes at once
         if not aborted:
             log.warning("request %s failed: %s", request_id, reason)
             self._failures.append((request_id, reason))
@@ -679,9 +683,9 @@ class DecodeMessenger:
             for request_id, incoming in self._by_id.items()
             if incoming.transfer is not None and incoming.endpoint.address == address
         ]
-        for request_id in live:
-            if request_id in self._by_id:  # a nested judgement may have ended it already
-                self._fail(request_id, f"prefill worker gone ({why}): its KV will never arrive")
+        for request_id in live:  # no AbortPrefill: it would judge the peer again, per request
+            reason = f"prefill worker gone ({why}): its KV will never arrive"
+            self._fail(request_id, reason, send_aborts=False)
         self._release(self.quarantine.peer_gone(address), "peer_gone")
 
     def _on_abort_sent(self, address: bytes, error: FabricError | None) -> None:

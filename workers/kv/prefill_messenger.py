@@ -51,6 +51,7 @@ from __future__ import annotations
 import logging
 import queue
 import random
+import sys
 import threading
 import time
 from collections import OrderedDict, deque
@@ -730,10 +731,18 @@ class PrefillMessenger:
         for out in list(self._by_id.values()):
             if out.transfer.state in _ACTIVE:
                 self._give_up(out, FailReason.ENGINE_ERROR, detail)
+        # A pass the loop planned may never end now: end it (and any queued one) for the push
+        # thread, whose gate refuses every layer of the transfers just given up.
+        self._push.pass_ended(sys.maxsize)
 
     def set_wake(self, wake: Callable[[], None]) -> None:
         """Whom fabric callbacks wake from now on (the thread that polls the messenger)."""
         self._wake = wake
+
+    @property
+    def push_idle(self) -> bool:
+        """The push thread has no pass to push (none planned, or every planned one ended)."""
+        return self._push.idle
 
     def is_drained(self) -> bool:
         """No transfer left (every in-flight write completed) and every message sent."""

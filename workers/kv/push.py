@@ -321,6 +321,12 @@ class PushThread:
         self._wake.set()
         return sent
 
+    @property
+    def idle(self) -> bool:
+        """No pass being pushed and none queued."""
+        with self._lock:
+            return self._current is None and self._plans.empty()
+
     def close(self, timeout: float = 10.0) -> None:
         self._progress.remove_listener(self._wake.set)
         self._stopped.set()

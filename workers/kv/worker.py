@@ -27,6 +27,7 @@ from typing import Any
 
 from workers.engine.config import EngineConfig
 from workers.engine.engine_core import EngineCore
+from workers.engine.errors import EngineClosedError
 from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.step_loop import StepLoop
@@ -176,11 +177,13 @@ class PrefillWorker:
         writes still in flight drained) until `close`. Left unpolled, each decoder would wait
         for its transfer deadline; the worker's `state` raises from now on, so its health check
         fails and the control plane replaces it."""
-        self.messenger.engine_failed(f"prefill engine failed: {error!r}")
-        self._orphan_poller = threading.Thread(
-            target=self._poll_orphaned, name="prefill-orphaned", daemon=True
-        )
-        self._orphan_poller.start()
+        try:
+            self.messenger.engine_failed(f"prefill engine failed: {error!r}")
+        finally:  # even if that failed too, aborts must still be answered
+            self._orphan_poller = threading.Thread(
+                target=self._poll_orphaned, name="prefill-orphaned", daemon=True
+            )
+            self._orphan_poller.start()
 
     def _poll_orphaned(self) -> None:
         wake = threading.Event()
@@ -232,19 +235,24 @@ class PrefillWorker:
         reason DRAINING at once, new requests are rejected), wait up to ``drain_timeout_s`` for
         in-flight writes and those messages, then stop the step thread, the messenger and the
         fabric, then the engine's TP ranks."""
+        deadline = time.monotonic() + drain_timeout_s
         try:
             self._loop.call(self.messenger.shutdown, timeout=drain_timeout_s)
-            deadline = time.monotonic() + drain_timeout_s
             while not self._loop.call(self.messenger.is_drained, timeout=drain_timeout_s):
                 if time.monotonic() >= deadline:
                     log.warning("prefill worker closing with transfers not drained")
                     break
                 time.sleep(0.005)
-        except Exception:  # a dead step loop: close what is left regardless
+        except EngineClosedError:  # the loop died: its orphan poller drains (below)
+            pass
+        except Exception:  # close what is left regardless
             log.exception("prefill worker could not drain before closing")
-        self._loop.stop()
-        self._orphan_stop.set()
+        self._loop.stop()  # joins the loop thread: a death's on_error has run
         if self._orphan_poller is not None:
+            # Given-up transfers' in-flight writes and the answers to decoders complete first.
+            while not self.messenger.is_drained() and time.monotonic() < deadline:
+                time.sleep(0.005)
+            self._orphan_stop.set()
             self._orphan_poller.join(5.0)
         try:
             self.messenger.close()
