@@ -676,6 +676,8 @@ class PrefillMessenger:
         with self._lock:
             del self._by_id[request_id]
         self._free_rows.append(out.context_row)
+        # Remembered first: were the engine to fail below, a re-sent abort still gets the count.
+        self._remember(out)
         if out.in_engine:
             self._reserved_pages -= out.num_pages_total
             if self._engine_failed:
@@ -684,7 +686,6 @@ class PrefillMessenger:
                 self.engine.release(request_id)
             else:
                 self.engine.abort(request_id)
-        self._remember(out)
 
     def _remember(self, out: Outgoing) -> None:
         self.finished[out.request_id] = out.summary()
