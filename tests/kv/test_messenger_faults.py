@@ -55,6 +55,16 @@ def decode_pool_full(decode: DecodeWorker) -> bool:
     return state["num_free_pages"] == DECODE_PAGES and state["num_pinned_pages"] == 0
 
 
+def assert_freed_as_gone(decode: DecodeWorker, request_id: str) -> None:
+    """The failed request's pages came back because its prefill process is gone, not by
+    time: every page free, no transfer live, the release recorded as ``peer_gone``."""
+    wait_until(lambda: decode_pool_full(decode), what="decode pool full again")
+    assert decode.state()["num_transfers"] == 0
+    record = decode.transfer_stats(request_id) or {}
+    assert record.get("state") == "failed"
+    assert record.get("quarantine_release") == "peer_gone", record
+
+
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_prefill_killed_mid_transfer_fails_after_deadline(
     tiny_model_dir: Path, provider: str
@@ -76,11 +86,7 @@ def test_prefill_killed_mid_transfer_fails_after_deadline(
         assert time.monotonic() >= killed_at  # ordering only: the failure came after the kill
         # Freed because the process is known gone (tcp: nothing listens at its address any
         # more; shm: its process exited), not by time: no write of it can land any more.
-        wait_until(lambda: decode_pool_full(decode), what="decode pool full again")
-        assert decode.state()["num_transfers"] == 0
-        record = decode.transfer_stats("k") or {}
-        assert record.get("state") == "failed"
-        assert record.get("quarantine_release") == "peer_gone", record
+        assert_freed_as_gone(decode, "k")
     finally:
         decode.close()
         prefill.close()
@@ -103,11 +109,7 @@ def test_a_killed_prefill_process_is_noticed_before_the_deadline(
         tokens, final = stream.result(60)
         assert tokens == [] and final.finish_reason == "error"
         assert final.error is not None and "prefill worker gone" in final.error, final.error
-        wait_until(lambda: decode_pool_full(decode), what="decode pool full again")
-        assert decode.state()["num_transfers"] == 0
-        record = decode.transfer_stats("k") or {}
-        assert record.get("state") == "failed"
-        assert record.get("quarantine_release") == "peer_gone", record
+        assert_freed_as_gone(decode, "k")
     finally:
         decode.close()
         prefill.close()

@@ -421,20 +421,7 @@ class DecodeMessenger:
             stalled[address] = stalled.get(address, True) and not moved
         self._liveness_marks = marks
         for address, still in stalled.items():
-            if not still:
-                continue
-            try:
-                watch = self._watch(address)
-            except AddressError as error:  # resolved when the request went: nobody there now
-                self._gone(address, error)
-                continue
-            except FabricError as error:
-                log.warning("liveness of the prefill worker not checked: %s", error)
-                continue
-            failure = self.fabric.peer_failure(address)
-            if failure is not None:  # judged as the quarantine does: a missed deadline is probed
-                self._judge(address, failure)
-            else:
+            if still and (watch := self._askable(address, "liveness not checked")) is not None:
                 self._probe(address, watch)
 
     def _admission_timeout(self, incoming: _Incoming) -> AdmissionTimeoutError:
@@ -634,17 +621,8 @@ class DecodeMessenger:
             if pages.imm not in self.quarantine:
                 continue  # freed by the judgement of an earlier one to the same address
             address = pages.peer
-            try:
-                watch = self._watch(address)
-            except AddressError as error:  # resolved when the request went: nobody there now
-                self._gone(address, error)
-                continue
-            except FabricError as error:
-                log.warning("AbortPrefill for %s not sent: %s", pages.request_id, error)
-                continue
-            failure = self.fabric.peer_failure(address)
-            if failure is not None:
-                self._judge(address, failure)
+            watch = self._askable(address, f"AbortPrefill for {pages.request_id} not sent")
+            if watch is None:
                 continue
             if watch.sent_s and now - watch.sent_s[0] >= self._stall_s:
                 self._probe(address, watch)  # an earlier abort neither completed nor failed
@@ -663,6 +641,24 @@ class DecodeMessenger:
                 self._judge(address, error)
             else:
                 watch.sent_s.append(now)
+
+    def _askable(self, address: bytes, what: str) -> _PeerWatch | None:
+        """The watch of a prefill address that may be asked now; None when it was judged
+        instead (nobody at the address any more, or a failure on record: `_judge`, where a
+        missed deadline is only a reason to probe) or the fabric refused (logged as ``what``)."""
+        try:
+            watch = self._watch(address)
+        except AddressError as error:  # resolved when the request went: nobody there now
+            self._gone(address, error)
+            return None
+        except FabricError as error:
+            log.warning("%s: %s", what, error)
+            return None
+        failure = self.fabric.peer_failure(address)
+        if failure is not None:
+            self._judge(address, failure)
+            return None
+        return watch
 
     def _watch(self, address: bytes) -> _PeerWatch:
         watch = self._watches.get(address)
