@@ -23,6 +23,8 @@ class WorkerLoad:
     num_free_kv_pages: int = 0
     num_total_kv_pages: int = 0
     num_transfers_in_flight: int = 0
+    num_computed_prompt_tokens: int = 0  # since the worker's engine started
+    num_sampled_tokens: int = 0
 
 
 @dataclass

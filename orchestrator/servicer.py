@@ -197,6 +197,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     num_free_kv_pages=load.num_free_kv_pages,
                     num_total_kv_pages=load.num_total_kv_pages,
                     num_transfers_in_flight=load.num_transfers_in_flight,
+                    num_prompt_tokens_computed=load.num_computed_prompt_tokens,
+                    num_tokens_generated=load.num_sampled_tokens,
                 )
         return response
 

@@ -142,6 +142,8 @@ class WorkerActor:
             "num_free_kv_pages": load.num_free_kv_pages,
             "num_total_kv_pages": load.num_total_kv_pages,
             "num_transfers_in_flight": load.num_transfers_in_flight,
+            "num_computed_prompt_tokens": load.num_computed_prompt_tokens,
+            "num_sampled_tokens": load.num_sampled_tokens,
         }
 
     def transfer_stats(self, request_ids: list[str]) -> dict[str, dict[str, Any]]:

@@ -114,6 +114,32 @@ def test_cluster_state_shows_the_ratio(cluster: ServedCluster) -> None:
         healthy = pb.WORKER_HEALTH_HEALTHY
         assert all(w.health == healthy for g in state.groups for w in g.workers)
 
+        # Each worker's token counts: a request of 20 prompt tokens and 5 new ones adds 19
+        # computed prompt tokens on the prefill worker, and 1 and 5 sampled on its decoder.
+        def totals() -> dict[str, tuple[int, int]]:
+            state = stub.GetClusterState(pb.GetClusterStateRequest())
+            return {
+                g.name: (
+                    sum(w.num_prompt_tokens_computed for w in g.workers),
+                    sum(w.num_tokens_generated for w in g.workers),
+                )
+                for g in state.groups
+            }
+
+        before = totals()
+        request = pb.GenerateRequest(
+            prompt_token_ids=list(range(3, 23)),
+            sampling=pb.SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+        )
+        assert list(stub.Generate(request, timeout=60))[-1].usage.completion_tokens == 5
+        after = totals()
+        assert after["prefill"][0] - before["prefill"][0] == 19
+        assert after["prefill"][1] == 0
+        assert (
+            after["decode"][0] - before["decode"][0],
+            after["decode"][1] - before["decode"][1],
+        ) == (1, 5)
+
 
 def test_every_bad_request_is_invalid_argument(cluster: ServedCluster) -> None:
     serving_checks.check_bad_requests(cluster.address)
