@@ -38,11 +38,15 @@ class _Pipe:
         return result
 
 
+# An idle target polls this rarely (see `RemoteTarget.stop`); busy, it spins as usual.
+TARGET_IDLE_WAIT_US = 20_000
+
+
 def target_main(conn: Connection, provider: str, num_bytes: int) -> None:
     """A write target: registers `num_bytes`, publishes (address, descriptor), arms counters."""
     faulthandler.enable()  # a crash in native code shows its Python stacks in the test's output
     pipe = _Pipe(conn)
-    engine = TransferEngine(provider)
+    engine = TransferEngine(provider, idle_wait_us=TARGET_IDLE_WAIT_US)
     buffer = np.zeros(num_bytes, dtype=np.uint8)
     _handle, descriptor = engine.register(buffer)
     pipe.send_bytes(engine.address)

@@ -355,7 +355,7 @@ def _unposted_writes_scenario(
                 errors.append(error)
         ended.release()
 
-    os.kill(target.process.pid, signal.SIGSTOP)
+    target.stop()
     try:
         for call in range(num_calls):
             engine.submit_writes(

@@ -184,7 +184,7 @@ def _stranded_writes(engine: TransferEngine, target: RemoteTarget) -> Iterator[P
     first = threading.Event()
     engine.submit_write(handle, 0, peer, target.descriptor, 0, 64, imm=4, on_done=first.set)
     assert first.wait(30)
-    os.kill(target.process.pid, signal.SIGSTOP)
+    target.stop()
     try:
         ended = threading.Event()
         ops = np.array([[i * MIB, i * MIB, MIB] for i in range(64)], dtype=np.int64)
