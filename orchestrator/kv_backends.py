@@ -16,7 +16,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.worker_backend import Sink, TokenDelta, WorkerLoad, client_request_id
+from orchestrator.worker_backend import (
+    Sink,
+    TokenDelta,
+    WorkerLoad,
+    client_request_id,
+    engine_counters,
+)
 from workers.engine.config import EngineConfig
 from workers.engine.sampling_params import SamplingParams
 
@@ -92,16 +98,14 @@ class DecodeBackend:
 
     def load(self) -> WorkerLoad:
         state = self.worker.state()
-        scheduler, stats = self.worker.engine.scheduler, self.worker.engine.stats
+        scheduler = self.worker.engine.scheduler
         return WorkerLoad(
             num_running_requests=len(scheduler.running),
             num_waiting_requests=max(0, int(state["num_requests"]) - len(scheduler.running)),
             num_free_kv_pages=int(state["num_free_pages"]),
             num_total_kv_pages=int(state["num_pages"]),
             num_transfers_in_flight=int(state.get("num_transfers", 0)),
-            # Off the step thread: see the module docstring.
-            num_computed_prompt_tokens=stats.num_computed_prompt_tokens,
-            num_sampled_tokens=stats.num_sampled_tokens,
+            **engine_counters(self.worker.engine),  # off the step thread: module docstring
         )
 
     def transfer_stats(self, request_id: str) -> dict[str, Any] | None:
@@ -151,9 +155,7 @@ class PrefillBackend:
             num_free_kv_pages=engine.block_manager.num_free_pages,
             num_total_kv_pages=engine.num_pages,
             num_transfers_in_flight=int(state.get("num_transfers", 0)),
-            # Off the step thread: see the module docstring.
-            num_computed_prompt_tokens=engine.stats.num_computed_prompt_tokens,
-            num_sampled_tokens=engine.stats.num_sampled_tokens,
+            **engine_counters(engine),  # off the step thread: module docstring
         )
 
     def transfer_stats(self, request_id: str) -> dict[str, Any] | None:

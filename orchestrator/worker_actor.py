@@ -135,16 +135,7 @@ class WorkerActor:
             return {"health": "starting"}
         load = self._backend.load()
         draining = self._server is not None and self._server.servicer.draining
-        return {
-            "health": "draining" if draining else "healthy",
-            "num_running_requests": load.num_running_requests,
-            "num_waiting_requests": load.num_waiting_requests,
-            "num_free_kv_pages": load.num_free_kv_pages,
-            "num_total_kv_pages": load.num_total_kv_pages,
-            "num_transfers_in_flight": load.num_transfers_in_flight,
-            "num_computed_prompt_tokens": load.num_computed_prompt_tokens,
-            "num_sampled_tokens": load.num_sampled_tokens,
-        }
+        return {"health": "draining" if draining else "healthy", **asdict(load)}
 
     def transfer_stats(self, request_ids: list[str]) -> dict[str, dict[str, Any]]:
         """KV transfer records of recent requests (plain data; prefill and decode roles)."""

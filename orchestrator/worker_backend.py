@@ -27,7 +27,7 @@ from workers.engine.sampling_params import SamplingParams
 from workers.engine.step_loop import StepLoop
 
 if TYPE_CHECKING:
-    pass
+    from workers.engine.engine_core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +70,15 @@ class WorkerLoad:
     num_transfers_in_flight: int = 0
     num_computed_prompt_tokens: int = 0
     num_sampled_tokens: int = 0
+
+
+def engine_counters(engine: EngineCore) -> dict[str, int]:
+    """`WorkerLoad`'s two counters, from the engine's `EngineStats`."""
+    stats = engine.stats
+    return {
+        "num_computed_prompt_tokens": stats.num_computed_prompt_tokens,
+        "num_sampled_tokens": stats.num_sampled_tokens,
+    }
 
 
 class WorkerBackend(Protocol):
@@ -141,8 +150,7 @@ class MixedBackend:
                 num_waiting_requests=len(scheduler.waiting),
                 num_free_kv_pages=self.engine.block_manager.num_free_pages,
                 num_total_kv_pages=self.engine.num_pages,
-                num_computed_prompt_tokens=self.engine.stats.num_computed_prompt_tokens,
-                num_sampled_tokens=self.engine.stats.num_sampled_tokens,
+                **engine_counters(self.engine),
             )
 
         return self._loop.call(load)

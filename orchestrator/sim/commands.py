@@ -284,7 +284,6 @@ def _emit(best: Layout, limits: EngineLimits, args: argparse.Namespace) -> None:
 
 def _calibrate(args: argparse.Namespace) -> int:
     import json
-    import sys
     from dataclasses import replace
     from pathlib import Path
 
@@ -315,8 +314,7 @@ def _calibrate(args: argparse.Namespace) -> int:
             background = (int(parts[0]), int(parts[1]))
         check_options(args.concurrent, args.prefill_context, BUDGET, background, args.repeats)
     except (ValueError, OSError) as error:
-        print(f"pdserve calibrate: {error}", file=sys.stderr)
-        return 2
+        return _refuse("calibrate", error)
     data = run_calibration(
         args.out,
         repeats=args.repeats,

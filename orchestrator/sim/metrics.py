@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -77,7 +78,6 @@ def summarize(result: SimResult, slo: SLO | None = None, warmup: float = 0.0) ->
     # the requests it keeps: steps of the fill-up and drain belong to the cut requests.
     gaps = [r.itl_gaps for r in records if len(r.itl_gaps)]
     durations = np.concatenate(gaps) if gaps else np.zeros(0)
-    weights = np.ones(len(durations))
     span = max(r.finish_time for r in records) - min(r.arrival_time for r in records)
     met = sum(slo.met_by(r) for r in records) if slo else len(records)
     return Summary(
@@ -87,8 +87,8 @@ def summarize(result: SimResult, slo: SLO | None = None, warmup: float = 0.0) ->
         ttft_p99=float(np.percentile(ttft, 99)),
         queue_mean=float(np.mean([r.queue_time for r in records])),
         tpot_mean=float(tpot.mean()) if len(tpot) else 0.0,
-        itl_p50=_weighted_percentile(durations, weights, 50),
-        itl_p99=_weighted_percentile(durations, weights, 99),
+        itl_p50=_nearest_rank(durations, 50),
+        itl_p99=_nearest_rank(durations, 99),
         e2e_mean=float(np.mean([r.e2e for r in records])),
         tokens_per_s_per_request=float(speed.mean()),
         output_tokens_per_s=sum(r.num_output_tokens for r in records) / span if span > 0 else 0.0,
@@ -96,10 +96,10 @@ def summarize(result: SimResult, slo: SLO | None = None, warmup: float = 0.0) ->
     )
 
 
-def _weighted_percentile(values: np.ndarray, weights: np.ndarray, q: float) -> float:
+def _nearest_rank(values: np.ndarray, q: float) -> float:
+    """The ``q``-th percentile as the load generator takes it: the smallest value with at
+    least ``q``% of the values at or below it (0.0 when there are none)."""
     if not len(values):
         return 0.0
-    order = np.argsort(values)
-    cumulative = np.cumsum(weights[order])
-    index = int(np.searchsorted(cumulative, cumulative[-1] * q / 100))
-    return float(values[order][min(index, len(values) - 1)])
+    ordered = np.sort(values)
+    return float(ordered[max(math.ceil(len(ordered) * q / 100) - 1, 0)])

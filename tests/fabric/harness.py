@@ -38,13 +38,16 @@ class RemoteTarget:
         self.killed = False
 
     def stop(self) -> None:
-        """SIGSTOP the target once it is idle (`SIGCONT` its pid to resume it). On shm every
+        """SIGSTOP the target once it is idle (`resume` continues it). On shm every
         post to it takes its region's lock, which its progress thread also takes on each poll:
         stopped inside, it would block the initiator's posts (the watchdog's case, not the one
         these tests stop it for). Past its idle spin (2 ms after its last work) the target polls
         every `remote.TARGET_IDLE_WAIT_US`, so a stop then rarely lands inside."""
         time.sleep(0.05)
         os.kill(self.process.pid or 0, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.process.pid or 0, signal.SIGCONT)
 
     def kill(self) -> None:
         self.killed = True

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import socket
 import threading
 import time
@@ -367,7 +365,7 @@ def _unposted_writes_scenario(
         for _ in range(num_calls):
             assert ended.acquire(timeout=60)
     finally:
-        os.kill(target.process.pid, signal.SIGCONT)
+        target.resume()
     if any("progress thread stuck" in str(error) for error in errors):
         assert engine.provider == "shm", errors[0]  # only shm posts take the target's lock
         return False

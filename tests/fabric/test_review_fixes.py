@@ -3,8 +3,6 @@ callback order, stranded ops, concurrent `add_peer`, address-vector entries, int
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -178,7 +176,7 @@ def test_imm_counter_fires_before_a_message_sent_after_the_write(
 def _stranded_writes(engine: TransferEngine, target: RemoteTarget) -> Iterator[PeerHandle]:
     """Stop ``target`` (SIGSTOP) after a first write connected to it, post 64 MiB of writes
     to it and wait until their deadline failed the call with ops still posted (a stopped peer
-    takes nothing). The target runs again (SIGCONT) when the block ends."""
+    takes nothing). The target runs again (`resume`) when the block ends."""
     handle, _ = engine.register(np.ones(64 * MIB, dtype=np.uint8))
     peer = engine.add_peer(target.address)
     first = threading.Event()
@@ -195,7 +193,7 @@ def _stranded_writes(engine: TransferEngine, target: RemoteTarget) -> Iterator[P
         assert engine.stats().progress.ops_stranded > 0
         yield peer
     finally:
-        os.kill(target.process.pid, signal.SIGCONT)
+        target.resume()
 
 
 def test_ops_stranded_at_a_failed_peer_let_the_progress_thread_sleep(
@@ -211,8 +209,12 @@ def test_ops_stranded_at_a_failed_peer_let_the_progress_thread_sleep(
         assert _wait_until(lambda: engine.stats().progress.sleeps >= sleeps + 20), "no sleep"
     # The peer runs again: the stranded ops complete and their contexts come back.
     assert _wait_until(lambda: engine.stats().progress.ops_stranded == 0)
-    stats = engine.stats().progress
-    assert _wait_until(lambda: stats.ops_completed + stats.error_completions == stats.ops_posted)
+
+    def all_ended() -> bool:
+        stats = engine.stats().progress
+        return stats.ops_completed + stats.error_completions == stats.ops_posted
+
+    assert _wait_until(all_ended)
 
 
 def test_forget_peer_removes_its_entry_once_nothing_is_posted_to_it(

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.engine.engine_helpers import make_engine, prompts_of_lengths, run_engine
-from tests.kv.harness import RemotePrefill, wait_until
+from tests.kv.harness import RemotePrefill, decode_pool_full, wait_until
 from workers.engine.config import EngineConfig
 from workers.engine.sampling_params import SamplingParams
 from workers.fabric import OperationTimeoutError
@@ -50,16 +50,10 @@ def wait_for_landed_writes(decode: DecodeWorker, request_id: str) -> None:
     wait_until(landed, what=f"first write of {request_id}")
 
 
-def decode_pool_full(decode: DecodeWorker) -> bool:
-    state = decode.state()
-    return state["num_free_pages"] == DECODE_PAGES and state["num_pinned_pages"] == 0
-
-
 def assert_freed_as_gone(decode: DecodeWorker, request_id: str) -> None:
     """The failed request's pages came back because its prefill process is gone, not by
     time: every page free, no transfer live, the release recorded as ``peer_gone``."""
-    wait_until(lambda: decode_pool_full(decode), what="decode pool full again")
-    assert decode.state()["num_transfers"] == 0
+    wait_until(lambda: decode_pool_full(decode, DECODE_PAGES), what="decode pool full again")
     record = decode.transfer_stats(request_id) or {}
     assert record.get("state") == "failed"
     assert record.get("quarantine_release") == "peer_gone", record
@@ -147,13 +141,7 @@ def test_a_killed_prefill_process_fails_hundreds_of_waiting_transfers(
         failed = [f for f in finals if f.finish_reason == "error"]
         assert failed, "every request finished before the kill"
         assert all(f.error is not None and "prefill worker gone" in f.error for f in failed)
-        wait_until(
-            lambda: (
-                decode.state()["num_free_pages"] == num_pages
-                and decode.state()["num_transfers"] == 0
-            ),
-            what="decode pool full again",
-        )
+        wait_until(lambda: decode_pool_full(decode, num_pages), what="decode pool full again")
     finally:
         decode.close()
         prefill.close()
@@ -189,7 +177,7 @@ def test_a_stopped_prefill_with_a_missed_deadline_on_record_is_not_gone(
         stopped = False
         tokens, final = stream.result(60)
         assert (tokens, final.error) == (expected, None)
-        wait_until(lambda: decode_pool_full(decode), what="decode pool full again")
+        wait_until(lambda: decode_pool_full(decode, DECODE_PAGES), what="decode pool full again")
     finally:
         if stopped:
             os.kill(pid, signal.SIGCONT)
@@ -204,7 +192,9 @@ class Setup:
 
     def pools_full(self) -> None:
         # drain_s is long: pages only come back early through acknowledged or landed writes.
-        wait_until(lambda: decode_pool_full(self.decode), what="decode pool full again")
+        wait_until(
+            lambda: decode_pool_full(self.decode, DECODE_PAGES), what="decode pool full again"
+        )
         wait_until(
             lambda: self.prefill.state()["num_free_pages"] == PREFILL_PAGES,
             what="prefill pool full again",
@@ -274,7 +264,9 @@ def test_rejected_request_fails_fast_and_frees_its_pages(tiny_model_dir: Path) -
         assert tokens == [] and final.finish_reason == "error"
         assert final.error is not None and "TOO_LONG" in final.error, final.error
         # Nothing was written: the pages come back at once, with no abort to acknowledge.
-        wait_until(lambda: decode_pool_full(decode), timeout=5.0, what="decode pool full")
+        wait_until(
+            lambda: decode_pool_full(decode, DECODE_PAGES), timeout=5.0, what="decode pool full"
+        )
         (expected,) = run_engine(make_engine(tiny_model_dir), [fits], GREEDY)
         assert decode.submit("small", fits, GREEDY, prefill.endpoint).result(30)[0] == expected
     finally:

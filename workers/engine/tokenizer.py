@@ -184,8 +184,10 @@ class ByteTokenizer(Tokenizer):
     def token_bytes(self, ids: Sequence[int]) -> list[bytes]:
         # A byte token is its byte; a special token its text.
         return [
-            bytes([token_id]) if 0 <= token_id < self.NUM_BYTES else piece
-            for token_id, piece in zip(ids, super().token_bytes(ids), strict=True)
+            bytes([token_id])
+            if 0 <= token_id < self.NUM_BYTES
+            else self.decode([token_id], skip_special_tokens=False).encode()
+            for token_id in ids
         ]
 
 
@@ -194,8 +196,12 @@ class HFTokenizer(Tokenizer):
 
     def __init__(self, model_dir: Path) -> None:
         from tokenizers import Tokenizer as RawTokenizer
+        from tokenizers import decoders
 
         self._tokenizer = RawTokenizer.from_file(str(model_dir / "tokenizer.json"))
+        # For `token_bytes`: whether pieces are GPT-2 byte characters, and the added tokens.
+        self._byte_level = isinstance(self._tokenizer.decoder, decoders.ByteLevel)
+        self._added_ids = frozenset(self._tokenizer.get_added_tokens_decoder())
         settings = _read_json(model_dir / "tokenizer_config.json")
         self.special_tokens = {
             key: text
@@ -238,16 +244,12 @@ class HFTokenizer(Tokenizer):
         """A byte-level BPE token's characters mapped back through GPT-2's byte-to-character
         map (the ``ByteLevel`` decoder's), a byte-fallback piece ``<0xHH>`` its byte; special
         and added tokens, and other vocabularies, their decoded text."""
-        from tokenizers import decoders
-
-        byte_level = isinstance(self._tokenizer.decoder, decoders.ByteLevel)
-        added = self._tokenizer.get_added_tokens_decoder()
         pieces: list[bytes] = []
         for token_id in ids:
-            piece = None if token_id in added else self._tokenizer.id_to_token(token_id)
+            piece = None if token_id in self._added_ids else self._tokenizer.id_to_token(token_id)
             if piece is not None and len(piece) == 6 and piece[:3] == "<0x" and piece[5] == ">":
                 pieces.append(bytes.fromhex(piece[3:5]))
-            elif piece is not None and byte_level and all(c in _GPT2_BYTE_OF for c in piece):
+            elif piece is not None and self._byte_level and all(c in _GPT2_BYTE_OF for c in piece):
                 pieces.append(bytes(_GPT2_BYTE_OF[c] for c in piece))
             else:
                 pieces.append(self.decode([token_id], skip_special_tokens=False).encode())

@@ -316,6 +316,9 @@ class TransferEngine:
         when threads race (one handle per address)."""
         self._check_open()
         address = bytes(address)
+        known = self._peers.get(address)  # the common case, without waiting for the lock
+        if known is not None:
+            return known
         with self._peer_lock:
             known = self._peers.get(address)
             if known is not None:

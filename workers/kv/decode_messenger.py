@@ -98,12 +98,11 @@ from workers.kv.protocol import (
 )
 from workers.kv.quarantine import PageQuarantine, QuarantinedPages
 from workers.kv.sharding import GroupSharding, TransferPlan, make_transfer_plan
-from workers.kv.transfer_state import DecodeState, DecodeTransfer
+from workers.kv.transfer_state import WAITING_FOR_WRITES, DecodeState, DecodeTransfer
 from workers.kv.writes import expected_write_count_from_dst
 
 log = logging.getLogger(__name__)
 
-_WAITING_FOR_WRITES = (DecodeState.REQUESTED, DecodeState.RECEIVING)
 _UNKNOWN_COUNT = 1 << 62  # quarantine bound while the prefill side never told its count
 # Floor of the AbortPrefill re-send interval (drain_interval_s may be 0: no message storm).
 _MIN_RESEND_S = 0.05
@@ -412,7 +411,7 @@ class DecodeMessenger:
         stalled: dict[bytes, bool] = {}  # address -> no live transfer to it moved
         for incoming in self._by_id.values():
             transfer = incoming.transfer
-            if transfer is None or transfer.state not in _WAITING_FOR_WRITES:
+            if transfer is None or transfer.state not in WAITING_FOR_WRITES:
                 continue
             seen = self.fabric.imm_arrivals(transfer.imm)
             marks[transfer.imm] = seen

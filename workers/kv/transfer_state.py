@@ -54,6 +54,10 @@ class DecodeState(enum.Enum):
     FAILED = "failed"
 
 
+# A decode transfer whose PrefillRequest went and whose writes are not all in yet.
+WAITING_FOR_WRITES = (DecodeState.REQUESTED, DecodeState.RECEIVING)
+
+
 class PrefillState(enum.Enum):
     QUEUED = "queued"
     PREFILLING = "prefilling"
@@ -209,7 +213,7 @@ class DecodeTransfer(_StateMachine[DecodeState]):
 
     def record_writes(self, count: int, now_s: float) -> bool:
         """Count arrived writes; advances to RECEIVING / READY; True once READY."""
-        if self.state not in (DecodeState.REQUESTED, DecodeState.RECEIVING):
+        if self.state not in WAITING_FOR_WRITES:
             raise IllegalTransitionError(f"{self.request_id}: writes counted in {self.state.name}")
         expected = self._expected()
         self.num_writes_seen += count
@@ -231,7 +235,7 @@ class DecodeTransfer(_StateMachine[DecodeState]):
     def count_reached(self, now_s: float) -> None:
         """The fabric's imm counter fired: it counted every expected write (it is the source of
         truth when the messenger does not see individual arrivals)."""
-        if self.state not in (DecodeState.REQUESTED, DecodeState.RECEIVING):
+        if self.state not in WAITING_FOR_WRITES:
             raise IllegalTransitionError(f"{self.request_id}: count reached in {self.state.name}")
         expected = self._expected()
         self.stats.num_writes += expected - self.num_writes_seen
