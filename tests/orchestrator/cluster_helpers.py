@@ -99,6 +99,17 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 30.0, what: str =
         time.sleep(0.05)
 
 
+async def wait_until_async(
+    predicate: Callable[[], bool], timeout: float = 60.0, what: str = ""
+) -> None:
+    """`wait_until` for a coroutine: the event loop keeps running between the looks."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or predicate}")
+        await asyncio.sleep(0.01)
+
+
 def free_pages(stub: Any, pb: Any) -> list[tuple[str, int, int]]:
     state = stub.GetClusterState(pb.GetClusterStateRequest())
     return [

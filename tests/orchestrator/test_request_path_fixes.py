@@ -35,7 +35,8 @@ from orchestrator.router import GenerationInput, Router, RouterSettings, StreamE
 from orchestrator.servicer import status_of
 from orchestrator.worker_backend import MixedBackend
 from orchestrator.worker_service import WorkerServer, WorkerServicer
-from tests.orchestrator.test_router_units import FakeBackend, _next, _router, _wait
+from tests.orchestrator.cluster_helpers import wait_until_async
+from tests.orchestrator.test_router_units import FakeBackend, _next, _router
 from workers.engine.config import EngineConfig
 from workers.engine.tokenizer import ByteTokenizer, load_tokenizer
 from workers.metrics import Metrics
@@ -76,15 +77,6 @@ def mixed_router(
         eos_token_ids=frozenset(tokenizer.eos_token_ids),
     )
     return Router(settings, registry, tokenizer, metrics)
-
-
-async def wait_until(predicate: Callable[[], bool], limit_s: float = 60.0) -> None:
-    """A bound on waiting, never an assertion on how long it took."""
-    for _ in range(int(limit_s / 0.01)):
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition never held")
 
 
 async def engine_idle(backend: MixedBackend) -> None:
@@ -201,9 +193,9 @@ def test_a_client_that_leaves_a_non_streamed_request_aborts_it(
     async def body(router: Router, address: str) -> None:
         request = {"prompt": "hello", "max_tokens": 480, **GREEDY}
         writer = await open_request(address, request)
-        await wait_until(lambda: router.num_outstanding == 1)
+        await wait_until_async(lambda: router.num_outstanding == 1)
         await close(writer)
-        await wait_until(lambda: router.num_outstanding == 0)
+        await wait_until_async(lambda: router.num_outstanding == 0)
         await engine_idle(backend)
 
     metrics = Metrics(registry, role="router", model="tiny")
@@ -229,9 +221,9 @@ def test_a_client_that_leaves_a_queued_stream_frees_its_place(
         await anext(holder)  # admitted; the slot stays taken until this stream closes
         request = {"prompt": "x", "max_tokens": 480, "stream": True, **GREEDY}
         writer = await open_request(address, request)
-        await wait_until(lambda: router.num_queued == 1)
+        await wait_until_async(lambda: router.num_queued == 1)
         await close(writer)
-        await wait_until(lambda: router.num_queued == 0)
+        await wait_until_async(lambda: router.num_queued == 0)
         assert router.num_outstanding == 1  # the holder only: the other one was not admitted
         await holder.aclose()
         await engine_idle(backend)
@@ -287,7 +279,7 @@ def test_a_request_sent_on_a_stream_that_already_ended_is_unavailable() -> None:
         router = _router(server.address)
         first = router.generate(GenerationInput("first", "x"))
         task = asyncio.create_task(_next(first))
-        await _wait(lambda: "first" in backend.sinks)
+        await wait_until_async(lambda: "first" in backend.sinks, 4.0)
         backend.emit("first", ord("k"), "length")
         assert (await task).finish_reason == "length"
         await first.aclose()

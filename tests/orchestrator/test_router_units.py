@@ -32,6 +32,7 @@ from orchestrator.text_stream import TextStream
 from orchestrator.worker_backend import Sink, TokenDelta, WorkerLoad, client_request_id
 from orchestrator.worker_service import WorkerServer, WorkerServicer
 from protos.pdserve.v1 import generation_pb2 as pb
+from tests.orchestrator.cluster_helpers import wait_until_async
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.tokenizer import ByteTokenizer
 from workers.metrics import Metrics
@@ -209,14 +210,6 @@ async def _next(stream: AsyncGenerator[StreamEvent, None]) -> StreamEvent:
     return await anext(stream)
 
 
-async def _wait(predicate: Any) -> None:
-    for _ in range(400):
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition never held")
-
-
 def test_tokens_stream_through_the_router_as_text(worker: Any) -> None:
     backend, server = worker
 
@@ -224,7 +217,7 @@ def test_tokens_stream_through_the_router_as_text(worker: Any) -> None:
         router = _router(server.address)
         stream = router.generate(GenerationInput(request_id="r1", prompt="hi"))
         first = asyncio.create_task(_next(stream))
-        await _wait(lambda: "r1" in backend.sinks)
+        await wait_until_async(lambda: "r1" in backend.sinks, 4.0)
         backend.emit("r1", ord("o"))
         assert (await first).text == "o"
         backend.emit("r1", ord("k"), "length")
@@ -247,18 +240,18 @@ def test_bad_requests_queue_full_and_duplicates(worker: Any) -> None:
             await anext(router.generate(GenerationInput(prompt_token_ids=[1] * 64)))
         running = router.generate(GenerationInput(request_id="a", prompt="x"))
         task = asyncio.create_task(_next(running))
-        await _wait(lambda: "a" in backend.sinks)
+        await wait_until_async(lambda: "a" in backend.sinks, 4.0)
         with pytest.raises(DuplicateRequestError):
             await anext(router.generate(GenerationInput(request_id="a", prompt="x")))
         queued = asyncio.create_task(_next(router.generate(GenerationInput(prompt="y"))))
-        await _wait(lambda: router.num_queued == 1)
+        await wait_until_async(lambda: router.num_queued == 1, 4.0)
         with pytest.raises(QueueFullError):
             await anext(router.generate(GenerationInput(prompt="z")))
         task.cancel()
         queued.cancel()
         await asyncio.gather(task, queued, return_exceptions=True)
         await running.aclose()
-        await _wait(lambda: "a" in backend.aborted)
+        await wait_until_async(lambda: "a" in backend.aborted, 4.0)
         await router.close()
 
     asyncio.run(run())
@@ -277,13 +270,13 @@ def test_abort_while_starting_and_when_the_router_leaves(worker: Any) -> None:
         await asyncio.gather(task, return_exceptions=True)
         await early.aclose()
         backend.hold_submit.set()  # submit completes after the abort arrived
-        await _wait(lambda: "early" in backend.aborted)
+        await wait_until_async(lambda: "early" in backend.aborted, 4.0)
 
         left = router.generate(GenerationInput(request_id="left", prompt="x"))
         task = asyncio.create_task(_next(left))
-        await _wait(lambda: "left" in backend.sinks)
+        await wait_until_async(lambda: "left" in backend.sinks, 4.0)
         await router.close()  # the Connect stream ends: the worker aborts what it carried
-        await _wait(lambda: "left" in backend.aborted)
+        await wait_until_async(lambda: "left" in backend.aborted, 4.0)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
 
@@ -297,7 +290,7 @@ def test_unavailable_without_ready_workers_and_worker_down(worker: Any) -> None:
         router = _router(server.address)
         stream = router.generate(GenerationInput(request_id="doomed", prompt="x"))
         task = asyncio.create_task(_next(stream))
-        await _wait(lambda: "doomed" in backend.sinks)
+        await wait_until_async(lambda: "doomed" in backend.sinks, 4.0)
         router.registry.set_health("decode-0", "unhealthy")
         with pytest.raises(WorkerFailedError):
             await task
@@ -315,7 +308,7 @@ def test_a_draining_router_refuses_new_requests_and_lets_running_ones_finish(wor
         router = _router(server.address)
         stream = router.generate(GenerationInput(request_id="r", prompt="x"))
         first = asyncio.create_task(_next(stream))
-        await _wait(lambda: "r" in backend.sinks)
+        await wait_until_async(lambda: "r" in backend.sinks, 4.0)
         drain = asyncio.create_task(router.drain(30))
         await asyncio.sleep(0.05)
         with pytest.raises(UnavailableError):
@@ -339,10 +332,10 @@ def test_a_draining_router_serves_what_it_queued_before_the_drain(worker: Any) -
         router = _router(server.address, capacity=1, max_queue=2)
         running = router.generate(GenerationInput(request_id="running", prompt="x"))
         first = asyncio.create_task(_next(running))
-        await _wait(lambda: "running" in backend.sinks)
+        await wait_until_async(lambda: "running" in backend.sinks, 4.0)
         queued = router.generate(GenerationInput(request_id="queued", prompt="x"))
         waiting = asyncio.create_task(_next(queued))
-        await _wait(lambda: router.num_queued == 1)
+        await wait_until_async(lambda: router.num_queued == 1, 4.0)
         drain = asyncio.create_task(router.drain(30))
         await asyncio.sleep(0.05)
         with pytest.raises(UnavailableError):
@@ -350,7 +343,7 @@ def test_a_draining_router_serves_what_it_queued_before_the_drain(worker: Any) -
         backend.emit("running", ord("a"), "stop")
         assert (await first).finish_reason == "stop"
         await running.aclose()
-        await _wait(lambda: "queued" in backend.sinks)  # it got the freed room
+        await wait_until_async(lambda: "queued" in backend.sinks, 4.0)  # it got the freed room
         backend.emit("queued", ord("b"), "stop")
         assert (await waiting).finish_reason == "stop"
         await queued.aclose()
@@ -360,10 +353,10 @@ def test_a_draining_router_serves_what_it_queued_before_the_drain(worker: Any) -
         router = _router(server.address, capacity=1, max_queue=2)
         held = router.generate(GenerationInput(request_id="held", prompt="x"))
         holding = asyncio.create_task(_next(held))
-        await _wait(lambda: "held" in backend.sinks)
+        await wait_until_async(lambda: "held" in backend.sinks, 4.0)
         late = router.generate(GenerationInput(request_id="late", prompt="x"))
         late_task = asyncio.create_task(_next(late))
-        await _wait(lambda: router.num_queued == 1)
+        await wait_until_async(lambda: router.num_queued == 1, 4.0)
         await router.drain(0.2)
         with pytest.raises(UnavailableError):
             await late_task
@@ -428,7 +421,7 @@ def test_a_failed_prefill_is_retried_on_another_before_any_token(order: tuple[st
         for n in range(6):  # the random source is the dead one in some of these
             request_id = f"r{n}"
             task = asyncio.create_task(_next(router.generate(GenerationInput(request_id, "x"))))
-            await _wait(lambda rid=request_id: rid in backend.sinks)  # type: ignore[misc]
+            await wait_until_async(lambda rid=request_id: rid in backend.sinks, 4.0)  # type: ignore[misc]
             backend.emit(request_id, ord("k"), "length")
             assert (await task).finish_reason == "length"
             served += 1
@@ -466,7 +459,7 @@ def test_the_router_sends_prefill_to_the_source_with_the_fewest_prompt_tokens_in
             stream = router.generate(GenerationInput(request_id, prompt))
             streams.append(stream)
             started.append(asyncio.create_task(_next(stream)))
-            await _wait(lambda: request_id in backend.sinks)
+            await wait_until_async(lambda: request_id in backend.sinks, 4.0)
             return endpoint_of[backend.endpoints[-1]]
 
         long_source = await start("long", "x" * 40)

@@ -16,6 +16,7 @@ from orchestrator.worker_backend import MixedBackend
 from orchestrator.worker_service import WorkerServer, WorkerServicer
 from protos.pdserve.v1 import worker_pb2 as wpb
 from protos.pdserve.v1 import worker_pb2_grpc as wpb_grpc
+from tests.orchestrator.cluster_helpers import wait_until_async
 from workers.engine.config import EngineConfig
 from workers.engine.errors import EngineClosedError
 
@@ -46,14 +47,6 @@ def in_engine(backend: MixedBackend) -> list[str]:
     return backend._loop.call(lambda: list(backend.engine._requests))
 
 
-async def until(predicate: Callable[[], bool], limit_s: float = 60.0) -> None:
-    """A bound on waiting, never an assertion on how long it took."""
-    deadline = time.monotonic() + limit_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition never held"
-        await asyncio.sleep(0.05)
-
-
 def test_a_client_leaving_while_its_request_is_submitted_aborts_it(
     mixed: tuple[MixedBackend, WorkerServer],
 ) -> None:
@@ -78,7 +71,7 @@ def test_a_client_leaving_while_its_request_is_submitted_aborts_it(
                     pass
             assert left.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             busy.cancel()
-            await until(lambda: in_engine(backend) == [])
+            await wait_until_async(lambda: in_engine(backend) == [])
 
     try:
         asyncio.run(run())
@@ -104,7 +97,7 @@ def test_a_duplicate_id_on_connect_leaves_the_live_request_tracked(
             assert refused.error_code == grpc.StatusCode.ALREADY_EXISTS.value[0]
             assert server.servicer.num_requests == 1  # the live one: a drain waits for it
             call.cancel()  # the router left: the live request is aborted
-            await until(lambda: in_engine(backend) == [])
+            await wait_until_async(lambda: in_engine(backend) == [])
 
     asyncio.run(run())
 
