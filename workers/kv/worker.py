@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -165,6 +166,7 @@ class PrefillWorker:
         # After the step loop died: the thread that answers decoders in its place.
         self._orphan_poller: threading.Thread | None = None
         self._orphan_stop = threading.Event()
+        self._orphan_wake = threading.Event()
         self._loop.thread.start()
 
     def _poll(self) -> None:
@@ -186,7 +188,7 @@ class PrefillWorker:
             self._orphan_poller.start()
 
     def _poll_orphaned(self) -> None:
-        wake = threading.Event()
+        wake = self._orphan_wake
         self.messenger.set_wake(wake.set)
         logged = False
         while not self._orphan_stop.is_set():
@@ -238,11 +240,9 @@ class PrefillWorker:
         deadline = time.monotonic() + drain_timeout_s
         try:
             self._loop.call(self.messenger.shutdown, timeout=drain_timeout_s)
-            while not self._loop.call(self.messenger.is_drained, timeout=drain_timeout_s):
-                if time.monotonic() >= deadline:
-                    log.warning("prefill worker closing with transfers not drained")
-                    break
-                time.sleep(0.005)
+            drained = partial(self._loop.call, self.messenger.is_drained, timeout=drain_timeout_s)
+            if not _wait_until(drained, deadline):
+                log.warning("prefill worker closing with transfers not drained")
         except EngineClosedError:  # the loop died: its orphan poller drains (below)
             pass
         except Exception:  # close what is left regardless
@@ -250,15 +250,24 @@ class PrefillWorker:
         self._loop.stop()  # joins the loop thread: a death's on_error has run
         if self._orphan_poller is not None:
             # Given-up transfers' in-flight writes and the answers to decoders complete first.
-            while not self.messenger.is_drained() and time.monotonic() < deadline:
-                time.sleep(0.005)
+            _wait_until(self.messenger.is_drained, deadline)
             self._orphan_stop.set()
+            self._orphan_wake.set()
             self._orphan_poller.join(5.0)
         try:
             self.messenger.close()
             self.fabric.close()
         finally:
             self.engine.close()
+
+
+def _wait_until(condition: Callable[[], bool], deadline: float) -> bool:
+    """Poll ``condition`` until it holds (True) or ``deadline`` (monotonic) passed (False)."""
+    while not condition():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.005)
+    return True
 
 
 class DecodeWorker:
