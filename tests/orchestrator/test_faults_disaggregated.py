@@ -215,7 +215,8 @@ def test_a_broken_link_makes_its_worker_suspect_until_replaced() -> None:
     from orchestrator.errors import UnavailableError, WorkerFailedError
     from orchestrator.router import GenerationInput
     from orchestrator.worker_service import WorkerServer, WorkerServicer
-    from tests.orchestrator.test_router_units import FakeBackend, _next, _router, _wait
+    from tests.orchestrator.cluster_helpers import wait_until_async
+    from tests.orchestrator.test_router_units import FakeBackend, _next, _router
 
     backend, replacement = FakeBackend(), FakeBackend()
     server = WorkerServer(WorkerServicer("decode-0", backend))
@@ -225,7 +226,7 @@ def test_a_broken_link_makes_its_worker_suspect_until_replaced() -> None:
         router = _router(server.address)
         record = router.registry.workers["decode-0"]
         task = asyncio.create_task(_next(router.generate(GenerationInput("doomed", "x"))))
-        await _wait(lambda: "doomed" in backend.sinks)
+        await wait_until_async(lambda: "doomed" in backend.sinks, 4.0)
         server.stop(0)  # the worker dies; the controller has not noticed (still healthy)
         with pytest.raises(WorkerFailedError):
             await task
@@ -236,7 +237,7 @@ def test_a_broken_link_makes_its_worker_suspect_until_replaced() -> None:
         record.generation += 1
         record.address = new_server.address
         task = asyncio.create_task(_next(router.generate(GenerationInput("served", "x"))))
-        await _wait(lambda: "served" in replacement.sinks)
+        await wait_until_async(lambda: "served" in replacement.sinks, 4.0)
         replacement.emit("served", ord("k"), "length")
         assert (await task).finish_reason == "length"
         await router.close()
