@@ -19,6 +19,7 @@ from workers.fabric import (
     FabricError,
     MessageTooLargeError,
     PeerFailedError,
+    PeerStuckError,
     TransferEngine,
     TransferError,
     progress,
@@ -253,8 +254,12 @@ def test_stuck_provider_call_still_ends_every_operation_once(
                         on_done=on_done, on_error=on_error)  # fmt: skip
     for _ in range(4):
         assert ended.acquire(timeout=30), outcomes
-    assert all(type(outcomes[index][0]) is PeerFailedError for index in range(3)), outcomes
+    assert all(type(outcomes[index][0]) is PeerStuckError for index in range(3)), outcomes
     assert type(outcomes[3][0]) is EngineClosedError, outcomes
+    # The stuck peer's failure on record proves nothing about its process; the other has none.
+    assert isinstance(engine.peer_failure(engine.address), PeerStuckError)
+    assert engine.peer_failure(other.address) is None
+    assert "stuck" in (engine.closed_reason() or "")
     with pytest.raises(EngineClosedError, match="stuck"):
         engine.submit_write(handle, 0, other_peer, other_descriptor, 0, 64)
     with pytest.raises(EngineClosedError):  # calls shipped to the stuck thread fail too

@@ -57,7 +57,14 @@ class TransferError(FabricError):
 
 
 class OperationTimeoutError(PeerFailedError):
-    """An operation did not complete before its deadline (the peer is presumed dead)."""
+    """An operation did not complete before its deadline. No proof that the peer's process
+    is gone: a stopped or slow one misses deadlines too."""
+
+
+class PeerStuckError(OperationTimeoutError):
+    """A post to the peer never returned and the watchdog abandoned the engine. No proof that
+    the peer's process is gone either: on shm, a peer stopped while it held its region lock
+    blocks every post to it."""
 
 
 class SubmitQueueFullError(FabricError):

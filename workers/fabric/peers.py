@@ -121,14 +121,19 @@ class PeerTable:
         if peer.fi_addr not in self.failed_peers:
             log.warning("peer %s failed: %s", peer.name, error)
         with self._lock:
-            known = self.peer_failures.get(peer.fi_addr)
-            if known is None or isinstance(known, OperationTimeoutError):
-                self.peer_failures[peer.fi_addr] = error  # before the mark: readers take no lock
-            self.failed_peers.add(peer.fi_addr)
+            self.record_failure(peer.fi_addr, error)
             jobs = [j for j in self._jobs.values() if j.peer.fi_addr == peer.fi_addr]
         for job in jobs:
             self._finish(job, error)
             self.strand(job)
+
+    def record_failure(self, fi_addr: int, error: FabricError) -> None:
+        """Mark the peer at ``fi_addr`` failed because of ``error`` (the caller holds the lock);
+        a definite cause replaces a missed deadline, never the other way round."""
+        known = self.peer_failures.get(fi_addr)
+        if known is None or isinstance(known, OperationTimeoutError):
+            self.peer_failures[fi_addr] = error  # before the mark: readers take no lock
+        self.failed_peers.add(fi_addr)
 
     def clear_failure(self, fi_addr: int) -> None:
         """Forget that the peer at ``fi_addr`` failed (mark first: readers take no lock)."""

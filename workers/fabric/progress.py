@@ -42,8 +42,9 @@ Every accepted job ends in exactly one callback within its deadline plus a bound
   on its lock, any other provider call that never returns). It reads `native_call()`, which
   this thread keeps current around each post and poll by plain attribute stores (no lock).
   When one native call has not returned for `watchdog._STALL_S` it calls `_abandon`, which
-  fails every outstanding job (`PeerFailedError` for the peer being posted to,
-  `EngineClosedError` for the rest), fails pending `call()`s and armed counters (which then
+  fails every outstanding job (`PeerStuckError` for the peer being posted to, recorded as
+  its failure: it may only be stopped, so that is no proof of its death; `EngineClosedError`
+  for the rest), fails pending `call()`s and armed counters (which then
   refuse arming: nothing would fire or expire them), and refuses new work. The stuck thread,
   should it ever return, finds every job already finished. `_abandon` stays here, beside
   `_shutdown`: both end the loop's work and act on the state its lock guards.
@@ -72,6 +73,7 @@ from workers.fabric.errors import (
     EngineClosedError,
     FabricError,
     PeerFailedError,
+    PeerStuckError,
     SubmitQueueFullError,
     TransferError,
 )
@@ -212,6 +214,11 @@ class ProgressLoop:
             self._commands.append((function, future))
         self._wake()
         return future.result()
+
+    @property
+    def abandoned(self) -> bool:
+        """The watchdog gave up on this loop (`_abandon`)."""
+        return bool(self._wedged)
 
     def closed_reason(self) -> str | None:
         """Why the loop takes no more work (stopping, abandoned, or its thread died); None
@@ -522,13 +529,15 @@ class ProgressLoop:
             f"fabric progress thread stuck in {self.provider_name} ({call} has not returned "
             f"for {stalled_s:.1f} s); engine abandoned"
         )
+        # Not proof that the peer's process is gone (`PeerStuckError`): it may only be stopped.
+        stuck = None if peer is None else (peer.fi_addr, PeerStuckError(f"{peer.name}: {reason}"))
         with self._lock:
             if self._wedged or self._stopped:
                 return
             self._wedged = reason
             self._stopping = True
-            if peer is not None:
-                self.peers.failed_peers.add(peer.fi_addr)
+            if stuck is not None:
+                self.peers.record_failure(*stuck)
             commands = list(self._commands)
             self._commands.clear()
             jobs = list(self.jobs.values())
@@ -539,9 +548,8 @@ class ProgressLoop:
         for job in jobs:
             if self._claim(job):  # send slots stay with the stuck thread
                 # The stuck thread may be posting this job's ops: their count is not known.
-                if peer is not None and job.peer.fi_addr == peer.fi_addr:
-                    failed = PeerFailedError(f"peer {peer.name} failed: {reason}")
-                    self._deliver(job, failed, exact=False)
+                if stuck is not None and job.peer.fi_addr == stuck[0]:
+                    self._deliver(job, stuck[1], exact=False)
                 else:
                     self._deliver(job, EngineClosedError(reason), exact=False)
         self.dispatcher.submit_all(self.counters.fail_all(EngineClosedError(reason)))

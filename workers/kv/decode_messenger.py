@@ -375,6 +375,10 @@ class DecodeMessenger:
                 self._handle_fired(*self._fired.get_nowait())
             except queue.Empty:
                 break
+        lost = self.fabric.closed_reason()
+        if lost is not None:
+            self._fabric_lost(lost)
+            return self._take_failures()
         now = time.monotonic()
         self._start_pending()  # pages freed since the last poll count before any deadline
         for request_id, incoming in list(self._by_id.items()):
@@ -396,8 +400,19 @@ class DecodeMessenger:
             self._check_liveness()
         self._tend_quarantine(now)
         self._start_pending()
+        return self._take_failures()
+
+    def _take_failures(self) -> list[tuple[str, str]]:
         failures, self._failures = self._failures, []
         return failures
+
+    def _fabric_lost(self, reason: str) -> None:
+        """The fabric was abandoned (a post never returned): no message or write moves any
+        more, so every request fails now instead of at its deadline. Pages that were offered
+        to a prefill worker stay quarantined for good: its writes can still land (the memory
+        stays registered), and no abort can be sent nor its answer received."""
+        for request_id in list(self._by_id):
+            self._fail(request_id, f"KV fabric unusable: {reason}")
 
     def _check_liveness(self) -> None:
         """Ask whether the prefill worker is still there for each address whose every live
@@ -615,7 +630,10 @@ class DecodeMessenger:
 
     def _send_aborts(self, now: float) -> None:
         """(Re-)send AbortPrefill for each quarantined transfer that is due, unless its prefill
-        process is known gone (then its pages are freed) or not taking messages (probed)."""
+        process is known gone (then its pages are freed) or not taking messages (probed).
+        None goes once the fabric is abandoned (`_fabric_lost`): the pages stay held."""
+        if self.fabric.closed_reason() is not None:
+            return
         for pages in self.quarantine.aborts_due(now):
             if pages.imm not in self.quarantine:
                 continue  # freed by the judgement of an earlier one to the same address

@@ -57,6 +57,15 @@ class WorkerOutput:
 OutputCallback = Callable[[WorkerOutput], None]
 
 
+def _check_fabric(fabric: TransferEngine) -> None:
+    """Raise once the KV fabric takes no more work (its watchdog abandoned it: a post that
+    never returned): a request sent here goes elsewhere (`EngineClosedError` is UNAVAILABLE at
+    the edge), and `state` fails, so the control plane's health check replaces the worker."""
+    reason = fabric.closed_reason()
+    if reason is not None:
+        raise EngineClosedError(f"KV fabric unusable: {reason}")
+
+
 class OutputStream:
     """The outputs of one request, in order; iterate until the finished one.
 
@@ -223,6 +232,7 @@ class PrefillWorker:
         )
 
     def state(self) -> dict[str, Any]:
+        _check_fabric(self.fabric)
         return self._loop.call(self.messenger.state)
 
     def transfer_stats(self, request_id: str) -> dict[str, Any] | None:
@@ -338,6 +348,7 @@ class DecodeWorker:
         prompt = list(prompt_ids)
 
         def start() -> None:
+            _check_fabric(self.fabric)
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already active")
             self.engine.validate(request_id, prompt, params)
@@ -363,6 +374,8 @@ class DecodeWorker:
         return self._loop.call(abort)
 
     def state(self) -> dict[str, Any]:
+        _check_fabric(self.fabric)
+
         def state() -> dict[str, Any]:
             block_manager = self.engine.block_manager
             return {
