@@ -59,8 +59,9 @@ OutputCallback = Callable[[WorkerOutput], None]
 
 def _check_fabric(fabric: TransferEngine) -> None:
     """Raise once the KV fabric takes no more work (its watchdog abandoned it: a post that
-    never returned): a request sent here goes elsewhere (`EngineClosedError` is UNAVAILABLE at
-    the edge), and `state` fails, so the control plane's health check replaces the worker."""
+    never returned): a request sent here is refused (`EngineClosedError`: the client gets
+    UNAVAILABLE, which it may retry), and `state` fails, so the control plane's health check
+    replaces the worker."""
     reason = fabric.closed_reason()
     if reason is not None:
         raise EngineClosedError(f"KV fabric unusable: {reason}")
