@@ -73,25 +73,34 @@ class _StuckPosts:
         return int(self.real.pd_post_writes(*args))
 
 
-def test_an_abandoned_decoder_fabric_keeps_offered_pages_and_refuses_work(
-    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _pair(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, transfer_deadline_s: float
+) -> tuple[PrefillWorker, DecodeWorker]:
+    """A prefill and a decode worker, with a watchdog that abandons a fabric within ~0.5 s."""
     monkeypatch.setattr(watchdog, "_STALL_S", 0.5)
     monkeypatch.setattr(watchdog, "_WATCHDOG_PERIOD_S", 0.05)
-    # One page per pass: the long prompt takes ~100 passes, so its transfer is mid-way below.
+    # One page per pass: a long prompt takes ~100 passes, so its transfer is mid-way when
+    # the tests act.
     prefill = PrefillWorker(
-        tiny_model_dir,
+        model_dir,
         EngineConfig(num_pages=PREFILL_PAGES, max_num_batched_tokens=16),
         provider=PROVIDER,
     )
     decode = DecodeWorker(
-        tiny_model_dir,
+        model_dir,
         EngineConfig(num_pages=DECODE_PAGES),
         provider=PROVIDER,
         messenger_config=DecodeMessengerConfig(
-            transfer_timeout_s=TRANSFER_DEADLINE_S, drain_interval_s=DRAIN_S
+            transfer_timeout_s=transfer_deadline_s, drain_interval_s=DRAIN_S
         ),
     )
+    return prefill, decode
+
+
+def test_an_abandoned_decoder_fabric_keeps_offered_pages_and_refuses_work(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prefill, decode = _pair(tiny_model_dir, monkeypatch, TRANSFER_DEADLINE_S)
     # The prefill worker's own writes into the abandoned decoder (which reads nothing any
     # more) end at this deadline, so its pages come back within the test.
     prefill.fabric.op_timeout = 2.0
@@ -160,19 +169,7 @@ def test_a_prefill_worker_whose_fabric_was_abandoned_reports_itself_unhealthy(
     """Its writes into a decoder stop for good: its `state` (the health check's call) raises
     from then on. The decoder, hearing nothing more, fails the request at its deadline and
     keeps the pages: the prefill process is alive, so its writes could still land."""
-    monkeypatch.setattr(watchdog, "_STALL_S", 0.5)
-    monkeypatch.setattr(watchdog, "_WATCHDOG_PERIOD_S", 0.05)
-    prefill = PrefillWorker(
-        tiny_model_dir,
-        EngineConfig(num_pages=PREFILL_PAGES, max_num_batched_tokens=16),
-        provider=PROVIDER,
-    )
-    decode = DecodeWorker(
-        tiny_model_dir,
-        EngineConfig(num_pages=DECODE_PAGES),
-        provider=PROVIDER,
-        messenger_config=DecodeMessengerConfig(transfer_timeout_s=3.0, drain_interval_s=DRAIN_S),
-    )
+    prefill, decode = _pair(tiny_model_dir, monkeypatch, 3.0)
     stuck = _StuckPosts(progress.lib, prefill.fabric.threads[0])
     monkeypatch.setattr(progress, "lib", stuck)
     try:
