@@ -261,6 +261,7 @@ def describe(config: ClusterConfig, registry: Any, seed: int | None) -> tuple[An
         seed=seed,
         max_request_bytes=config.router.max_request_bytes,
         prefill_retries=config.router.prefill_retries,
+        worker_retries=config.router.worker_retries,
         eos_token_ids=frozenset(eos),
     )
     groups = [GroupView(g.role, g.role, g.replicas, g.tp) for g in config.groups]

@@ -319,6 +319,9 @@ class RouterConfig:
     prefill_retries: disaggregated only: how many other prefill workers a request tries when
         its KV transfer failed before any token was streamed (prefill dead, stalled past the
         transfer deadline, or refusing it); 0 fails the request at once.
+    worker_retries: how many other decode (or mixed) workers a request tries when its worker
+        was lost before any token was streamed (it died, failed its health check, or refused
+        the request as unavailable: draining, closing, KV fabric unusable); 0 fails it at once.
     """
 
     address: str = "127.0.0.1:50051"
@@ -329,6 +332,7 @@ class RouterConfig:
     grace_seconds: float = 5.0
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     prefill_retries: int = 1
+    worker_retries: int = 1
     auth: AuthConfig = field(default_factory=AuthConfig)
     tls: TLSConfig = field(default_factory=TLSConfig)
 
@@ -350,6 +354,7 @@ class RouterConfig:
         check_number("grace_seconds", self.grace_seconds, 0)
         check_int("max_request_bytes", self.max_request_bytes, 1024)
         check_int("prefill_retries", self.prefill_retries, 0)
+        check_int("worker_retries", self.worker_retries, 0)
         if self.max_request_bytes > MAX_REQUEST_BYTES_LIMIT:
             raise ConfigError(
                 "max_request_bytes",

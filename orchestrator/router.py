@@ -23,7 +23,10 @@ carry it (the client's id is its part before the last ``#``: `client_request_id`
 A broken stream (the worker died) ends the worker's requests with `WorkerFailedError` and makes
 it *suspect*: not chosen again until the controller replaced it (new generation) or
 ``suspect_hold_seconds`` passed, so no request is sent to a dead worker while the controller's
-health check has not yet noticed.
+health check has not yet noticed. A worker that refuses a request as unavailable (closing, its
+step loop dead, its KV fabric unusable) becomes suspect too. A request its worker lost that way
+before streaming a token (nothing reached the client) is sent to another ready worker, up to
+``worker_retries`` times; one that already streamed tokens fails.
 
 Errors are typed (`orchestrator.errors`); the servicer maps them to status codes.
 """
@@ -87,6 +90,9 @@ class RouterSettings:
     # Other prefill workers a disaggregated request may try when its KV transfer failed before
     # any token was streamed (0: fail it at once).
     prefill_retries: int = 1
+    # Other serving workers a request may try when its worker was lost (link broken, failed
+    # health check, refused as unavailable) before any token was streamed (0: fail it at once).
+    worker_retries: int = 1
     # EOS ids whose text is not output (the engine's `StopChecker`: the model config's and the
     # tokenizer's); ``ignore_eos`` disables them.
     eos_token_ids: frozenset[int] = frozenset()
@@ -139,6 +145,16 @@ class _InFlight:
     prompt_tokens: int = 0
 
 
+class _LostBeforeFirstToken(Exception):
+    """The request's worker was lost before it streamed a token: nothing reached the client,
+    so another worker may serve it (`RouterSettings.worker_retries`)."""
+
+    def __init__(self, error: WorkerFailedError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+_UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 _ERRORS_BY_CODE: dict[int, type[Exception]] = {
     grpc.StatusCode.INVALID_ARGUMENT.value[0]: InvalidRequestError,
     grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]: CapacityError,
@@ -206,16 +222,32 @@ class Router:
         self._requests[request_id] = inflight
         worker: WorkerRecord | None = None
         completed = False
+        tried: set[str] = set()  # workers that lost this request before its first token
         try:
             worker = await self._admit()
-            inflight.worker_id = worker.worker_id
             queue_time = time.perf_counter() - arrived
-            async for event in self._stream(inflight, worker, prompt, params, request, arrived):
-                if event.timings is not None:
-                    event = replace(event, timings=replace(event.timings, queue_time=queue_time))
-                    self._observe_finished(event, queue_time)
-                    completed = True
-                yield event
+            while True:
+                inflight.worker_id = worker.worker_id
+                try:
+                    async for event in self._stream(
+                        inflight, worker, prompt, params, request, arrived
+                    ):
+                        if event.timings is not None:
+                            timings = replace(event.timings, queue_time=queue_time)
+                            event = replace(event, timings=timings)
+                            self._observe_finished(event, queue_time)
+                            completed = True
+                        yield event
+                    break
+                except _LostBeforeFirstToken as lost:
+                    tried.add(worker.worker_id)
+                    self._end_attempt(inflight)
+                    if not self._may_reroute(tried):
+                        raise lost.error from None
+                    logger.warning("request %s: %s; trying another worker", request_id, lost)
+                    await self._release(worker.worker_id)
+                    worker = None
+                    worker = await self._admit(exclude=tried)
         finally:
             del self._requests[request_id]
             self._release_prefill(inflight)
@@ -279,7 +311,23 @@ class Router:
         )
         return params
 
-    async def _admit(self) -> WorkerRecord:
+    def _end_attempt(self, inflight: _InFlight) -> None:
+        """Let go of an attempt that failed before its first token: its prefill source, and the
+        worker's part of it (if it still has one: a refused start never became active)."""
+        self._release_prefill(inflight)
+        if inflight.link is not None and not inflight.finished:
+            inflight.link.abort(inflight.worker_request_id)
+        inflight.link, inflight.finished = None, False
+
+    def _may_reroute(self, tried: set[str]) -> bool:
+        if len(tried) > self.settings.worker_retries or self.draining:
+            return False
+        return any(
+            w.worker_id not in tried and not self._is_suspect(w)
+            for w in self.registry.ready(self.settings.serving_role)
+        )
+
+    async def _admit(self, exclude: set[str] | None = None) -> WorkerRecord:
         settings = self.settings
         queued = False
         try:
@@ -292,7 +340,7 @@ class Router:
                     ready = [
                         w
                         for w in self.registry.ready(settings.serving_role)
-                        if not self._is_suspect(w)
+                        if not self._is_suspect(w) and w.worker_id not in (exclude or ())
                     ]
                     if not ready:
                         raise UnavailableError(f"no ready {settings.serving_role} worker")
@@ -387,8 +435,11 @@ class Router:
         while True:
             delta = await deltas.get()
             if isinstance(delta, LinkBroken):
-                self._suspect(worker, link)
-                raise WorkerFailedError(f"{worker.worker_id}: {delta}")
+                self._suspect(worker, link, "link broke")
+                error = WorkerFailedError(f"{worker.worker_id}: {delta}")
+                if num_tokens == 0:
+                    raise _LostBeforeFirstToken(error)
+                raise error
             now = time.perf_counter()
             if delta.token_ids:
                 if num_tokens == 0:
@@ -419,7 +470,13 @@ class Router:
                     deltas = await self._start(inflight, worker, link, message)
                     continue
                 inflight.finished = True
-                raise _worker_error(worker.worker_id, delta)
+                failure = _worker_error(worker.worker_id, delta)
+                if isinstance(failure, WorkerFailedError) and delta.error_code == _UNAVAILABLE:
+                    # Refused, never started (closing, step loop dead, KV fabric unusable).
+                    self._suspect(worker, link, "it refused a request as unavailable")
+                    if num_tokens == 0:
+                        raise _LostBeforeFirstToken(failure)
+                raise failure
             if text.stopped and not reason:  # a stop string the router saw first
                 reason = "stop"
             final = bool(reason)
@@ -454,9 +511,9 @@ class Router:
         inflight.worker_request_id = message.request_id
         try:
             return await link.start(message)
-        except LinkBroken as error:
-            self._suspect(worker, link)
-            raise WorkerFailedError(str(error)) from None
+        except LinkBroken as error:  # every start comes before the first token
+            self._suspect(worker, link, "link broke")
+            raise _LostBeforeFirstToken(WorkerFailedError(str(error))) from None
 
     # --- failures and drain ------------------------------------------------------------------
 
@@ -496,15 +553,16 @@ class Router:
             tokens = self.prefill_load.tokens(worker_id)
             self.metrics.set_prefill_tokens_in_flight(worker_id, tokens)
 
-    def _suspect(self, worker: WorkerRecord, link: WorkerLink) -> None:
-        """The stream to ``worker`` broke (it died, or its host is unreachable): stop choosing
-        it now rather than after the controller's next health check. Not for a link the router
-        itself replaced or closed (`_link`, `_worker_down`): that one is no longer current."""
+    def _suspect(self, worker: WorkerRecord, link: WorkerLink, why: str) -> None:
+        """The stream to ``worker`` broke (it died, or its host is unreachable) or it refused a
+        request as unavailable: stop choosing it now rather than after the controller's next
+        health check. Not for a link the router itself replaced or closed (`_link`,
+        `_worker_down`): that one is no longer current."""
         if self._links.get(worker.worker_id) is not link:
             return
         until = time.monotonic() + self.settings.suspect_hold_seconds
         self._suspects[worker.worker_id] = (worker.generation, worker.address, until)
-        logger.warning("%s: link broke; not routing to it until it is replaced", worker.worker_id)
+        logger.warning("%s: %s; not routing to it until it is replaced", worker.worker_id, why)
 
     def _is_suspect(self, worker: WorkerRecord) -> bool:
         """Cleared by a replacement (the controller bumps the generation and the worker has a

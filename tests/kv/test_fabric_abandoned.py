@@ -5,7 +5,7 @@ fabric's watchdog then abandons the engine, and the peer it was posting to is fa
 `PeerStuckError`. That proves nothing about the prefill process: resumed, it goes on writing
 into the pages it was offered. So the decoder keeps those pages for good (it can neither send
 an abort nor hear the answer any more), fails every request now rather than at its deadline,
-refuses new ones (the client gets UNAVAILABLE, which it may retry) and reports itself
+refuses new ones (UNAVAILABLE: the router sends them to another decoder) and reports itself
 unhealthy, so the control plane replaces it.
 
 Real workers on the tiny preset over ``tcp`` (real engines, real libfabric). The stuck post is

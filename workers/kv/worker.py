@@ -59,8 +59,8 @@ OutputCallback = Callable[[WorkerOutput], None]
 
 def _check_fabric(fabric: TransferEngine) -> None:
     """Raise once the KV fabric takes no more work (its watchdog abandoned it: a post that
-    never returned): a request sent here is refused (`EngineClosedError`: the client gets
-    UNAVAILABLE, which it may retry), and `state` fails, so the control plane's health check
+    never returned): a request sent here is refused (`EngineClosedError`, UNAVAILABLE: the
+    router sends it to another worker), and `state` fails, so the control plane's health check
     replaces the worker."""
     reason = fabric.closed_reason()
     if reason is not None:
