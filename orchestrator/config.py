@@ -274,7 +274,7 @@ class ClusterConfig:
             return
         # A rank's pool holds its share of the KV heads (one head when they are replicated).
         heads = max(1, model.num_kv_heads // group.tp)
-        page_bytes = 2 * model.num_layers * heads * self.page_size * model.head_dim * element
+        page_bytes = model.kv_page_bytes(self.page_size, element, heads)
         num_pages = limits.kv_memory_bytes // page_bytes
         max_model_len = self.limits.max_model_len or model.max_len
         if num_pages * self.page_size < max_model_len:

@@ -41,9 +41,7 @@ class KVCacheShape:
 
 def page_nbytes(model_config: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
     """Bytes one page occupies across all layers (K and V)."""
-    element_size = torch.empty((), dtype=dtype).element_size()
-    per_layer = 2 * model_config.num_kv_heads * page_size * model_config.head_dim * element_size
-    return model_config.num_layers * per_layer
+    return model_config.kv_page_bytes(page_size, torch.empty((), dtype=dtype).element_size())
 
 
 def num_pages_for_budget(

@@ -147,7 +147,10 @@ class ModelConfig:
             return self.max_position_embeddings
         return min(self.max_position_embeddings, self.sliding_window)
 
-    @property
-    def kv_bytes_per_token_per_layer(self) -> int:
-        """Bytes of K+V for one token in one layer at float32 (scale by element size)."""
-        return 2 * self.num_kv_heads * self.head_dim * 4
+    def kv_page_bytes(
+        self, page_size: int, element_size: int, num_kv_heads: int | None = None
+    ) -> int:
+        """Bytes of one KV page over every layer (K and V), values of ``element_size`` bytes;
+        ``num_kv_heads``: the heads one rank's pool holds (default: all of them)."""
+        heads = self.num_kv_heads if num_kv_heads is None else num_kv_heads
+        return 2 * self.num_layers * heads * page_size * self.head_dim * element_size
