@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from workers.engine.config import EngineConfig
 from workers.engine.engine_core import EngineCore
@@ -134,6 +134,52 @@ def open_fabric(engine: EngineCore, provider: str, node: str | None) -> Transfer
     return TransferEngine(provider, node, hmem=engine.device.type == "cuda")
 
 
+class _StepHooks(Protocol):
+    """What a worker gives its step loop (called on the loop's thread once it starts)."""
+
+    def _on_outputs(self, outputs: list[RequestOutput]) -> None: ...
+    def _poll(self) -> Any: ...
+    def _has_work(self) -> bool: ...
+    def _on_loop_error(self, error: BaseException) -> None: ...
+
+
+M = TypeVar("M")
+
+
+def _assemble(
+    worker: _StepHooks,
+    role: str,
+    model_dir: str | Path,
+    engine_config: EngineConfig | None,
+    provider: str,
+    node: str | None,
+    messenger: Callable[..., M],
+) -> tuple[EngineCore, TransferEngine, StepLoop, M]:
+    """A worker's parts: its engine in ``role``, fabric, step loop (not started) and messenger,
+    each one closed again if a later one fails to build."""
+    engine = EngineCore(model_dir, _engine_config(engine_config, role), detokenize=False)
+    try:
+        fabric = open_fabric(engine, provider, node)
+    except BaseException:
+        engine.close()
+        raise
+    try:
+        loop = StepLoop(
+            f"{role}-step",
+            engine,
+            worker._on_outputs,
+            poll=worker._poll,
+            has_work=worker._has_work,
+            on_error=worker._on_loop_error,
+        )
+        built = messenger(engine, fabric, wake=loop.wake, **group_pools(engine))
+    except BaseException:
+        fabric.close()
+        engine.close()
+        raise
+    return engine, fabric, loop, built
+
+
 class PrefillWorker:
     """A prefill-role engine whose prefilled KV is pushed to decoders (no sampling)."""
 
@@ -146,33 +192,15 @@ class PrefillWorker:
         node: str | None = "127.0.0.1",
         messenger_config: PrefillMessengerConfig | None = None,
     ) -> None:
-        config = _engine_config(engine_config, "prefill")
-        self.engine = EngineCore(model_dir, config, detokenize=False)
-        try:
-            self.fabric = open_fabric(self.engine, provider, node)
-        except BaseException:
-            self.engine.close()
-            raise
-        try:
-            self._loop = StepLoop(
-                "prefill-step",
-                self.engine,
-                self._on_outputs,
-                poll=self._poll,
-                has_work=self._has_work,
-                on_error=self._on_loop_error,
-            )
-            self.messenger = PrefillMessenger(
-                self.engine,
-                self.fabric,
-                messenger_config,
-                wake=self._loop.wake,
-                **group_pools(self.engine),
-            )
-        except BaseException:
-            self.fabric.close()
-            self.engine.close()
-            raise
+        self.engine, self.fabric, self._loop, self.messenger = _assemble(
+            self,
+            "prefill",
+            model_dir,
+            engine_config,
+            provider,
+            node,
+            partial(PrefillMessenger, config=messenger_config),
+        )
         # After the step loop died: the thread that answers decoders in its place.
         self._orphan_poller: threading.Thread | None = None
         self._orphan_stop = threading.Event()
@@ -293,34 +321,16 @@ class DecodeWorker:
         node: str | None = "127.0.0.1",
         messenger_config: DecodeMessengerConfig | None = None,
     ) -> None:
-        config = _engine_config(engine_config, "decode")
-        self.engine = EngineCore(model_dir, config, detokenize=False)
-        try:
-            self.fabric = open_fabric(self.engine, provider, node)
-        except BaseException:
-            self.engine.close()
-            raise
         self._streams: dict[str, OutputStream] = {}
-        try:
-            self._loop = StepLoop(
-                "decode-step",
-                self.engine,
-                self._on_outputs,
-                poll=self._poll,
-                has_work=self._has_work,
-                on_error=self._on_loop_error,
-            )
-            self.messenger = DecodeMessenger(
-                self.engine,
-                self.fabric,
-                messenger_config,
-                wake=self._loop.wake,
-                **group_pools(self.engine),
-            )
-        except BaseException:
-            self.fabric.close()
-            self.engine.close()
-            raise
+        self.engine, self.fabric, self._loop, self.messenger = _assemble(
+            self,
+            "decode",
+            model_dir,
+            engine_config,
+            provider,
+            node,
+            partial(DecodeMessenger, config=messenger_config),
+        )
         self._loop.thread.start()
 
     # -- caller API (any thread) ------------------------------------------------------------
