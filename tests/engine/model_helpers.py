@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -124,15 +124,31 @@ def random_tokens(n: int, seed: int, high: int = 256) -> list[int]:
     return torch.randint(0, high, (n,), generator=generator).tolist()
 
 
+def write_variant_checkpoint(
+    preset: str,
+    out_dir: Path,
+    overrides: dict[str, object],
+    seed: int = 7,
+    scale: Callable[[str], float] = lambda name: 1.0,
+) -> Path:
+    """Preset ``preset``'s random checkpoint with ``overrides`` in its config.json and random
+    weights for that config, each tensor multiplied by ``scale(its name)``."""
+    write_random_checkpoint(preset, out_dir, seed)
+    raw = {**preset_config(preset), **overrides}
+    (out_dir / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    tensors = random_weights(ModelConfig.from_dict(raw), seed)
+    tensors = {name: tensor * scale(name) for name, tensor in tensors.items()}
+    save_file(tensors, str(out_dir / "model.safetensors"), {"format": "pt"})
+    return out_dir
+
+
 def write_attention_bias_checkpoint(preset: str, out_dir: Path, seed: int = 7) -> Path:
     """Preset ``preset`` with ``attention_bias: true``: q/k/v biases, and an o_proj bias where
     the family has one (Llama, Qwen3), scaled up so that adding it twice would show."""
-    write_random_checkpoint(preset, out_dir, seed)
-    raw = {**preset_config(preset), "attention_bias": True}
-    (out_dir / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-    tensors = random_weights(ModelConfig.from_dict(raw), seed)
-    for name in tensors:
-        if name.endswith("o_proj.bias"):
-            tensors[name] = tensors[name] * 10
-    save_file(tensors, str(out_dir / "model.safetensors"), {"format": "pt"})
-    return out_dir
+    return write_variant_checkpoint(
+        preset,
+        out_dir,
+        {"attention_bias": True},
+        seed,
+        lambda name: 10.0 if name.endswith("o_proj.bias") else 1.0,
+    )

@@ -4,20 +4,24 @@ sequence length instead of silently changing the maths past the window."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.engine.engine_helpers import GREEDY, make_engine
-from tests.engine.model_helpers import PagedRunner, hf_logits, random_tokens
+from tests.engine.model_helpers import (
+    PagedRunner,
+    hf_logits,
+    random_tokens,
+    write_variant_checkpoint,
+)
 from workers.engine.config import EngineConfig
 from workers.engine.engine_core import EngineCore
 from workers.engine.errors import InvalidRequestError, UnsupportedCheckpointError
 from workers.engine.model import load_model
 from workers.engine.model_config import ModelConfig
-from workers.engine.presets import preset_config, random_weights, write_random_checkpoint
+from workers.engine.presets import preset_config
 
 WINDOW = 48
 ATOL = 1e-4
@@ -26,20 +30,13 @@ ATOL = 1e-4
 def write_mistral_checkpoint(out_dir: Path, **overrides: object) -> Path:
     """Preset ``tiny`` as a Mistral checkpoint, ``attention_bias: true`` (which transformers'
     Mistral ignores) and a sliding window of ``WINDOW`` tokens unless overridden."""
-    write_random_checkpoint("tiny", out_dir)
-    raw = {
-        **preset_config("tiny"),
+    mistral = {
         "architectures": ["MistralForCausalLM"],
         "model_type": "mistral",
         "attention_bias": True,
         "sliding_window": WINDOW,
-        **overrides,
     }
-    (out_dir / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-    from safetensors.torch import save_file
-
-    save_file(random_weights(ModelConfig.from_dict(raw), 5), str(out_dir / "model.safetensors"))
-    return out_dir
+    return write_variant_checkpoint("tiny", out_dir, {**mistral, **overrides}, seed=5)
 
 
 @pytest.fixture(scope="module")
