@@ -1,5 +1,6 @@
 """Faults of a disaggregated cluster with real processes (1P:2D on real Ray, real gRPC, KV over
-libfabric tcp on loopback): a decode worker killed mid-decode (issue #8, item 2).
+libfabric tcp on loopback): a decode worker killed mid-decode (issue #8, item 2), and one killed
+while its requests wait for their KV (they are served by the other decoder).
 
 One cluster for the module. The controller's health interval is longer than the other suites'
 on purpose: the router must stop choosing a dead decoder as soon as its stream breaks, not at
@@ -9,6 +10,9 @@ the test to see the difference.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -203,6 +207,72 @@ def test_a_decoder_killed_mid_decode_is_routed_around_and_replaced(
         )
         assert [[t for r in rs for t in r.token_ids] for rs in replies] == expected_short
         assert decisions(cluster, "decode-0") > before
+        wait_until(lambda: pools_full(stub, pb), timeout=60, what="every pool full again")
+
+
+def test_requests_waiting_for_their_kv_on_a_killed_decoder_are_served_by_the_other(
+    cluster: ServedCluster, tiny_model_dir: Path
+) -> None:
+    """Killed before their first token, they never reached the client: the router sends them
+    to the other decoder (`router.worker_retries`), and the answers are the colocated engine's.
+    They wait for their KV because the prefill worker is stopped (SIGSTOP) meanwhile, well
+    within the transfer deadline."""
+    import ray
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    prompts = [tokenizer.encode(f"waiting {i}: the weather today") for i in range(4)]
+    expected = greedy_reference(tiny_model_dir, prompts, SHORT_TOKENS)
+    router = cluster.app.router
+    registry = cluster.app.controller.registry
+    wait_until(
+        lambda: all(registry.workers[w].is_ready for w in ("decode-0", "decode-1", "prefill-0")),
+        timeout=180,
+        what="every worker ready",
+    )
+    generation = registry.workers["decode-0"].generation
+    prefill_pid = registry.workers["prefill-0"].pid
+    assert prefill_pid > 0
+
+    with grpc.insecure_channel(cluster.address) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        os.kill(prefill_pid, signal.SIGSTOP)
+        try:
+            streams = [
+                Stream(f"waiting-{i}").start(stub, request(f"waiting-{i}", p, SHORT_TOKENS))
+                for i, p in enumerate(prompts)
+            ]
+
+            def owners() -> dict[str, str]:
+                return {
+                    s.request_id: inflight.worker_id
+                    for s in streams
+                    if (inflight := router._requests.get(s.request_id)) and inflight.worker_id
+                }
+
+            wait_until(lambda: len(owners()) == len(streams), timeout=30, what="all assigned")
+            doomed = [r for r, worker in owners().items() if worker == "decode-0"]
+            assert doomed and all(not s.tokens for s in streams), owners()
+            ray.kill(cluster.app.controller.handle_of("decode-0"), no_restart=True)
+            wait_until(
+                lambda: all(owners().get(r) == "decode-1" for r in doomed),
+                timeout=30,
+                what="the killed decoder's requests sent to the other",
+            )
+        finally:
+            # A stop longer than its health check's timeout (a failed run) got it replaced.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(prefill_pid, signal.SIGCONT)
+
+        for stream, want in zip(streams, expected, strict=True):
+            stream.join(120)
+            assert (stream.code, stream.finish_reason) == (None, "length"), stream
+            assert stream.tokens == want, stream.request_id
+
+        def replaced() -> bool:
+            record = registry.workers["decode-0"]
+            return record.generation > generation and record.is_ready
+
+        wait_until(replaced, timeout=180, what="decode-0 replaced")
         wait_until(lambda: pools_full(stub, pb), timeout=60, what="every pool full again")
 
 
