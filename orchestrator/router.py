@@ -245,6 +245,8 @@ class Router:
                     if not self._may_reroute(tried):
                         raise lost.error from None
                     logger.warning("request %s: %s; trying another worker", request_id, lost)
+                    if self.metrics is not None:
+                        self.metrics.count_router_retry("worker")
                     await self._release(worker.worker_id)
                     worker = None
                     worker = await self._admit(exclude=tried)
@@ -466,6 +468,8 @@ class Router:
                         retry.worker_id,
                     )
                     tried.add(retry.worker_id)
+                    if self.metrics is not None:
+                        self.metrics.count_router_retry("prefill")
                     message.prefill_endpoint = retry.prefill_endpoint
                     deltas = await self._start(inflight, worker, link, message)
                     continue

@@ -52,6 +52,9 @@ LABEL_VALUES: Mapping[str, tuple[str, ...]] = {
     "reason": ("deadline", "rejected", "aborted", "protocol_error", "fabric_error"),
     # Non-terminal transfer states: the messenger's queues on each side.
     "queue": ("allocated", "requested", "receiving", "queued", "prefilling", "writing", "draining"),
+    # What the router changed when it sent a request again before its first token: the prefill
+    # worker (its KV transfer failed) or the serving worker (its worker was lost or refused it).
+    "kind": ("prefill", "worker"),
 }
 
 # Buckets, vLLM-like: client-visible latencies span milliseconds (a short prompt on an idle
@@ -196,6 +199,13 @@ METRIC_SPECS: tuple[MetricSpec, ...] = (
         labels=("worker",),
     ),
     MetricSpec(
+        "pdserve_router_retries_total",
+        "counter",
+        "Requests the router sent again before their first token, by what it changed: the "
+        "prefill worker (KV transfer failed) or the serving worker (lost or refusing).",
+        labels=("kind",),
+    ),
+    MetricSpec(
         "pdserve_router_prefill_tokens_in_flight",
         "gauge",
         "Prompt tokens the router sent to each prefill worker whose first token has not come "
@@ -271,6 +281,10 @@ class Metrics:
             raise ValueError("worker_id must be a non-empty worker id")
         family = self._counters["pdserve_router_decisions_total"]
         family.labels(self.role, self.model, worker_id).inc()
+
+    def count_router_retry(self, kind: str) -> None:
+        name = "pdserve_router_retries_total"
+        self._counters[name].labels(*self._labels(name, "kind", kind)).inc()
 
     def set_prefill_tokens_in_flight(self, worker_id: str, tokens: int) -> None:
         """The router's prefill load on ``worker_id`` (a prefill worker of the registry)."""

@@ -69,6 +69,7 @@ EXPORTED_BY: dict[str, tuple[str, ...]] = {
     "pdserve_kv_messenger_queue_depth": _KV_ROLES,
     "pdserve_kv_checksum_failures_total": ("decode",),
     "pdserve_router_decisions_total": _ROUTER,
+    "pdserve_router_retries_total": _ROUTER,
     "pdserve_router_prefill_tokens_in_flight": _ROUTER,
 }
 WORKER_ROLES: tuple[str, ...] = ("prefill", "decode", "mixed")

@@ -88,6 +88,8 @@ def test_closed_vocabularies_reject_unknown_values() -> None:
         metrics.count_transfer_failure("oops")
     with pytest.raises(ValueError, match="queue"):
         metrics.set_queue_depth("elsewhere", 1)
+    with pytest.raises(ValueError, match="kind"):
+        metrics.count_router_retry("decode-0")
     with pytest.raises(ValueError, match="role"):
         Metrics(CollectorRegistry(), role="gateway", model="m")
 
@@ -132,6 +134,7 @@ def _observe_everything(metrics: Metrics) -> None:
     metrics.count_transfer_failure("deadline")
     metrics.set_queue_depth("requested", 2)
     metrics.count_router_decision("decode-1")
+    metrics.count_router_retry("worker")
     metrics.set_prefill_tokens_in_flight("prefill-0", 300)
 
 
@@ -164,6 +167,7 @@ def test_live_scrape_parses_back_with_every_value(served: tuple[Metrics, int]) -
     assert seen["pdserve_kv_transfer_bytes_sum"] == 3 * 2**20
     assert seen["pdserve_request_success_total"] == 1  # zero-valued series for other reasons
     assert seen["pdserve_router_decisions_total"] == 1
+    assert seen["pdserve_router_retries_total"] == 1  # zero-valued series for "prefill"
     assert seen["pdserve_router_prefill_tokens_in_flight"] == 300
 
 

@@ -14,6 +14,7 @@ import asyncio
 from collections.abc import Iterator, Sequence
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from orchestrator.errors import WorkerFailedError
 from orchestrator.registry import Registry, WorkerRecord
@@ -25,6 +26,7 @@ from tests.orchestrator.test_router_units import FakeBackend
 from workers.engine.errors import EngineClosedError
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.tokenizer import ByteTokenizer
+from workers.metrics import Metrics
 
 
 class RefusingBackend(FakeBackend):
@@ -72,7 +74,9 @@ async def _collect(router: Router, request_id: str) -> list[StreamEvent]:
     return [event async for event in router.generate(GenerationInput(request_id, "x"))]
 
 
-def _router(addresses: list[str], worker_retries: int = 1) -> Router:
+def _router(
+    addresses: list[str], worker_retries: int = 1, metrics: Metrics | None = None
+) -> Router:
     registry = Registry()
     for i, address in enumerate(addresses):
         registry.add(WorkerRecord(f"decode-{i}", "decode", i, health="healthy", address=address))
@@ -88,15 +92,21 @@ def _router(addresses: list[str], worker_retries: int = 1) -> Router:
         policy="round_robin",  # decode-0 first
         worker_retries=worker_retries,
     )
-    return Router(settings, registry, ByteTokenizer())
+    return Router(settings, registry, ByteTokenizer(), metrics)
+
+
+def _retries(registry: CollectorRegistry, kind: str) -> float | None:
+    labels = {"role": "router", "model": "m", "kind": kind}
+    return registry.get_sample_value("pdserve_router_retries_total", labels)
 
 
 def test_a_request_refused_as_unavailable_is_served_by_another_worker(servers: Servers) -> None:
     refusing, healthy = RefusingBackend(), FakeBackend()
     addresses = [servers.start(refusing, "decode-0"), servers.start(healthy, "decode-1")]
+    registry = CollectorRegistry()
 
     async def run() -> None:
-        router = _router(addresses)
+        router = _router(addresses, metrics=Metrics(registry, role="router", model="m"))
         for n in range(3):
             request_id = f"r{n}"
             task = asyncio.create_task(_collect(router, request_id))
@@ -107,6 +117,7 @@ def test_a_request_refused_as_unavailable_is_served_by_another_worker(servers: S
         # The first request was refused, then served by decode-1; the refusing worker is
         # suspect from then on, so the next ones went to decode-1 directly.
         assert refusing.refused == 1
+        assert (_retries(registry, "worker"), _retries(registry, "prefill")) == (1, 0)
         assert router.num_outstanding == 0
         await router.close()
 

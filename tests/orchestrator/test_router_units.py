@@ -414,9 +414,11 @@ def test_a_failed_prefill_is_retried_on_another_before_any_token(order: tuple[st
     backend = PrefillFailingBackend()
     server = WorkerServer(WorkerServicer("decode-0", backend))
     endpoints = {f"prefill-{i}": name.encode() for i, name in enumerate(order)}
+    registry = CollectorRegistry()
 
     async def run() -> None:
-        router = _disaggregated_router(server.address, endpoints, retries=1)
+        metrics = Metrics(registry, role="router", model="m")
+        router = _disaggregated_router(server.address, endpoints, retries=1, metrics=metrics)
         served = 0
         for n in range(6):  # the random source is the dead one in some of these
             request_id = f"r{n}"
@@ -429,6 +431,11 @@ def test_a_failed_prefill_is_retried_on_another_before_any_token(order: tuple[st
         assert b"dead" in backend.endpoints  # the retry path ran
         # Every request ended on the live source; each dead attempt was followed by a live one.
         assert backend.endpoints.count(b"live") == 6
+        labels = {"role": "router", "model": "m"}
+        retries = "pdserve_router_retries_total"
+        prefill = registry.get_sample_value(retries, {**labels, "kind": "prefill"})
+        assert prefill == backend.endpoints.count(b"dead")
+        assert registry.get_sample_value(retries, {**labels, "kind": "worker"}) == 0
         await router.close()
 
     try:
