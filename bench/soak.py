@@ -18,8 +18,10 @@ given), then sends open-loop Poisson traffic over gRPC for ``--duration`` second
 promises: every sent request is accounted for on the client side (sent = completed + errored +
 cancelled), no request hung (hit its client deadline) or failed with INTERNAL, no greedy output
 differs from the reference, every worker is healthy with its page pool full and no transfer in
-flight, and the router holds no request. Exit status 0 only when all hold. The short variant runs
-in ``make test`` (tests/orchestrator/test_soak.py); ``make soak`` runs the long one.
+flight, and the router holds no request. Exit status 0 only when all hold. The report also
+sorts the errored requests by the kill before them and by whether they had streamed tokens
+(``errored_after_kill``). The short variant runs in ``make test``
+(tests/orchestrator/test_soak.py); ``make soak`` runs the long one.
 """
 
 from __future__ import annotations
@@ -66,6 +68,10 @@ class SoakReport:
     completed: int = 0
     cancelled: int = 0
     errored: dict[str, int] = field(default_factory=dict)
+    # The errored requests by the last worker killed before each error ("none": before any
+    # kill) and by whether tokens had been streamed: {victim: {"before_first_token": n,
+    # "after_tokens": m}}. A kill's errors are mostly those after it.
+    errored_after_kill: dict[str, dict[str, int]] = field(default_factory=dict)
     greedy_checked: int = 0
     greedy_mismatches: list[str] = field(default_factory=list)
     kills: list[str] = field(default_factory=list)
@@ -124,6 +130,7 @@ class Soak:
         self.report = SoakReport()
         self._rng = random.Random(options.seed)
         self._errors: collections.Counter[str] = collections.Counter()
+        self._last_kill = "none"
 
     async def run(self) -> SoakReport:
         started = time.monotonic()
@@ -204,6 +211,9 @@ class Soak:
                 pass
             else:
                 self._errors[error.code().name] += 1
+                when = "after_tokens" if tokens else "before_first_token"
+                counts = self.report.errored_after_kill.setdefault(self._last_kill, {})
+                counts[when] = counts.get(when, 0) + 1
                 self._check_greedy(request, greedy, prompt_index, tokens, complete=False)
                 return
         if finish:
@@ -243,6 +253,7 @@ class Soak:
             print(f"soak: killing {victim}", file=sys.stderr, flush=True)
             await asyncio.to_thread(self.kill, victim)
             self.report.kills.append(victim)
+            self._last_kill = f"{victim} (kill {i + 1})"
 
     async def _check_idle(self, stub: Any) -> None:
         """Wait (bounded) until every worker is healthy, its pool full, no transfer in flight

@@ -56,3 +56,6 @@ def test_short_soak_loses_nothing_and_serves_identical_greedy_tokens(
     assert sorted(k.split("-")[0] for k in report.kills) == ["decode", "prefill"]
     assert report.cancelled > 0 and report.greedy_checked > 0 and report.completed > 0
     assert report.sent == report.completed + report.cancelled + sum(report.errored.values())
+    # Each error is attributed to the kill before it.
+    attributed = sum(sum(c.values()) for c in report.errored_after_kill.values())
+    assert attributed == sum(report.errored.values())
