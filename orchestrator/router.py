@@ -220,11 +220,12 @@ class Router:
             raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
         inflight = _InFlight(request_id)
         self._requests[request_id] = inflight
-        worker: WorkerRecord | None = None
-        completed = False
+        worker: WorkerRecord | None = None  # the one holding the request's slot
+        admitted = completed = False
         tried: set[str] = set()  # workers that lost this request before its first token
         try:
             worker = await self._admit()
+            admitted = True
             queue_time = time.perf_counter() - arrived
             while True:
                 inflight.worker_id = worker.worker_id
@@ -253,7 +254,7 @@ class Router:
         finally:
             del self._requests[request_id]
             self._release_prefill(inflight)
-            if worker is not None and not completed and self.metrics is not None:
+            if admitted and not completed and self.metrics is not None:
                 self.metrics.count_request_success("abort")  # cancelled, timed out or failed
             if inflight.link is not None and not inflight.finished:
                 # The worker aborts it and frees its pages (by its own id: the client's may
