@@ -102,9 +102,8 @@ def _stall_scenario(tiny_model_dir: Path, provider: str) -> bool:
             held = set(record["page_ids"])
             # A second request while the prefill is stopped gets other pages (it fails at its
             # deadline too: only the stopped worker serves this pair).
-            tokens, final = decode.submit("while-stopped", later, GREEDY, prefill.endpoint).result(
-                30
-            )
+            second = decode.submit("while-stopped", later, GREEDY, prefill.endpoint)
+            tokens, final = second.result(30)
             assert tokens == [] and final.error is not None and "deadline" in final.error
             other = set((decode.transfer_stats("while-stopped") or {})["page_ids"])
             assert other and not other & held, "a quarantined page was handed out"
