@@ -262,6 +262,7 @@ def describe(config: ClusterConfig, registry: Any, seed: int | None) -> tuple[An
         max_request_bytes=config.router.max_request_bytes,
         prefill_retries=config.router.prefill_retries,
         worker_retries=config.router.worker_retries,
+        local_prefill_fallback=config.router.local_prefill_fallback,
         eos_token_ids=frozenset(eos),
     )
     groups = [GroupView(g.role, g.role, g.replicas, g.tp) for g in config.groups]

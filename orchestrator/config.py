@@ -21,8 +21,8 @@ Layout (every key optional unless marked; `configs/*.yaml` are complete examples
     transfer: {deadline_seconds, drain_interval_seconds, liveness_interval_seconds,
                coalesce_pages, checksum}
     router: {address, http_address, policy, max_queue, default_max_tokens, grace_seconds,
-             max_request_bytes, prefill_retries, worker_retries, auth: {token | token_file},
-             tls: {cert, key, ca}}
+             max_request_bytes, prefill_retries, worker_retries, local_prefill_fallback,
+             auth: {token | token_file}, tls: {cert, key, ca}}
 
 ``router.auth.token_file`` names a file holding the token (a mounted Kubernetes Secret, say),
 read when the config loads, so the token itself need not sit in the YAML. Relative paths

@@ -322,6 +322,10 @@ class RouterConfig:
     worker_retries: how many other decode (or mixed) workers a request tries when its worker
         was lost before any token was streamed (it died, failed its health check, or refused
         the request as unavailable: draining, closing, KV fabric unusable); 0 fails it at once.
+    local_prefill_fallback: disaggregated only: while no prefill worker is ready (all down, or
+        every one a request tried failed it), the decoder prefills the request itself, in its
+        own steps (its other requests' tokens slow down meanwhile); false fails the request
+        with UNAVAILABLE instead.
     """
 
     address: str = "127.0.0.1:50051"
@@ -333,6 +337,7 @@ class RouterConfig:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     prefill_retries: int = 1
     worker_retries: int = 1
+    local_prefill_fallback: bool = True
     auth: AuthConfig = field(default_factory=AuthConfig)
     tls: TLSConfig = field(default_factory=TLSConfig)
 
@@ -355,6 +360,7 @@ class RouterConfig:
         check_int("max_request_bytes", self.max_request_bytes, 1024)
         check_int("prefill_retries", self.prefill_retries, 0)
         check_int("worker_retries", self.worker_retries, 0)
+        check_bool("local_prefill_fallback", self.local_prefill_fallback)
         if self.max_request_bytes > MAX_REQUEST_BYTES_LIMIT:
             raise ConfigError(
                 "max_request_bytes",

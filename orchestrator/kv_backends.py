@@ -75,10 +75,12 @@ class DecodeBackend:
         from workers.kv.endpoint import PrefillEndpoint
         from workers.kv.errors import ProtocolError
 
-        try:
-            endpoint = PrefillEndpoint.from_bytes(prefill_endpoint)
-        except ProtocolError as error:
-            raise InvalidRequestError(f"bad prefill endpoint: {error}") from None
+        endpoint = None  # none given: the router's local-prefill fallback
+        if prefill_endpoint:
+            try:
+                endpoint = PrefillEndpoint.from_bytes(prefill_endpoint)
+            except ProtocolError as error:
+                raise InvalidRequestError(f"bad prefill endpoint: {error}") from None
 
         def on_output(output: WorkerOutput) -> None:  # step thread: only enqueues
             sink(

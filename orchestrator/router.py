@@ -26,7 +26,9 @@ it *suspect*: not chosen again until the controller replaced it (new generation)
 health check has not yet noticed. A worker that refuses a request as unavailable (closing, its
 step loop dead, its KV fabric unusable) becomes suspect too. A request its worker lost that way
 before streaming a token (nothing reached the client) is sent to another ready worker, up to
-``worker_retries`` times; one that already streamed tokens fails.
+``worker_retries`` times; one that already streamed tokens fails. Disaggregated, while no
+prefill worker is ready (or every one a request tried failed it), its decoder prefills it
+itself (``local_prefill_fallback``, an empty prefill endpoint).
 
 Errors are typed (`orchestrator.errors`); the servicer maps them to status codes.
 """
@@ -93,6 +95,10 @@ class RouterSettings:
     # Other serving workers a request may try when its worker was lost (link broken, failed
     # health check, refused as unavailable) before any token was streamed (0: fail it at once).
     worker_retries: int = 1
+    # Disaggregated: while no prefill worker is ready (or every one tried failed), the decoder
+    # prefills the request itself (in its own steps, slowing its other requests' tokens)
+    # rather than the request failing.
+    local_prefill_fallback: bool = True
     # EOS ids whose text is not output (the engine's `StopChecker`: the model config's and the
     # tokenizer's); ``ignore_eos`` disables them.
     eos_token_ids: frozenset[int] = frozenset()
@@ -347,7 +353,11 @@ class Router:
                     ]
                     if not ready:
                         raise UnavailableError(f"no ready {settings.serving_role} worker")
-                    if settings.is_disaggregated and not self.registry.ready("prefill"):
+                    if (
+                        settings.is_disaggregated
+                        and not settings.local_prefill_fallback
+                        and not self.registry.ready("prefill")
+                    ):
                         raise UnavailableError("no ready prefill worker")
                     room = [
                         w
@@ -424,12 +434,13 @@ class Router:
             prompt_token_ids=prompt,
             sampling=sampling_to_proto(params),
         )
-        tried: set[str] = set()  # prefill sources of this request
+        tried: set[str] = set()  # prefill sources of this request ("": the decoder itself)
         if self.settings.is_disaggregated:
             inflight.prompt_tokens = len(prompt)
-            source = self._pick_prefill(inflight, self.registry.ready("prefill"))
-            message.prefill_endpoint = source.prefill_endpoint
-            tried.add(source.worker_id)
+            endpoint = self._prefill_source(inflight, tried)
+            if endpoint is None:
+                raise UnavailableError("no ready prefill worker")
+            message.prefill_endpoint = endpoint
         text = TextStream(self.tokenizer, prompt, params.stop)
         inflight.link = link = self._link(worker)
         deltas = await self._start(inflight, worker, link, message)
@@ -461,17 +472,16 @@ class Router:
                 if retry is not None:
                     # The decoder ended the request before its first token (its KV transfer
                     # failed: prefill dead, stalled or rejecting): nothing was streamed, so the
-                    # same decoder asks another prefill worker.
+                    # same decoder asks another prefill worker (or prefills it itself).
                     logger.warning(
                         "request %s: prefill failed (%s); retrying with %s",
                         inflight.worker_request_id,
                         delta.error,
-                        retry.worker_id,
+                        inflight.prefill_source or "the decoder's own prefill",
                     )
-                    tried.add(retry.worker_id)
                     if self.metrics is not None:
                         self.metrics.count_router_retry("prefill")
-                    message.prefill_endpoint = retry.prefill_endpoint
+                    message.prefill_endpoint = retry
                     deltas = await self._start(inflight, worker, link, message)
                     continue
                 inflight.finished = True
@@ -524,10 +534,10 @@ class Router:
 
     def _retry_source(
         self, delta: wpb.RequestDelta, num_tokens: int, tried: set[str], inflight: _InFlight
-    ) -> WorkerRecord | None:
-        """Another ready prefill worker for a request whose decoder failed it before any token
-        with a worker-side error (``error_code`` 0: not a refusal of the request itself), while
-        ``prefill_retries`` allows (`_pick_prefill`); None otherwise."""
+    ) -> bytes | None:
+        """Another prefill source (`_prefill_source`) for a request whose decoder failed it
+        before any token with a worker-side error (``error_code`` 0: not a refusal of the
+        request itself), while ``prefill_retries`` allows; None otherwise."""
         if (
             not self.settings.is_disaggregated
             or num_tokens > 0
@@ -535,8 +545,21 @@ class Router:
             or len(tried) > self.settings.prefill_retries
         ):
             return None
+        return self._prefill_source(inflight, tried)
+
+    def _prefill_source(self, inflight: _InFlight, tried: set[str]) -> bytes | None:
+        """The endpoint of the least-loaded ready prefill worker not in ``tried`` (charged:
+        `_pick_prefill`); else, with ``local_prefill_fallback``, b"": the decoder prefills the
+        request itself, once; else None. The choice is added to ``tried``."""
         others = [w for w in self.registry.ready("prefill") if w.worker_id not in tried]
-        return self._pick_prefill(inflight, others) if others else None
+        if others:
+            source = self._pick_prefill(inflight, others)
+            tried.add(source.worker_id)
+            return source.prefill_endpoint
+        if self.settings.local_prefill_fallback and "" not in tried:
+            tried.add("")
+            return b""
+        return None
 
     def _pick_prefill(self, inflight: _InFlight, workers: list[WorkerRecord]) -> WorkerRecord:
         """Charge the request's prompt to the least-loaded of ``workers`` and make it the

@@ -1,6 +1,7 @@
 """Faults of a disaggregated cluster with real processes (1P:2D on real Ray, real gRPC, KV over
 libfabric tcp on loopback): a decode worker killed mid-decode (issue #8, item 2), and one killed
-while its requests wait for their KV (they are served by the other decoder).
+while its requests wait for their KV (they are served by the other decoder), and the only
+prefill worker killed (decoders prefill requests themselves until it is replaced).
 
 One cluster for the module. The controller's health interval is longer than the other suites'
 on purpose: the router must stop choosing a dead decoder as soon as its stream breaks, not at
@@ -273,6 +274,48 @@ def test_requests_waiting_for_their_kv_on_a_killed_decoder_are_served_by_the_oth
             return record.generation > generation and record.is_ready
 
         wait_until(replaced, timeout=180, what="decode-0 replaced")
+        wait_until(lambda: pools_full(stub, pb), timeout=60, what="every pool full again")
+
+
+def test_while_the_only_prefill_worker_is_down_decoders_prefill_requests_themselves(
+    cluster: ServedCluster, tiny_model_dir: Path
+) -> None:
+    """`router.local_prefill_fallback`: requests sent right after the prefill worker is killed
+    (its KV transfers fail: the decoders notice within a second) and while it is replaced are
+    prefilled by their decoders, token-identical to the colocated engine."""
+    import ray
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    prompts = [tokenizer.encode(f"no prefill {i}: a long way home") for i in range(4)]
+    expected = greedy_reference(tiny_model_dir, prompts, SHORT_TOKENS)
+    registry = cluster.app.controller.registry
+    wait_until(
+        lambda: all(registry.workers[w].is_ready for w in ("decode-0", "decode-1", "prefill-0")),
+        timeout=180,
+        what="every worker ready",
+    )
+    generation = registry.workers["prefill-0"].generation
+    with grpc.insecure_channel(cluster.address) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        ray.kill(cluster.app.controller.handle_of("prefill-0"), no_restart=True)
+        replies = run_concurrently(
+            stub, [request(f"no-prefill-{i}", p, SHORT_TOKENS) for i, p in enumerate(prompts)]
+        )
+        assert [[t for r in rs for t in r.token_ids] for rs in replies] == expected
+        assert all(rs[-1].finish_reason == "length" for rs in replies)
+        # The replacement serves again, and nothing is left behind.
+        wait_until(
+            lambda: (
+                registry.workers["prefill-0"].generation > generation
+                and registry.workers["prefill-0"].is_ready
+            ),
+            timeout=180,
+            what="prefill-0 replaced",
+        )
+        replies = run_concurrently(
+            stub, [request(f"prefill-back-{i}", p, SHORT_TOKENS) for i, p in enumerate(prompts)]
+        )
+        assert [[t for r in rs for t in r.token_ids] for rs in replies] == expected
         wait_until(lambda: pools_full(stub, pb), timeout=60, what="every pool full again")
 
 

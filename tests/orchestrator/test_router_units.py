@@ -386,7 +386,11 @@ class PrefillFailingBackend(FakeBackend):
 
 
 def _disaggregated_router(
-    address: str, prefill: dict[str, bytes], retries: int, metrics: Metrics | None = None
+    address: str,
+    prefill: dict[str, bytes],
+    retries: int,
+    metrics: Metrics | None = None,
+    local_fallback: bool = False,
 ) -> Router:
     registry = Registry()
     registry.add(_record("decode-0", address))
@@ -404,6 +408,7 @@ def _disaggregated_router(
         max_queue=1,
         default_max_tokens=8,
         prefill_retries=retries,
+        local_prefill_fallback=local_fallback,
         seed=0,
     )
     return Router(settings, registry, ByteTokenizer(), metrics)
@@ -523,6 +528,51 @@ def test_without_retries_or_another_prefill_the_request_fails() -> None:
             assert len(backend.endpoints) - before == 1  # no second attempt
             assert router.num_outstanding == 0
             await router.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        server.stop(0.1)
+
+
+def test_with_no_other_prefill_source_the_decoder_prefills_the_request_itself() -> None:
+    """``local_prefill_fallback``: a request whose only prefill worker failed it, and one sent
+    while no prefill worker is ready, go to the decoder with an empty prefill endpoint (it
+    prefills them in its own steps); without the fallback both fail."""
+    backend = PrefillFailingBackend()
+    server = WorkerServer(WorkerServicer("decode-0", backend))
+    registry = CollectorRegistry()
+
+    async def serve(router: Router, request_id: str) -> None:
+        async def events() -> list[StreamEvent]:
+            return [e async for e in router.generate(GenerationInput(request_id, "x"))]
+
+        task = asyncio.create_task(events())
+        await wait_until_async(lambda: request_id in backend.sinks, 4.0)
+        backend.emit(request_id, ord("k"), "length")
+        assert [e.finish_reason for e in await task] == ["length"]
+
+    async def run() -> None:
+        metrics = Metrics(registry, role="router", model="m")
+        router = _disaggregated_router(
+            server.address, {"prefill-0": b"dead"}, 1, metrics, local_fallback=True
+        )
+        await serve(router, "failed-over")
+        assert backend.endpoints == [b"dead", b""]
+        labels = {"role": "router", "model": "m", "kind": "prefill"}
+        assert registry.get_sample_value("pdserve_router_retries_total", labels) == 1
+        router.registry.set_health("prefill-0", "unhealthy")
+        await serve(router, "no-prefill")
+        assert backend.endpoints[2:] == [b""]
+        assert router.num_outstanding == 0
+        await router.close()
+
+        router = _disaggregated_router(server.address, {"prefill-0": b"dead"}, 1)
+        router.registry.set_health("prefill-0", "unhealthy")
+        with pytest.raises(UnavailableError, match="no ready prefill worker"):
+            await anext(router.generate(GenerationInput("refused", "x")))
+        assert backend.endpoints[3:] == []
+        await router.close()
 
     try:
         asyncio.run(run())

@@ -340,11 +340,14 @@ class DecodeWorker:
         request_id: str,
         prompt_ids: Sequence[int],
         params: SamplingParams,
-        prefill: PrefillEndpoint,
+        prefill: PrefillEndpoint | None,
         *,
         on_output: OutputCallback | None = None,
     ) -> OutputStream:
         """Start a request; raises the engine's `InvalidRequestError` / `CapacityError`.
+
+        ``prefill``: the worker that computes its prompt's KV; None prefills it here, in this
+        worker's own steps (the router's fallback while no prefill worker is ready).
 
         Outputs go to the returned `OutputStream`, or, with ``on_output``, to that callback
         instead: it is called on the worker's step thread for every output of the request, in
@@ -365,7 +368,10 @@ class DecodeWorker:
             self.engine.validate(request_id, prompt, params)
             self._streams[request_id] = stream
             try:
-                self.messenger.start(request_id, prompt, params, prefill)
+                if prefill is None:
+                    self.engine.add_request(request_id, prompt, params)
+                else:
+                    self.messenger.start(request_id, prompt, params, prefill)
             except BaseException:
                 del self._streams[request_id]
                 raise
