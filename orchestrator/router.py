@@ -6,7 +6,8 @@ Request path (one asyncio task per request, the servicer's)::
       ─▶ admit: a ready decode (or mixed) worker with room, by the routing policy; else wait in
          the queue (``router.max_queue``; beyond it: `QueueFullError`)
       ─▶ disaggregated: the ready prefill worker with the fewest prompt tokens in flight from
-         this router is the request's KV source (`PrefillLoad`; charged until its first token)
+         this router is the request's KV source (`PrefillLoad`; charged until its first token);
+         with none ready, the decoder prefills it itself (``local_prefill_fallback``)
       ─▶ one ``generate`` message on the worker's Connect stream (`WorkerLink`) ─▶ deltas
          ─▶ detokenize + stop strings ─▶ `StreamEvent`s
       ─▶ finally: unless it finished, an ``abort`` message (the worker aborts the request and
