@@ -61,6 +61,16 @@ def greedy_reference(model_dir: Path, prompts: list[list[int]], max_tokens: int)
     return serving_checks.colocated_outputs(model_dir, prompts, max_tokens, ignore_eos=True)
 
 
+def wait_all_ready(cluster: ServedCluster) -> None:
+    """Every worker of the module's cluster ready (an earlier test may have had one replaced)."""
+    workers = cluster.app.controller.registry.workers
+    wait_until(
+        lambda: all(workers[w].is_ready for w in ("decode-0", "decode-1", "prefill-0")),
+        timeout=180,
+        what="every worker ready",
+    )
+
+
 def request(request_id: str, prompt: list[int], max_tokens: int) -> pb.GenerateRequest:
     return pb.GenerateRequest(
         request_id=request_id,
@@ -225,11 +235,7 @@ def test_requests_waiting_for_their_kv_on_a_killed_decoder_are_served_by_the_oth
     expected = greedy_reference(tiny_model_dir, prompts, SHORT_TOKENS)
     router = cluster.app.router
     registry = cluster.app.controller.registry
-    wait_until(
-        lambda: all(registry.workers[w].is_ready for w in ("decode-0", "decode-1", "prefill-0")),
-        timeout=180,
-        what="every worker ready",
-    )
+    wait_all_ready(cluster)
     generation = registry.workers["decode-0"].generation
     prefill_pid = registry.workers["prefill-0"].pid
     assert prefill_pid > 0
@@ -289,11 +295,7 @@ def test_while_the_only_prefill_worker_is_down_decoders_prefill_requests_themsel
     prompts = [tokenizer.encode(f"no prefill {i}: a long way home") for i in range(4)]
     expected = greedy_reference(tiny_model_dir, prompts, SHORT_TOKENS)
     registry = cluster.app.controller.registry
-    wait_until(
-        lambda: all(registry.workers[w].is_ready for w in ("decode-0", "decode-1", "prefill-0")),
-        timeout=180,
-        what="every worker ready",
-    )
+    wait_all_ready(cluster)
     generation = registry.workers["prefill-0"].generation
     with grpc.insecure_channel(cluster.address) as channel:
         stub = pb_grpc.GenerationStub(channel)
