@@ -23,8 +23,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator.config import ClusterConfig, GroupConfig
 from orchestrator.placement import place_worker, remove_worker_placement, worker_bundles
-from orchestrator.registry import Registry, WorkerLoad, WorkerRecord
+from orchestrator.registry import Registry, WorkerRecord
 from orchestrator.worker_actor import WorkerActor, WorkerSpec
+from orchestrator.worker_backend import WorkerLoad
 from workers.engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -141,8 +142,8 @@ class Controller:
         record.prefill_endpoint = info["prefill_endpoint"]
         record.metrics_port = info.get("metrics_port", 0)
         record.pid = info["pid"]
-        record.load = WorkerLoad(num_total_kv_pages=info["num_total_kv_pages"])
-        record.load.num_free_kv_pages = info["num_total_kv_pages"]
+        pages = info["num_total_kv_pages"]
+        record.load = WorkerLoad(num_free_kv_pages=pages, num_total_kv_pages=pages)
         self.registry.set_health(worker_id, "healthy")
         logger.info("%s started (pid %s) at %s", worker_id, info["pid"], record.address or "-")
 

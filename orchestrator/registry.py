@@ -11,20 +11,11 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from orchestrator.worker_backend import WorkerLoad
+
 logger = logging.getLogger(__name__)
 
 HEALTH_STATES = ("starting", "healthy", "draining", "unhealthy")
-
-
-@dataclass
-class WorkerLoad:
-    num_running_requests: int = 0
-    num_waiting_requests: int = 0
-    num_free_kv_pages: int = 0
-    num_total_kv_pages: int = 0
-    num_transfers_in_flight: int = 0
-    num_computed_prompt_tokens: int = 0  # since the worker's engine started
-    num_sampled_tokens: int = 0
 
 
 @dataclass

@@ -332,10 +332,15 @@ class Router:
     def _may_reroute(self, tried: set[str]) -> bool:
         if len(tried) > self.settings.worker_retries or self.draining:
             return False
-        return any(
-            w.worker_id not in tried and not self._is_suspect(w)
+        return bool(self._routable(tried))
+
+    def _routable(self, exclude: set[str]) -> list[WorkerRecord]:
+        """Ready serving workers that are not suspect, less ``exclude``."""
+        return [
+            w
             for w in self.registry.ready(self.settings.serving_role)
-        )
+            if not self._is_suspect(w) and w.worker_id not in exclude
+        ]
 
     async def _admit(self, exclude: set[str] | None = None) -> WorkerRecord:
         settings = self.settings
@@ -347,11 +352,7 @@ class Router:
                     # period ends (a worker may free room for it); a new one is refused.
                     if self.draining and (not queued or self._drain_expired):
                         raise UnavailableError("the router is draining")
-                    ready = [
-                        w
-                        for w in self.registry.ready(settings.serving_role)
-                        if not self._is_suspect(w) and w.worker_id not in (exclude or ())
-                    ]
+                    ready = self._routable(exclude or set())
                     if not ready:
                         raise UnavailableError(f"no ready {settings.serving_role} worker")
                     if (

@@ -61,12 +61,13 @@ def client_request_id(worker_request: str) -> str:
 class WorkerLoad:
     """A worker's load now, and two counters since its engine started (`EngineStats`):
     ``num_computed_prompt_tokens`` (prompt tokens run through the model, recomputation
-    included) and ``num_sampled_tokens`` (tokens sampled; 0 on the prefill role)."""
+    included) and ``num_sampled_tokens`` (tokens sampled; 0 on the prefill role). The
+    controller keeps each worker's last one in its `WorkerRecord` (all 0 until reported)."""
 
-    num_running_requests: int
-    num_waiting_requests: int
-    num_free_kv_pages: int
-    num_total_kv_pages: int
+    num_running_requests: int = 0
+    num_waiting_requests: int = 0
+    num_free_kv_pages: int = 0
+    num_total_kv_pages: int = 0
     num_transfers_in_flight: int = 0
     num_computed_prompt_tokens: int = 0
     num_sampled_tokens: int = 0

@@ -7,6 +7,7 @@ import json
 import multiprocessing
 import os
 import signal
+import threading
 import time
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -155,3 +156,36 @@ def close_engine(engine: TransferEngine) -> None:
 
 
 __all__ = ["SPAWN", "Connection", "RemoteTarget", "Sender", "assert_rows_landed", "close_engine"]
+
+
+class StuckPosts:
+    """NAMED TEST FAULT, in place of ``workers.fabric.progress.lib``: once ``armed``, a send or
+    write posted by ``thread`` (None: any thread) blocks until ``release``, then reports that
+    nothing was posted. A post that never returns (on shm, to a peer stopped or killed while
+    it held its region lock) cannot be produced on demand, and over tcp a post never blocks."""
+
+    def __init__(self, real: Any, thread: threading.Thread | None = None) -> None:
+        self.real = real
+        self.thread = thread
+        self.armed = threading.Event()
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    def _stuck(self) -> bool:
+        if not self.armed.is_set() or self.thread not in (None, threading.current_thread()):
+            return False
+        self.entered.set()
+        self.release.wait(60)
+        return True
+
+    def pd_post_send(self, *args: Any) -> int:
+        return int(-self.real.FI_EAGAIN) if self._stuck() else int(self.real.pd_post_send(*args))
+
+    def pd_post_writes(self, *args: Any) -> int:
+        if self._stuck():
+            args[-1][0] = -self.real.FI_EAGAIN  # rc_out: nothing posted
+            return 0
+        return int(self.real.pd_post_writes(*args))

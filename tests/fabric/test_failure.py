@@ -7,12 +7,11 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 
-from tests.fabric.harness import RemoteTarget, close_engine
+from tests.fabric.harness import RemoteTarget, StuckPosts, close_engine
 from workers.fabric import (
     AddressError,
     EngineClosedError,
@@ -208,22 +207,9 @@ def test_stuck_provider_call_still_ends_every_operation_once(
 ) -> None:
     """A post that never returns (shm: a peer that died while we waited on its lock) cannot
     hold operations hostage: the watchdog ends each one exactly once and refuses new work."""
-    real = progress.lib
-    release = threading.Event()
-    entered = threading.Event()
-
-    class StuckPosts:
-        def __getattr__(self, name: str) -> Any:
-            return getattr(real, name)
-
-        @staticmethod
-        def pd_post_writes(*args: Any) -> int:
-            entered.set()
-            release.wait(60)
-            args[-1][0] = -real.FI_EAGAIN  # rc_out: nothing posted
-            return 0
-
-    monkeypatch.setattr(progress, "lib", StuckPosts())
+    stuck = StuckPosts(progress.lib)
+    stuck.armed.set()
+    monkeypatch.setattr(progress, "lib", stuck)
     monkeypatch.setattr(watchdog, "_STALL_S", 0.2)
     monkeypatch.setattr(watchdog, "_WATCHDOG_PERIOD_S", 0.05)
     engine = make_engine(op_timeout=600.0)
@@ -248,7 +234,7 @@ def test_stuck_provider_call_still_ends_every_operation_once(
         on_done, on_error = callbacks(index)
         engine.submit_write(handle, 0, stuck_peer, descriptor, 0, 64, imm=7,
                             on_done=on_done, on_error=on_error)  # fmt: skip
-    assert entered.wait(30)
+    assert stuck.entered.wait(30)
     on_done, on_error = callbacks(3)
     engine.submit_write(handle, 0, other_peer, other_descriptor, 0, 64, imm=7,
                         on_done=on_done, on_error=on_error)  # fmt: skip
@@ -264,7 +250,7 @@ def test_stuck_provider_call_still_ends_every_operation_once(
         engine.submit_write(handle, 0, other_peer, other_descriptor, 0, 64)
     with pytest.raises(EngineClosedError):  # calls shipped to the stuck thread fail too
         engine.register(np.zeros(64, dtype=np.uint8))
-    release.set()  # the stuck call returns: nothing may end twice, and close() joins cleanly
+    stuck.release.set()  # the stuck call returns: nothing may end twice, and close() joins cleanly
     close_engine(engine)
     assert sorted(outcomes) == [0, 1, 2, 3] and all(len(v) == 1 for v in outcomes.values())
     assert len(counter_errors) == 1 and isinstance(counter_errors[0], EngineClosedError)

@@ -9,20 +9,18 @@ refuses new ones (UNAVAILABLE: the router sends them to another decoder) and rep
 unhealthy, so the control plane replaces it.
 
 Real workers on the tiny preset over ``tcp`` (real engines, real libfabric). The stuck post is
-a NAMED TEST FAULT: the decoder fabric's send posts block once armed (a lock held by a stopped
-process cannot be produced on demand, and over tcp a post never blocks).
+a NAMED TEST FAULT (`tests.fabric.harness.StuckPosts`): one fabric's posts block once armed.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from tests.engine.engine_helpers import prompts_of_lengths
+from tests.fabric.harness import StuckPosts
 from tests.kv.harness import wait_until
 from workers.engine.config import EngineConfig
 from workers.engine.errors import EngineClosedError
@@ -40,37 +38,6 @@ TRANSFER_DEADLINE_S = 3600.0
 DRAIN_S = 0.2
 
 pytestmark = pytest.mark.slow
-
-
-class _StuckPosts:
-    """NAMED TEST FAULT: once ``armed``, a send or write posted by ``thread`` (one fabric's
-    progress thread) blocks until ``release``, then reports that nothing was posted."""
-
-    def __init__(self, real: Any, thread: threading.Thread) -> None:
-        self.real = real
-        self.thread = thread
-        self.armed = threading.Event()
-        self.entered = threading.Event()
-        self.release = threading.Event()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.real, name)
-
-    def _stuck(self) -> bool:
-        if not (self.armed.is_set() and threading.current_thread() is self.thread):
-            return False
-        self.entered.set()
-        self.release.wait(WAIT_S)
-        return True
-
-    def pd_post_send(self, *args: Any) -> int:
-        return int(-self.real.FI_EAGAIN) if self._stuck() else int(self.real.pd_post_send(*args))
-
-    def pd_post_writes(self, *args: Any) -> int:
-        if self._stuck():
-            args[-1][0] = -self.real.FI_EAGAIN  # rc_out: nothing posted
-            return 0
-        return int(self.real.pd_post_writes(*args))
 
 
 def _pair(
@@ -104,7 +71,7 @@ def test_an_abandoned_decoder_fabric_keeps_offered_pages_and_refuses_work(
     # The prefill worker's own writes into the abandoned decoder (which reads nothing any
     # more) end at this deadline, so its pages come back within the test.
     prefill.fabric.op_timeout = 2.0
-    stuck = _StuckPosts(progress.lib, decode.fabric.threads[0])
+    stuck = StuckPosts(progress.lib, decode.fabric.threads[0])
     monkeypatch.setattr(progress, "lib", stuck)
     try:
         long_prompt, other_prompt, late_prompt = prompts_of_lengths([1600, 1200, 40], seed=5)
@@ -170,7 +137,7 @@ def test_a_prefill_worker_whose_fabric_was_abandoned_reports_itself_unhealthy(
     from then on. The decoder, hearing nothing more, fails the request at its deadline and
     keeps the pages: the prefill process is alive, so its writes could still land."""
     prefill, decode = _pair(tiny_model_dir, monkeypatch, 3.0)
-    stuck = _StuckPosts(progress.lib, prefill.fabric.threads[0])
+    stuck = StuckPosts(progress.lib, prefill.fabric.threads[0])
     monkeypatch.setattr(progress, "lib", stuck)
     try:
         (prompt,) = prompts_of_lengths([1600], seed=6)
