@@ -113,6 +113,9 @@ class DecodeBackend:
     def transfer_stats(self, request_id: str) -> dict[str, Any] | None:
         return _transfer_stats(self.worker, request_id)
 
+    def step_trace(self) -> dict[str, Any]:
+        return self.worker.step_trace()
+
     def prefill_endpoint(self) -> bytes:
         return b""
 
@@ -162,6 +165,9 @@ class PrefillBackend:
 
     def transfer_stats(self, request_id: str) -> dict[str, Any] | None:
         return _transfer_stats(self.worker, request_id)
+
+    def step_trace(self) -> dict[str, Any]:
+        return self.worker.step_trace()
 
     def prefill_endpoint(self) -> bytes:
         return self._endpoint

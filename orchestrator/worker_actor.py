@@ -144,6 +144,16 @@ class WorkerActor:
         found = {rid: self._backend.transfer_stats(rid) for rid in request_ids}
         return {rid: stats for rid, stats in found.items() if stats is not None}
 
+    def step_trace(self) -> dict[str, Any]:
+        """The engine's recent steps with this worker's id and role (`workers.engine.step_trace`)."""
+        if self._backend is None:
+            raise RuntimeError(f"{self.spec.worker_id} has not started")
+        return {
+            "worker_id": self.spec.worker_id,
+            "role": self.spec.role,
+            **self._backend.step_trace(),
+        }
+
     def drain(self, grace_seconds: float) -> None:
         if self._server is not None:
             self._server.drain(grace_seconds)

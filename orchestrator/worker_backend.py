@@ -103,6 +103,10 @@ class WorkerBackend(Protocol):
         ``request_id``: the router's worker request id, or a client's id (its latest attempt)."""
         ...
 
+    def step_trace(self) -> dict[str, Any]:
+        """The engine's recent steps, as plain data (`workers.engine.step_trace`)."""
+        ...
+
     def prefill_endpoint(self) -> bytes:
         """Prefill role: the serialized `PrefillEndpoint` decoders connect to; b"" otherwise."""
         ...
@@ -158,6 +162,9 @@ class MixedBackend:
 
     def transfer_stats(self, request_id: str) -> dict[str, Any] | None:
         return None
+
+    def step_trace(self) -> dict[str, Any]:
+        return self._loop.call(self._loop.trace.snapshot)
 
     def prefill_endpoint(self) -> bytes:
         return b""

@@ -210,7 +210,7 @@ def _compare(args: argparse.Namespace) -> int:
         "workload": _workload_json(args),
         "configs": {"disaggregated": args.disaggregated, "colocated": args.colocated},
         "machine_load": {r.name: [r.load_before, r.load_after] for r in runs},
-        "runs": [run_document(r.name, r.outcome, r.summary) for r in runs],
+        "runs": [run_document(r.name, r.outcome, r.summary, r.step_traces) for r in runs],
         "ratios": rows,
         "simulation": None,
     }

@@ -38,6 +38,9 @@ class ClusterRun:
     summary: dict[str, Any]
     load_before: str
     load_after: str
+    # Every worker's recent engine steps at the end of the run (`workers.engine.step_trace`):
+    # what `pdserve calibrate --from-trace` fits the simulator's step costs to.
+    step_traces: list[dict[str, Any]]
 
 
 def load_config(path: str | Path, model: str | Path | None) -> ClusterConfig:
@@ -57,10 +60,25 @@ async def run_cluster(
         http_url = f"http://{app.http_address}" if app.http_address else None
         logger.info("%s cluster serving on %s; running the workload", name, address)
         outcome, summary = await measure(address, http_url, options)
+        traces = await step_traces(app)
     finally:
         load_after = machine_load()
         await app.stop()  # Ray too (embedded): nothing of this cluster outlives it
-    return ClusterRun(name, config, outcome, summary, load_before, load_after)
+    return ClusterRun(name, config, outcome, summary, load_before, load_after, traces)
+
+
+async def step_traces(app: Any) -> list[dict[str, Any]]:
+    """The step trace of every worker the controller knows (a TP group: its leader's)."""
+    traces = []
+    for role in ("prefill", "decode", "mixed"):
+        for record in app.controller.registry.of_role(role):
+            handle = app.controller.handle_of(record.worker_id)
+            try:
+                traces.append(await handle.step_trace.remote())
+            except Exception as error:  # a worker lost at the end: the run's figures still count
+                logger.warning("no step trace from %s: %r", record.worker_id, error)
+                traces.append({"worker_id": record.worker_id, "role": role, "error": repr(error)})
+    return traces
 
 
 def ratios(disaggregated: dict[str, Any], colocated: dict[str, Any]) -> list[dict[str, Any]]:

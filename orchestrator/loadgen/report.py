@@ -26,8 +26,14 @@ def machine_load() -> str:
         return "unknown"
 
 
-def run_document(name: str, outcome: RunOutcome, summary: dict[str, Any]) -> dict[str, Any]:
-    return {
+def run_document(
+    name: str,
+    outcome: RunOutcome,
+    summary: dict[str, Any],
+    step_traces: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """``step_traces``: the workers' (``bench compare``: see `compare.ClusterRun`)."""
+    document = {
         "name": name,
         "backend": outcome.backend,
         "max_concurrency": outcome.max_concurrency,
@@ -35,6 +41,9 @@ def run_document(name: str, outcome: RunOutcome, summary: dict[str, Any]) -> dic
         "summary": summary,
         "requests": [r.to_json() for r in outcome.results],
     }
+    if step_traces is not None:
+        document["step_traces"] = step_traces
+    return document
 
 
 def write_json(path: str | Path, document: dict[str, Any]) -> None:

@@ -25,6 +25,15 @@ proportion to the other instances in a step when it starts (``busy_others / (N -
 most 1), as the cluster's worker processes share this machine's cores. The machine measured
 has one rank: for ``tp > 1`` the variable terms are divided by ``tp`` (ideal scaling) and
 ``tp_step_overhead_s`` is added per step, an assumption to replace with measurements.
+
+Per-role fits (a file written by ``pdserve calibrate --from-trace``, `trace_fit`): under
+``"roles"``, points ``[prefill_tokens, prefill_attention, decode_seqs, decode_kv_tokens,
+seconds]`` of the busy cycles of a served cluster's prefill, decode or mixed workers. Each
+role gets one affine fit of all four terms, and an instance of that role is priced with it
+alone: the points were measured inside the cluster, so its contention is in them and
+``busy_others`` plays no part. Such a file needs no ``"prefill"`` / ``"decode"`` points: the
+role-less fits (for a role the traces lack) are taken from its prefill-only and decode-only
+cycles.
 """
 
 from __future__ import annotations
@@ -38,6 +47,9 @@ from typing import Any
 import numpy as np
 
 from orchestrator.sim.cost import StepShape
+
+# Intercept, per prefill token, per attention position, per decode sequence, per KV token.
+RoleFit = tuple[float, float, float, float, float]
 
 
 @dataclass(frozen=True)
@@ -54,6 +66,8 @@ class CalibratedCostModel:
     # measured while contention_processes - 1 other engine processes stepped.
     alone_coefficients: tuple[tuple[float, float, float], tuple[float, float, float]] | None = None
     contention_processes: int = 1
+    # Fits of a served cluster's steps by worker role; see the module docstring.
+    role_coefficients: tuple[tuple[str, RoleFit], ...] = ()
     max_tp: int = 8
     source: str = "calibrated"
 
@@ -67,6 +81,8 @@ class CalibratedCostModel:
             coefficients += (*self.alone_coefficients[0], *self.alone_coefficients[1])
             if self.contention_processes < 2:
                 raise ValueError("fits measured alone need a contention of >= 2 processes")
+        for _, role_fit in self.role_coefficients:
+            coefficients += role_fit
         if min(coefficients) < 0 or min(self.request_overhead_s) < 0:
             raise ValueError(f"cost coefficients must be >= 0, got {coefficients}")
         if self.num_layers < 1 or self.kv_bytes_per_token <= 0 or self.kv_capacity_per_rank < 1:
@@ -76,7 +92,20 @@ class CalibratedCostModel:
     def name(self) -> str:
         return self.source
 
-    def step_seconds(self, shape: StepShape, tp: int, busy_others: int = 0) -> float:
+    def step_seconds(
+        self, shape: StepShape, tp: int, busy_others: int = 0, role: str | None = None
+    ) -> float:
+        role_fit = dict(self.role_coefficients).get(role) if role is not None else None
+        if role_fit is not None:
+            intercept, *per_unit = role_fit
+            units = (
+                shape.num_prefill_tokens,
+                shape.num_prefill_attention,
+                shape.num_decode_seqs,
+                shape.num_decode_kv_tokens,
+            )
+            variable = sum(c * u for c, u in zip(per_unit, units, strict=True))
+            return intercept + variable / tp + (self.tp_step_overhead_s if tp > 1 else 0.0)
         contended = self._price(self.prefill_coefficients, self.decode_coefficients, shape, tp)
         if self.alone_coefficients is None:
             return contended
@@ -143,6 +172,13 @@ def _attention(tokens: int, context: int) -> int:
     return tokens * context + tokens * (tokens + 1) // 2
 
 
+def _point_attention(point: dict[str, float]) -> float:
+    """A prefill point's attention: given (traced points), or from its context (measured)."""
+    if "attention" in point:
+        return point["attention"]
+    return _attention(int(point["tokens"]), int(point["context"]))
+
+
 Coefficients = tuple[float, float, float]
 
 
@@ -152,7 +188,7 @@ def _fit_steps(
     if len(prefill) < 3 or len(decode) < 3:
         raise ValueError("need at least 3 prefill and 3 decode measurements to fit 3 terms")
     p = fit_affine(
-        np.array([[m["tokens"], _attention(int(m["tokens"]), int(m["context"]))] for m in prefill]),
+        np.array([[m["tokens"], _point_attention(m)] for m in prefill]),
         np.array([m["seconds"] for m in prefill]),
     )
     d = fit_affine(
@@ -162,9 +198,39 @@ def _fit_steps(
     return (p[0], p[1], p[2]), (d[0], d[1], d[2])
 
 
+def _role_fits(roles: dict[str, list[list[float]]]) -> tuple[tuple[str, RoleFit], ...]:
+    fits = []
+    for role, points in sorted(roles.items()):
+        rows = np.array(points, dtype=float)
+        if rows.ndim != 2 or rows.shape[1] != 5 or len(rows) < 5:
+            raise ValueError(f"roles.{role}: want >= 5 points of 5 numbers each")
+        a, b, c, d, e = fit_affine(rows[:, :4], rows[:, 4])
+        fits.append((role, (a, b, c, d, e)))
+    return tuple(fits)
+
+
+def _split_role_points(
+    roles: dict[str, list[list[float]]],
+) -> tuple[list[dict[str, float]], list[dict[str, float]]]:
+    """The prefill-only and decode-only points of every role, in the measured points' form."""
+    prefill, decode = [], []
+    for points in roles.values():
+        for tokens, attention, seqs, kv, seconds in points:
+            if not seqs:
+                prefill.append({"tokens": tokens, "attention": attention, "seconds": seconds})
+            elif not tokens:
+                decode.append({"batch": seqs, "kv_tokens": kv, "seconds": seconds})
+    return prefill, decode
+
+
 def fit(data: dict[str, Any], source: str = "calibrated") -> CalibratedCostModel:
-    prefill: Sequence[dict[str, float]] = data["prefill"]
-    decode: Sequence[dict[str, float]] = data["decode"]
+    roles = data.get("roles") or {}
+    prefill: Sequence[dict[str, float]]
+    decode: Sequence[dict[str, float]]
+    if "prefill" in data or not roles:
+        prefill, decode = data["prefill"], data["decode"]
+    else:
+        prefill, decode = _split_role_points(roles)
     p, d = _fit_steps(prefill, decode)
     alone = None
     if data.get("alone"):
@@ -190,6 +256,7 @@ def fit(data: dict[str, Any], source: str = "calibrated") -> CalibratedCostModel
         ),
         alone_coefficients=alone,
         contention_processes=int((data.get("contention") or {}).get("processes", 1)),
+        role_coefficients=_role_fits(roles),
         source=source,
     )
 

@@ -91,6 +91,15 @@ def add_subcommands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "empty: none): checked against the fit, not fitted",
     )
     p.add_argument(
+        "--from-trace",
+        nargs="+",
+        default=None,
+        metavar="COMPARE.json",
+        help="measure nothing: fit the step costs per worker role to the step traces saved in "
+        "these pdserve bench compare results (the busy cycles of a served cluster, under its "
+        "contention and CPU priorities)",
+    )
+    p.add_argument(
         "--overheads-from",
         default=None,
         metavar="COMPARE.json",
@@ -313,20 +322,27 @@ def _calibrate(args: argparse.Namespace) -> int:
                 )
             background = (int(parts[0]), int(parts[1]))
         check_options(args.concurrent, args.prefill_context, BUDGET, background, args.repeats)
+        if args.from_trace:
+            from orchestrator.sim.trace_fit import calibration_from_traces
+
+            data = calibration_from_traces(args.from_trace)
+            model = fit(data)
+            Path(args.out).write_text(json.dumps(data) + "\n")
     except (ValueError, OSError) as error:
         return _refuse("calibrate", error)
-    data = run_calibration(
-        args.out,
-        repeats=args.repeats,
-        fabric=args.fabric,
-        decode_contexts=contexts,
-        decode_batches=batches,
-        concurrent=args.concurrent,
-        mixed_batches=mixed,
-        prefill_context=args.prefill_context,
-        background=background,
-    )
-    model = fit(data)
+    if not args.from_trace:
+        data = run_calibration(
+            args.out,
+            repeats=args.repeats,
+            fabric=args.fabric,
+            decode_contexts=contexts,
+            decode_batches=batches,
+            concurrent=args.concurrent,
+            mixed_batches=mixed,
+            prefill_context=args.prefill_context,
+            background=background,
+        )
+        model = fit(data)
     if result is not None:
         from orchestrator.loadgen.overheads import derive
 
@@ -334,11 +350,21 @@ def _calibrate(args: argparse.Namespace) -> int:
         data["overheads"] = derive(reference, result, Path(args.overheads_from).name)
         if against is not None:
             data["overheads"]["against"] = Path(args.overheads_against).name
-        Path(args.out).write_text(json.dumps(data, indent=2) + "\n")
-    print(
-        f"wrote {len(data['prefill'])} prefill, {len(data['decode'])} decode and "
-        f"{len(data.get('transfer', []))} transfer points to {args.out}"
-    )
+        # Traced points run to thousands: one line of JSON.
+        Path(args.out).write_text(json.dumps(data, indent=None if args.from_trace else 2) + "\n")
+    if args.from_trace:
+        counts = ", ".join(f"{len(v)} of {role}" for role, v in sorted(data["roles"].items()))
+        print(f"wrote the busy cycles of the traced workers ({counts}) to {args.out}")
+        for role, (a, b, c, d, e) in model.role_coefficients:
+            print(
+                f"{role:<7} s = {a:.3g} + {b:.3g}*tokens + {c:.3g}*attention + {d:.3g}*batch "
+                f"+ {e:.3g}*kv_tokens"
+            )
+    else:
+        print(
+            f"wrote {len(data['prefill'])} prefill, {len(data['decode'])} decode and "
+            f"{len(data.get('transfer', []))} transfer points to {args.out}"
+        )
     print(
         f"prefill s = {model.prefill_coefficients[0]:.3g} + {model.prefill_coefficients[1]:.3g}*tokens + {model.prefill_coefficients[2]:.3g}*attention"
     )

@@ -64,10 +64,14 @@ class CostModel(Protocol):
         """Layers of the model: the layer-wise push exposes 1 / num_layers of a transfer."""
         ...
 
-    def step_seconds(self, shape: StepShape, tp: int, busy_others: int = 0) -> float:
+    def step_seconds(
+        self, shape: StepShape, tp: int, busy_others: int = 0, role: str | None = None
+    ) -> float:
         """Wall time of one engine step of an instance of ``tp`` ranks, while ``busy_others``
         other instances of the cluster are in a step (it matters only to a model of instances
-        that share one machine's cores; the others ignore it)."""
+        that share one machine's cores; the others ignore it). ``role``: the instance's
+        (``prefill``, ``decode``, ``mixed``), for a model fitted per role (a calibration from
+        step traces); the others ignore it."""
         ...
 
     def kv_bytes(self, num_tokens: int) -> int:

@@ -164,7 +164,8 @@ class PrefillInstance(InstanceBase):
                 request.prefill_start_time = now
         if not tokens:
             return None
-        duration = self.cost.step_seconds(StepShape(tokens, attention), self.tp, self.busy_others)
+        shape = StepShape(tokens, attention)
+        duration = self.cost.step_seconds(shape, self.tp, self.busy_others, "prefill")
         self.is_busy, self.busy_seconds = True, self.busy_seconds + duration
         return duration
 
@@ -210,7 +211,7 @@ class DecodeInstance(InstanceBase):
         # Each sequence also attends to the token it feeds in this step.
         kv = self.running.kv_tokens(self.step) + len(self.running)
         shape = StepShape(num_decode_seqs=len(self.running), num_decode_kv_tokens=kv)
-        duration = self.cost.step_seconds(shape, self.tp, self.busy_others)
+        duration = self.cost.step_seconds(shape, self.tp, self.busy_others, "decode")
         self.itl_steps.append((duration, len(self.running) - len(self._joined)))
         self.is_busy, self.busy_seconds = True, self.busy_seconds + duration
         return duration

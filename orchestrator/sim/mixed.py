@@ -54,7 +54,7 @@ class MixedInstance(InstanceBase):
             return None
         kv = self.running.kv_tokens(self.step) + num_decodes
         shape = StepShape(tokens, attention, num_decodes, kv)
-        duration = self.cost.step_seconds(shape, self.tp, self.busy_others)
+        duration = self.cost.step_seconds(shape, self.tp, self.busy_others, "mixed")
         # Every running sequence emitted its first token at the end of its last prefill step.
         self.itl_steps.append((duration, num_decodes))
         self.is_busy, self.busy_seconds = True, self.busy_seconds + duration

@@ -68,7 +68,9 @@ class RooflineCostModel:
 
     # --- the CostModel protocol -----------------------------------------------------------
 
-    def step_seconds(self, shape: StepShape, tp: int, busy_others: int = 0) -> float:
+    def step_seconds(
+        self, shape: StepShape, tp: int, busy_others: int = 0, role: str | None = None
+    ) -> float:
         # Each instance has GPUs of its own: what the other instances do costs it nothing.
         # Kernels run one after another, so each gets its own roofline and the times add:
         # the linear layers (weights read once for every token of the step) and attention

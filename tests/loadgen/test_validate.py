@@ -80,7 +80,9 @@ class _FakeClusters:
         chunks = [(0.1, 1), (0.2, 1), (0.3, 1), (0.4, 1)]
         result = RequestResult(0, False, 0.0, 10, 4, sent_s=0.0, chunks=chunks, finish_s=0.4)
         outcome = RunOutcome("grpc", [result], 0, 8, 1.0)
-        return compare.ClusterRun(name, config, outcome, summarize([result], options.slos), "", "")
+        return compare.ClusterRun(
+            name, config, outcome, summarize([result], options.slos), "", "", []
+        )
 
 
 def _compare_argv(tmp_path: Path, calibration: Path) -> list[str]:

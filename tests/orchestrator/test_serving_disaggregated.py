@@ -141,6 +141,42 @@ def test_cluster_state_shows_the_ratio(cluster: ServedCluster) -> None:
         ) == (1, 5)
 
 
+def test_step_traces_hold_every_step_of_a_request_on_both_sides(cluster: ServedCluster) -> None:
+    """What `pdserve calibrate --from-trace` fits: the prefill worker's steps computed the
+    prompt but its last token; the decoder's ran one token a step, the first being the last
+    prompt token over the pushed KV."""
+    from orchestrator.loadgen.compare import step_traces
+
+    def recorded() -> dict[str, int]:
+        traces = cluster.run(step_traces(cluster.app))
+        return {t["worker_id"]: t["num_recorded"] for t in traces}
+
+    before = recorded()
+    prompt, max_tokens = list(range(5, 5 + 70)), 6
+    with grpc.insecure_channel(cluster.address) as channel:
+        request = pb.GenerateRequest(
+            prompt_token_ids=prompt,
+            sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        )
+        list(pb_grpc.GenerationStub(channel).Generate(request, timeout=60))
+    traces = cluster.run(step_traces(cluster.app))
+    assert sorted(t["role"] for t in traces) == ["decode"] * 3 + ["prefill"]
+    new: dict[str, list[list[float]]] = {}
+    for trace in traces:
+        records = trace["records"]
+        count = trace["num_recorded"] - before[trace["worker_id"]]
+        new.setdefault(trace["role"], []).extend(records[len(records) - count :])
+
+    def totals(records: list[list[float]]) -> list[float]:
+        return [sum(r[k] for r in records) for k in range(3, 7)]
+
+    n = len(prompt) - 1
+    assert totals(new["prefill"]) == [n, n * (n + 1) // 2, 0, 0]
+    assert len(new["decode"]) == max_tokens
+    kv = sum(range(len(prompt), len(prompt) + max_tokens))  # fed at positions n .. n + 5
+    assert totals(new["decode"]) == [0, 0, max_tokens, kv]
+
+
 def test_every_bad_request_is_invalid_argument(cluster: ServedCluster) -> None:
     serving_checks.check_bad_requests(cluster.address)
 

@@ -56,6 +56,7 @@ from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from workers.engine.sequence import FinishReason, SequenceStatus
 from workers.engine.sequence import Sequence as Seq
+from workers.engine.step_trace import StepShapeCounts, shape_of
 from workers.engine.stop_checker import StopChecker
 from workers.engine.validation import validate_request
 
@@ -154,6 +155,8 @@ class EngineCore:
         )
         self.on_step_scheduled = on_step_scheduled
         self.stats = EngineStats()
+        # What the last step that ran the model computed (`workers.engine.step_trace`).
+        self.last_step_shape: StepShapeCounts | None = None
         # Every request the engine knows and has not yet reported finished.
         self._requests: dict[str, Seq] = {}
         # Prefill role: finished requests whose pages the KV messenger still reads.
@@ -410,6 +413,7 @@ class EngineCore:
         self.stats.num_steps += 1
         self.stats.num_model_tokens += num_tokens
         self.stats.max_step_tokens = max(self.stats.max_step_tokens, num_tokens)
+        self.last_step_shape = shape_of(scheduled.seqs, scheduled.chunks)
         self.stats.num_computed_prompt_tokens += sum(
             max(0, min(chunk.end, seq.num_prompt_tokens) - chunk.start)
             for seq, chunk in zip(scheduled.seqs, scheduled.chunks, strict=True)

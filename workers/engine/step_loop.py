@@ -23,11 +23,13 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from workers.engine.errors import EngineClosedError
+from workers.engine.step_trace import StepTrace
 
 if TYPE_CHECKING:
     from workers.engine.engine_core import EngineCore
@@ -78,6 +80,7 @@ class StepLoop:
         self._closed = False
         self.error: BaseException | None = None
         self.num_waits = 0  # times the loop waited for a call or a wake-up
+        self.trace = StepTrace()  # read it on the loop thread: ``call(loop.trace.snapshot)``
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     @property
@@ -115,6 +118,7 @@ class StepLoop:
                 if self._engine.has_unfinished() and self._step():
                     continue
                 self.num_waits += 1
+                self.trace.mark_wait()
                 self._wake.wait(_BUSY_WAIT_S if self._has_work() else _IDLE_WAIT_S)
                 self._wake.clear()
         except BaseException as error:  # reported to callers through call() and health
@@ -133,8 +137,12 @@ class StepLoop:
         """One engine step; whether it did anything (ran the model, preempted or output)."""
         stats = self._engine.stats
         before = (stats.num_steps, stats.num_preemptions)
+        start = time.perf_counter()
         outputs = self._engine.step()
         self._on_outputs(outputs)
+        shape = self._engine.last_step_shape
+        if stats.num_steps != before[0] and shape is not None:
+            self.trace.record(start, time.perf_counter() - start, shape)
         return bool(outputs) or (stats.num_steps, stats.num_preemptions) != before
 
     def _report(self, error: BaseException) -> None:

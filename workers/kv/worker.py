@@ -267,6 +267,10 @@ class PrefillWorker:
     def transfer_stats(self, request_id: str) -> dict[str, Any] | None:
         return self._loop.call(lambda: self.messenger.finished.get(request_id))
 
+    def step_trace(self) -> dict[str, Any]:
+        """The engine's recent steps (`workers.engine.step_trace`)."""
+        return self._loop.call(self._loop.trace.snapshot)
+
     def finished_transfers(self) -> dict[str, dict[str, Any]]:
         """Records of recently ended transfers by request id, oldest first (bounded memory)."""
         return self._loop.call(lambda: dict(self.messenger.finished))
@@ -407,6 +411,10 @@ class DecodeWorker:
 
     def transfer_stats(self, request_id: str) -> dict[str, Any] | None:
         return self._loop.call(lambda: self.messenger.finished.get(request_id))
+
+    def step_trace(self) -> dict[str, Any]:
+        """The engine's recent steps (`workers.engine.step_trace`)."""
+        return self._loop.call(self._loop.trace.snapshot)
 
     def finished_transfers(self) -> dict[str, dict[str, Any]]:
         """Records of recently ended transfers by request id, oldest first (bounded memory)."""

@@ -1,0 +1,165 @@
+"""Step costs fitted per worker role to the step traces of measured runs
+(`orchestrator.sim.trace_fit`, ``pdserve calibrate --from-trace``), and the simulator pricing
+each instance with its own role's fit."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from orchestrator.cli import main
+from orchestrator.sim.calibrated import load
+from orchestrator.sim.cost import StepShape
+from orchestrator.sim.instances import EngineLimits
+from orchestrator.sim.simulator import Layout, Simulator
+from orchestrator.sim.trace_fit import busy_cycles
+from orchestrator.sim.workload import RequestSpec
+from tests.sim.toy import affine
+
+# Known laws the traces below follow exactly: seconds = a + b*tokens + c*attention + d*seqs + e*kv.
+PREFILL_LAW = (0.02, 4e-4, 3e-7, 0.0, 0.0)
+DECODE_LAW = (0.012, 0.0, 0.0, 9e-4, 2e-6)
+MIXED_LAW = (0.015, 3e-4, 2e-7, 1e-3, 3e-6)
+
+
+def _price(law: tuple[float, ...], shape: list[float]) -> float:
+    return law[0] + sum(c * x for c, x in zip(law[1:], shape, strict=True))
+
+
+def _trace(role: str, law: tuple[float, ...], shapes: list[list[float]]) -> dict[str, Any]:
+    """Steps run back to back at the law's cycle times, then an idle wait, then one more."""
+    records, now = [], 0.0
+    for i, shape in enumerate(shapes):
+        if i == len(shapes) - 1:
+            now += 5.0  # idle: the step before it ends no busy cycle
+        records.append([now, 0.001, 1.0 if i in (0, len(shapes) - 1) else 0.0, *shape])
+        now += _price(law, shape)
+    return {"worker_id": f"{role}-0", "role": role, "records": records}
+
+
+PREFILL_SHAPES = [
+    [n, n * c + n * (n + 1) // 2, 0, 0] for n in (64, 128, 256) for c in (0, 256, 1024)
+]
+DECODE_SHAPES = [[0, 0, b, b * k] for b in (1, 4, 16) for k in (100, 500, 900)]
+MIXED_SHAPES = [
+    [n, n * c + n * (n + 1) // 2, b, b * k]
+    for n, c, b, k in [(0, 0, 4, 300), (0, 0, 12, 800), (240, 0, 0, 0), (128, 512, 0, 0),
+                       (200, 256, 6, 500), (64, 0, 2, 1500), (250, 768, 16, 400), (0, 0, 1, 50)]
+]  # fmt: skip
+
+
+def _document(tmp_path: Path, tiny_model_dir: Path, traces: bool = True) -> Path:
+    config = tmp_path / "disagg.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": str(tiny_model_dir), "dtype": "float32", "page_size": 16,
+        "limits": {"num_pages": 128, "max_num_batched_tokens": 256},
+        "groups": {"prefill": {"replicas": 1}, "decode": {"replicas": 1}},
+    }))  # fmt: skip
+    runs = [
+        {"name": "disaggregated", "step_traces": [
+            _trace("prefill", PREFILL_LAW, PREFILL_SHAPES),
+            _trace("decode", DECODE_LAW, DECODE_SHAPES),
+            {"worker_id": "decode-1", "role": "decode", "error": "RayActorError()"},
+        ]},
+        {"name": "colocated", "step_traces": [_trace("mixed", MIXED_LAW, MIXED_SHAPES)]},
+    ]  # fmt: skip
+    if not traces:
+        for run in runs:
+            del run["step_traces"]
+    path = tmp_path / "compare.json"
+    document = {"command": "compare", "configs": {"disaggregated": str(config)}, "runs": runs}
+    path.write_text(json.dumps(document))
+    return path
+
+
+def test_busy_cycles_run_from_one_start_to_the_next_without_a_wait() -> None:
+    trace = {"records": [
+        [0.00, 0.01, 1.0, 32, 528, 0, 0],
+        [0.02, 0.01, 0.0, 0, 0, 2, 90],
+        [0.05, 0.01, 0.0, 0, 0, 2, 92],
+        [1.00, 0.01, 1.0, 0, 0, 1, 7],
+        [1.03, 0.01, 0.0, 0, 0, 1, 8],
+    ]}  # fmt: skip
+    cycles = list(busy_cycles(trace))
+    assert [c[:4] for c in cycles] == [[32, 528, 0, 0], [0, 0, 2, 90], [0, 0, 1, 7]]
+    assert [c[4] for c in cycles] == pytest.approx([0.02, 0.03, 0.03])
+
+
+def test_calibrate_from_traces_recovers_each_roles_law(
+    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "traced.json"
+    argv = [
+        "calibrate",
+        "--from-trace",
+        str(_document(tmp_path, tiny_model_dir)),
+        "--out",
+        str(out),
+    ]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "decode" in printed and "mixed" in printed and str(out) in printed
+    data = json.loads(out.read_text())
+    # The tiny preset: 4 layers, 2 KV heads of 32, float32; the config's pool.
+    assert (data["num_layers"], data["kv_bytes_per_token"]) == (4, 2 * 4 * 2 * 32 * 4)
+    assert data["kv_capacity_tokens"] == 128 * 16
+    # Each trace's last step is followed by no cycle; the one after the idle wait neither.
+    assert {role: len(points) for role, points in data["roles"].items()} == {
+        "prefill": len(PREFILL_SHAPES) - 2,
+        "decode": len(DECODE_SHAPES) - 2,
+        "mixed": len(MIXED_SHAPES) - 2,
+    }
+    model = load(out)
+    fits = dict(model.role_coefficients)
+    for role, law in (("prefill", PREFILL_LAW), ("decode", DECODE_LAW), ("mixed", MIXED_LAW)):
+        assert fits[role] == pytest.approx(law, rel=1e-6, abs=1e-12), role
+        shape = [200, 200 * 300 + 200 * 201 // 2, 5, 2500]
+        price = model.step_seconds(StepShape(*shape), 1, busy_others=2, role=role)
+        assert price == pytest.approx(_price(law, shape)), role  # contention plays no part
+    # Without a traced role: the fits of the prefill-only and decode-only cycles of all roles.
+    assert model.prefill_coefficients[1] > 0 and model.decode_coefficients[1] > 0
+    assert model.step_seconds(StepShape(256, 256 * 257 // 2), 1, role="unknown") == (
+        model.step_seconds(StepShape(256, 256 * 257 // 2), 1)
+    )
+
+
+def test_calibrate_from_traces_refuses_results_without_them(
+    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "traced.json"
+    bare = _document(tmp_path, tiny_model_dir, traces=False)
+    assert main(["calibrate", "--from-trace", str(bare), "--out", str(out)]) == 2
+    assert "no step traces" in capsys.readouterr().err
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"command": "run", "runs": []}))
+    assert main(["calibrate", "--from-trace", str(other), "--out", str(out)]) == 2
+    assert "not a pdserve bench compare result" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_the_simulator_prices_each_instance_with_its_roles_fit() -> None:
+    model = dataclasses.replace(
+        affine(),
+        transfer_coefficients=(0.0, 0.0),
+        role_coefficients=(
+            ("decode", (0.01, 0.0, 0.0, 0.0, 0.0)),
+            ("mixed", (0.5, 0.0, 0.0, 0.0, 0.0)),
+            ("prefill", (1.0, 0.0, 0.0, 0.0, 0.0)),
+        ),
+    )
+    limits = EngineLimits(max_num_seqs=8, max_num_batched_tokens=256)
+    request = [RequestSpec(0, 0.0, 257, 3)]  # 256 tokens to prefill: one prefill step
+    disaggregated = Simulator(model, Layout(num_prefill=1, num_decode=1), limits).run(request)
+    (record,) = disaggregated.records
+    assert record.kv_ready_time - record.prefill_start_time == pytest.approx(1.0, rel=1e-3)
+    assert record.ttft == pytest.approx(1.0 + 0.01, rel=1e-3)  # and its first decode step
+    assert record.tpot == pytest.approx(0.01)
+    mixed = Simulator(model, Layout(num_mixed=1), limits).run(request)
+    (record,) = mixed.records
+    assert record.ttft == pytest.approx(2 * 0.5)  # 257 tokens: two chunks of the budget
+    assert record.tpot == pytest.approx(0.5)
