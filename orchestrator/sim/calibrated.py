@@ -31,9 +31,11 @@ Per-role fits (a file written by ``pdserve calibrate --from-trace``, `trace_fit`
 seconds]`` of the busy cycles of a served cluster's prefill, decode or mixed workers. Each
 role gets one affine fit of all four terms, and an instance of that role is priced with it
 alone: the points were measured inside the cluster, so its contention is in them and
-``busy_others`` plays no part. Such a file needs no ``"prefill"`` / ``"decode"`` points: the
-role-less fits (for a role the traces lack) are taken from its prefill-only and decode-only
-cycles.
+``busy_others`` plays no part. The points' spread around their role's fit, as quantiles of
+measured / fitted time per step kind (`noise`), is the model's ``step_noise``: the simulator
+draws each step's factor from it. Such a file needs no ``"prefill"`` / ``"decode"`` points:
+the role-less fits (for a role the traces lack) are taken from its prefill-only and
+decode-only cycles.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from orchestrator.sim.cost import StepShape
 
 # Intercept, per prefill token, per attention position, per decode sequence, per KV token.
 RoleFit = tuple[float, float, float, float, float]
+MIN_NOISE_POINTS = 20  # traced steps of one role and kind that give its spread
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,8 @@ class CalibratedCostModel:
     contention_processes: int = 1
     # Fits of a served cluster's steps by worker role; see the module docstring.
     role_coefficients: tuple[tuple[str, RoleFit], ...] = ()
+    # Quantiles of measured / fitted busy cycles by (role, step kind): `noise.StepNoise`.
+    step_noise_quantiles: tuple[tuple[tuple[str, str], tuple[float, ...]], ...] = ()
     max_tp: int = 8
     source: str = "calibrated"
 
@@ -136,6 +141,9 @@ class CalibratedCostModel:
         overhead = self.tp_step_overhead_s if tp > 1 else 0.0
         return intercept + variable / tp + overhead
 
+    def step_noise(self) -> dict[tuple[str, str], tuple[float, ...]]:
+        return dict(self.step_noise_quantiles)
+
     def request_overhead_seconds(self, disaggregated: bool) -> float:
         return self.request_overhead_s[0 if disaggregated else 1]
 
@@ -198,15 +206,30 @@ def _fit_steps(
     return (p[0], p[1], p[2]), (d[0], d[1], d[2])
 
 
-def _role_fits(roles: dict[str, list[list[float]]]) -> tuple[tuple[str, RoleFit], ...]:
-    fits = []
+NoiseQuantiles = tuple[tuple[tuple[str, str], tuple[float, ...]], ...]
+
+
+def _role_fits(
+    roles: dict[str, list[list[float]]],
+) -> tuple[tuple[tuple[str, RoleFit], ...], NoiseQuantiles]:
+    """Each role's fit, and the spread of its points around it by step kind (a kind needs
+    `MIN_NOISE_POINTS` points of the role; fewer: that kind's steps get no noise)."""
+    from orchestrator.sim.noise import ratio_quantiles, step_kind
+
+    fits, noise = [], []
     for role, points in sorted(roles.items()):
         rows = np.array(points, dtype=float)
         if rows.ndim != 2 or rows.shape[1] != 5 or len(rows) < 5:
             raise ValueError(f"roles.{role}: want >= 5 points of 5 numbers each")
         a, b, c, d, e = fit_affine(rows[:, :4], rows[:, 4])
         fits.append((role, (a, b, c, d, e)))
-    return tuple(fits)
+        fitted = a + rows[:, :4] @ np.array([b, c, d, e])
+        kinds = [step_kind(StepShape(*map(int, row[:4]))) for row in rows]
+        for kind in sorted(set(kinds)):
+            chosen = [k == kind for k in kinds]
+            if sum(chosen) >= MIN_NOISE_POINTS:
+                noise.append(((role, kind), ratio_quantiles(rows[chosen, 4], fitted[chosen])))
+    return tuple(fits), tuple(noise)
 
 
 def _split_role_points(
@@ -232,6 +255,7 @@ def fit(data: dict[str, Any], source: str = "calibrated") -> CalibratedCostModel
     else:
         prefill, decode = _split_role_points(roles)
     p, d = _fit_steps(prefill, decode)
+    role_fits, noise = _role_fits(roles)
     alone = None
     if data.get("alone"):
         alone = _fit_steps(data["alone"]["prefill"], data["alone"]["decode"])
@@ -256,7 +280,8 @@ def fit(data: dict[str, Any], source: str = "calibrated") -> CalibratedCostModel
         ),
         alone_coefficients=alone,
         contention_processes=int((data.get("contention") or {}).get("processes", 1)),
-        role_coefficients=_role_fits(roles),
+        role_coefficients=role_fits,
+        step_noise_quantiles=noise,
         source=source,
     )
 

@@ -14,6 +14,7 @@ implementation lazily.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -72,6 +73,11 @@ class CostModel(Protocol):
         that share one machine's cores; the others ignore it). ``role``: the instance's
         (``prefill``, ``decode``, ``mixed``), for a model fitted per role (a calibration from
         step traces); the others ignore it."""
+        ...
+
+    def step_noise(self) -> Mapping[tuple[str, str], Sequence[float]]:
+        """Spread of measured step times around ``step_seconds``: (role, step kind) -> ratio
+        quantiles (`noise`); empty for a model without measurements of a served cluster."""
         ...
 
     def kv_bytes(self, num_tokens: int) -> int:

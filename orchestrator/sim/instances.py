@@ -23,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from orchestrator.sim.cost import CostModel, StepShape
+from orchestrator.sim.noise import NO_NOISE
 from orchestrator.sim.workload import RequestSpec
 
 
@@ -116,8 +117,11 @@ def request_tokens(request: SimRequest) -> int:
 
 
 class InstanceBase:
+    role = ""  # the worker role it stands for: what a cost model fitted per role prices
+
     def __init__(self, cost: CostModel, tp: int, limits: EngineLimits) -> None:
         self.cost, self.tp, self.limits = cost, tp, limits
+        self.noise = NO_NOISE  # the simulation's (`noise`), set by the simulator
         self.is_busy = False
         self.num_outstanding = 0  # requests routed here and not finished (router's load)
         self.busy_seconds = 0.0
@@ -129,6 +133,10 @@ class InstanceBase:
         self.num_reserved_tokens = 0  # KV of admitted requests, prompt + output
         self.busy_others = 0  # other instances in a step when this one starts one (simulator)
 
+    def _price(self, shape: StepShape) -> float:
+        seconds = self.cost.step_seconds(shape, self.tp, self.busy_others, self.role)
+        return seconds * self.noise.factor(self.role, shape)
+
     def _admits(self, request: SimRequest, num_admitted: int) -> bool:
         return (
             num_admitted < self.limits.max_num_seqs
@@ -137,6 +145,8 @@ class InstanceBase:
 
 
 class PrefillInstance(InstanceBase):
+    role = "prefill"
+
     def __init__(self, cost: CostModel, tp: int, limits: EngineLimits) -> None:
         super().__init__(cost, tp, limits)
         self.queue: deque[SimRequest] = deque()
@@ -164,8 +174,7 @@ class PrefillInstance(InstanceBase):
                 request.prefill_start_time = now
         if not tokens:
             return None
-        shape = StepShape(tokens, attention)
-        duration = self.cost.step_seconds(shape, self.tp, self.busy_others, "prefill")
+        duration = self._price(StepShape(tokens, attention))
         self.is_busy, self.busy_seconds = True, self.busy_seconds + duration
         return duration
 
@@ -186,6 +195,8 @@ class PrefillInstance(InstanceBase):
 
 
 class DecodeInstance(InstanceBase):
+    role = "decode"
+
     def __init__(self, cost: CostModel, tp: int, limits: EngineLimits) -> None:
         super().__init__(cost, tp, limits)
         self.waiting: deque[SimRequest] = deque()
@@ -211,7 +222,7 @@ class DecodeInstance(InstanceBase):
         # Each sequence also attends to the token it feeds in this step.
         kv = self.running.kv_tokens(self.step) + len(self.running)
         shape = StepShape(num_decode_seqs=len(self.running), num_decode_kv_tokens=kv)
-        duration = self.cost.step_seconds(shape, self.tp, self.busy_others, "decode")
+        duration = self._price(shape)
         self.itl_steps.append((duration, len(self.running) - len(self._joined)))
         self.is_busy, self.busy_seconds = True, self.busy_seconds + duration
         return duration

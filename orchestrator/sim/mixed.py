@@ -21,6 +21,8 @@ from orchestrator.sim.instances import (
 
 
 class MixedInstance(InstanceBase):
+    role = "mixed"
+
     def __init__(self, cost: CostModel, tp: int, limits: EngineLimits) -> None:
         super().__init__(cost, tp, limits)
         self.waiting: deque[SimRequest] = deque()
@@ -54,7 +56,7 @@ class MixedInstance(InstanceBase):
             return None
         kv = self.running.kv_tokens(self.step) + num_decodes
         shape = StepShape(tokens, attention, num_decodes, kv)
-        duration = self.cost.step_seconds(shape, self.tp, self.busy_others, "mixed")
+        duration = self._price(shape)
         # Every running sequence emitted its first token at the end of its last prefill step.
         self.itl_steps.append((duration, num_decodes))
         self.is_busy, self.busy_seconds = True, self.busy_seconds + duration

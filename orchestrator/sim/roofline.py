@@ -93,6 +93,9 @@ class RooflineCostModel:
         )
         return linear + attention + self._allreduce_seconds(tokens, tp) + eff.step_overhead_s
 
+    def step_noise(self) -> dict[tuple[str, str], tuple[float, ...]]:
+        return {}  # a model of hardware, not a measurement: no spread
+
     def kv_bytes(self, num_tokens: int) -> int:
         return int(self.model.kv_bytes_per_token * num_tokens)
 

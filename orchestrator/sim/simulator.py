@@ -34,6 +34,7 @@ from orchestrator.sim.instances import (
     SimRequest,
 )
 from orchestrator.sim.mixed import MixedInstance
+from orchestrator.sim.noise import StepNoise
 from orchestrator.sim.workload import RequestSpec, Workload
 
 
@@ -133,7 +134,8 @@ class UnservableError(ValueError):
 
 class Simulator:
     """One run (``run`` once per instance). ``limits`` are the decode (or mixed) instances';
-    ``prefill_limits`` the prefill instances' (default: the same)."""
+    ``prefill_limits`` the prefill instances' (default: the same). ``seed``: of the step-time
+    noise of a cost model that has a spread (`noise`); the same seed, the same run."""
 
     def __init__(
         self,
@@ -141,6 +143,7 @@ class Simulator:
         layout: Layout,
         limits: EngineLimits | None = None,
         prefill_limits: EngineLimits | None = None,
+        seed: int = 0,
     ) -> None:
         self.cost, self.layout = cost, layout
         self.limits = limits or EngineLimits()
@@ -163,6 +166,10 @@ class Simulator:
                 DecodeInstance(cost, layout.tp_decode, self.limits)
                 for _ in range(layout.num_decode)
             ]
+        # The cost model's spread of step times, if it has one, drawn from ``seed``.
+        noise = StepNoise(cost.step_noise(), seed)
+        for instance in [*self.prefills, *self.decodes]:
+            instance.noise = noise
 
     def run(self, workload: Workload | list[RequestSpec]) -> SimResult:
         specs = workload.requests() if isinstance(workload, Workload) else workload

@@ -80,8 +80,9 @@ class _FakeClusters:
         chunks = [(0.1, 1), (0.2, 1), (0.3, 1), (0.4, 1)]
         result = RequestResult(0, False, 0.0, 10, 4, sent_s=0.0, chunks=chunks, finish_s=0.4)
         outcome = RunOutcome("grpc", [result], 0, 8, 1.0)
+        trace = {"worker_id": f"{name}-0", "role": "mixed", "num_recorded": 0, "records": []}
         return compare.ClusterRun(
-            name, config, outcome, summarize([result], options.slos), "", "", []
+            name, config, outcome, summarize([result], options.slos), "", "", [trace]
         )
 
 
@@ -141,6 +142,11 @@ def test_compare_writes_the_measured_result_before_simulating_it(
     assert "--simulate: a request the simulated pool" in capsys.readouterr().err
     document = json.loads((tmp_path / "out.json").read_text())
     assert [run["name"] for run in document["runs"]] == ["disaggregated", "colocated"]
+    # With the workers' step traces, for `pdserve calibrate --from-trace`.
+    assert [run["step_traces"][0]["worker_id"] for run in document["runs"]] == [
+        "disaggregated-0",
+        "colocated-0",
+    ]
     assert document["simulation"] is None
 
 

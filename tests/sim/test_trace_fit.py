@@ -9,13 +9,15 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import yaml
 
 from orchestrator.cli import main
-from orchestrator.sim.calibrated import load
+from orchestrator.sim.calibrated import CalibratedCostModel, load
 from orchestrator.sim.cost import StepShape
 from orchestrator.sim.instances import EngineLimits
+from orchestrator.sim.noise import StepNoise
 from orchestrator.sim.simulator import Layout, Simulator
 from orchestrator.sim.trace_fit import busy_cycles
 from orchestrator.sim.workload import RequestSpec
@@ -163,3 +165,55 @@ def test_the_simulator_prices_each_instance_with_its_roles_fit() -> None:
     (record,) = mixed.records
     assert record.ttft == pytest.approx(2 * 0.5)  # 257 tokens: two chunks of the budget
     assert record.tpot == pytest.approx(0.5)
+
+
+def test_step_noise_draws_from_its_quantiles_reproducibly() -> None:
+    quantiles = {("decode", "decode"): (0.5, 1.0, 3.0)}
+    decode_step = StepShape(num_decode_seqs=2, num_decode_kv_tokens=40)
+
+    def draws(seed: int) -> list[float]:
+        noise = StepNoise(quantiles, seed)
+        return [noise.factor("decode", decode_step) for _ in range(2000)]
+
+    assert draws(7) == draws(7) and draws(7) != draws(8)
+    values = np.array(draws(7))
+    assert values.min() >= 0.5 and values.max() <= 3.0
+    # Half the draws fall between the first two quantiles (0.5..1), half above 1.
+    assert np.mean(values < 1.0) == pytest.approx(0.5, abs=0.05)
+    noise = StepNoise(quantiles, 0)
+    assert noise.factor("decode", StepShape(16, 136)) == 1.0  # no spread for that kind
+    assert noise.factor("prefill", decode_step) == 1.0
+    with pytest.raises(ValueError, match="increasing positive"):
+        StepNoise({("decode", "decode"): (1.0, 0.5)}, 0)
+
+
+def test_traced_spread_reaches_the_simulated_itl_tail(tmp_path: Path, tiny_model_dir: Path) -> None:
+    # Decode cycles that follow the law, except every tenth takes 3x as long.
+    shapes = [[0, 0, b, b * k] for b in (1, 2, 4, 8) for k in range(100, 1100, 40)]
+    trace = _trace("decode", DECODE_LAW, shapes)
+    for i, record in enumerate(trace["records"][:-1]):
+        slow = 3.0 if i % 10 == 9 else 1.0
+        trace["records"][i + 1][0] = record[0] + slow * _price(DECODE_LAW, record[3:])
+    trace["records"][-1][2] = 0.0  # no idle wait: every record but the last ends a cycle
+    path = _document(tmp_path, tiny_model_dir)
+    document = json.loads(path.read_text())
+    document["runs"][0]["step_traces"][1] = trace
+    path.write_text(json.dumps(document))
+    out = tmp_path / "traced.json"
+    assert main(["calibrate", "--from-trace", str(path), "--out", str(out)]) == 0
+    model = load(out)
+    spread = model.step_noise()[("decode", "decode")]
+    assert spread[0] < 1.0 < spread[-1] and spread[-1] / spread[0] > 2.5
+    assert ("prefill", "prefill") not in model.step_noise()  # 7 cycles: too few for a spread
+
+    requests = [RequestSpec(i, 0.2 * i, 20, 60) for i in range(20)]
+    limits = EngineLimits(max_num_seqs=8, max_num_batched_tokens=256)
+    layout = Layout(num_prefill=1, num_decode=1)
+
+    def itl_p99(cost: CalibratedCostModel, seed: int = 0) -> float:
+        result = Simulator(cost, layout, limits, seed=seed).run(requests)
+        return float(np.percentile(np.concatenate([r.itl_gaps for r in result.records]), 99))
+
+    steady = dataclasses.replace(model, step_noise_quantiles=())
+    assert itl_p99(model) > 2 * itl_p99(steady)  # the slow tenth of steps is the tail
+    assert itl_p99(model, seed=3) == itl_p99(model, seed=3)
