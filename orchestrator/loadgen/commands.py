@@ -60,6 +60,12 @@ def add_subcommands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "configs are also checked against the median of their measurements",
     )
     p.add_argument("--calibration", required=True, help="JSON written by pdserve calibrate")
+    p.add_argument(
+        "--noise-seed",
+        type=int,
+        default=0,
+        help="seed of the simulated step-time noise (calibrations from step traces only)",
+    )
     overheads = p.add_mutually_exclusive_group()
     overheads.add_argument(
         "--overheads-from",
@@ -209,6 +215,7 @@ def _compare(args: argparse.Namespace) -> int:
         "argv": sys.argv,
         "workload": _workload_json(args),
         "configs": {"disaggregated": args.disaggregated, "colocated": args.colocated},
+        "model": args.model,  # --model, which overrides the configs' (None: theirs)
         "machine_load": {r.name: [r.load_before, r.load_after] for r in runs},
         "runs": [run_document(r.name, r.outcome, r.summary, r.step_traces) for r in runs],
         "ratios": rows,
@@ -318,7 +325,7 @@ def _run_validate(args: argparse.Namespace) -> int:
     for run in document["runs"]:
         name = run["name"]
         config = load_config(document["configs"][name], None)
-        prediction = predict(cost, config, specs, options.num_warmup)
+        prediction = predict(cost, config, specs, options.num_warmup, seed=args.noise_seed)
         summaries = []
         for path, other in zip(args.result, documents, strict=True):
             summary = next(r["summary"] for r in other["runs"] if r["name"] == name)

@@ -71,8 +71,9 @@ def limits_of(config: ClusterConfig, role: str, cost: CostModel) -> EngineLimits
     )
 
 
-def simulator_for(cost: CostModel, config: ClusterConfig) -> Simulator:
-    """A simulator of the served cluster: its layout and each group's limits and KV pool."""
+def simulator_for(cost: CostModel, config: ClusterConfig, seed: int = 0) -> Simulator:
+    """A simulator of the served cluster: its layout and each group's limits and KV pool;
+    ``seed``: of the cost model's step-time noise, if it has any."""
     layout = layout_of(config)
     if config.is_disaggregated:
         return Simulator(
@@ -80,12 +81,17 @@ def simulator_for(cost: CostModel, config: ClusterConfig) -> Simulator:
             layout,
             limits_of(config, "decode", cost),
             prefill_limits=limits_of(config, "prefill", cost),
+            seed=seed,
         )
-    return Simulator(cost, layout, limits_of(config, "mixed", cost))
+    return Simulator(cost, layout, limits_of(config, "mixed", cost), seed=seed)
 
 
 def predict(
-    cost: str | CostModel, config: ClusterConfig, specs: list[RequestSpec], num_warmup: int
+    cost: str | CostModel,
+    config: ClusterConfig,
+    specs: list[RequestSpec],
+    num_warmup: int,
+    seed: int = 0,
 ) -> dict[str, float]:
     """``cost``: a model, or its spec (``calibrated:PATH``)."""
     from orchestrator.sim.cost import create_cost_model
@@ -93,7 +99,7 @@ def predict(
 
     if isinstance(cost, str):
         cost = create_cost_model(cost)
-    result = simulator_for(cost, config).run(specs)
+    result = simulator_for(cost, config, seed).run(specs)
     measured = tuple(r for r in result.records if r.request_id >= num_warmup)
     # Warm-up requests are left out as in the measurement, their tokens' gaps with them: the
     # ITL percentiles pool the kept records' gaps (`metrics.summarize`).

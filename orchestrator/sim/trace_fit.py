@@ -111,7 +111,7 @@ def calibration_from_traces(paths: Sequence[str | Path]) -> dict[str, Any]:
         if len(found) < MIN_POINTS:
             raise ValueError(f"only {len(found)} busy cycles of {role} workers: too few to fit")
     first = documents[0]
-    config = load_config(first["configs"]["disaggregated"], None)
+    config = load_config(first["configs"]["disaggregated"], first.get("model"))
     return {
         **model_facts(config),
         "from_trace": {"results": [Path(p).name for p in paths], "fields": POINT_FIELDS},

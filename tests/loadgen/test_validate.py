@@ -67,11 +67,25 @@ def test_each_group_brings_its_own_limits_and_pool() -> None:
     assert limits_of(by_bytes, "decode", cost).kv_capacity_tokens == 1024 * 16
 
 
-class _FakeClusters:
-    """`run_cluster` without Ray: one finished request per cluster."""
+def _busy_trace(role: str, shape: list[int]) -> dict[str, Any]:
+    """40 back-to-back steps of one shape, alternately fast and slow."""
+    records, start = [], 0.0
+    for i in range(40):
+        records.append([start, 0.001, float(i == 0), *shape])
+        start += 0.01 if i % 2 else 0.03
+    return {"worker_id": f"{role}-0", "role": role, "num_recorded": 40, "records": records}
 
-    def __init__(self) -> None:
+
+TRACED_SHAPES = {"prefill": [64, 2080, 0, 0], "decode": [0, 0, 1, 70], "mixed": [0, 0, 1, 70]}
+
+
+class _FakeClusters:
+    """`run_cluster` without Ray: one finished request per cluster; ``traced``: its workers
+    report step traces of noisy steps, else an empty one."""
+
+    def __init__(self, traced: bool = False) -> None:
         self.names: list[str] = []
+        self.traced = traced
 
     async def __call__(
         self, name: str, config: ClusterConfig, options: BenchOptions, num_cpus: int | None = None
@@ -80,9 +94,12 @@ class _FakeClusters:
         chunks = [(0.1, 1), (0.2, 1), (0.3, 1), (0.4, 1)]
         result = RequestResult(0, False, 0.0, 10, 4, sent_s=0.0, chunks=chunks, finish_s=0.4)
         outcome = RunOutcome("grpc", [result], 0, 8, 1.0)
-        trace = {"worker_id": f"{name}-0", "role": "mixed", "num_recorded": 0, "records": []}
+        traces = [{"worker_id": f"{name}-0", "role": "mixed", "num_recorded": 0, "records": []}]
+        if self.traced:
+            roles = ("prefill", "decode") if name == "disaggregated" else ("mixed",)
+            traces = [_busy_trace(role, TRACED_SHAPES[role]) for role in roles]
         return compare.ClusterRun(
-            name, config, outcome, summarize([result], options.slos), "", "", [trace]
+            name, config, outcome, summarize([result], options.slos), "", "", traces
         )
 
 
@@ -187,6 +204,31 @@ def test_compare_reports_a_failed_measurement(
     assert main(_compare_argv(tmp_path, _calibration(tmp_path))) == 2
     err = capsys.readouterr().err
     assert err.startswith("pdserve bench compare: ") and message in err
+
+
+def test_validate_with_a_calibration_from_the_results_own_traces(
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(compare, "run_cluster", _FakeClusters(traced=True))
+    argv = _compare_argv(tmp_path, _calibration(tmp_path))
+    argv[argv.index("--model") + 1] = str(tiny_model_dir)  # the trace's facts come from it
+    assert main(argv) == 0
+    result, traced = tmp_path / "out.json", tmp_path / "traced.json"
+    assert main(["calibrate", "--from-trace", str(result), "--out", str(traced)]) == 0
+    assert json.loads(traced.read_text())["num_layers"] == 4  # the tiny preset: --model's
+    capsys.readouterr()
+
+    def validate(seed: int) -> str:
+        command = ["bench", "validate", str(result), "--calibration", str(traced)]
+        assert main([*command, "--noise-seed", str(seed)]) == 0
+        return capsys.readouterr().out
+
+    # One request: its 3 decode steps are 3 draws of the noise (fast or slow, as traced).
+    assert validate(1) == validate(1)
+    assert len({validate(seed) for seed in range(6)}) > 1
 
 
 def test_validate_reports_input_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
