@@ -40,6 +40,7 @@ decode-only cycles.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -100,7 +101,7 @@ class CalibratedCostModel:
     def step_seconds(
         self, shape: StepShape, tp: int, busy_others: int = 0, role: str | None = None
     ) -> float:
-        role_fit = dict(self.role_coefficients).get(role) if role is not None else None
+        role_fit = self._role_fit_of.get(role) if role is not None else None
         if role_fit is not None:
             intercept, *per_unit = role_fit
             units = (
@@ -140,6 +141,10 @@ class CalibratedCostModel:
         )
         overhead = self.tp_step_overhead_s if tp > 1 else 0.0
         return intercept + variable / tp + overhead
+
+    @functools.cached_property
+    def _role_fit_of(self) -> dict[str, RoleFit]:
+        return dict(self.role_coefficients)
 
     def step_noise(self) -> dict[tuple[str, str], tuple[float, ...]]:
         return dict(self.step_noise_quantiles)

@@ -42,17 +42,18 @@ class StepNoise:
         for key, values in quantiles.items():
             if len(values) < 2 or min(values) <= 0 or list(values) != sorted(values):
                 raise ValueError(f"step noise {key}: want >= 2 increasing positive quantiles")
-        self._quantiles = {
-            key: np.asarray(values, dtype=float) for key, values in quantiles.items()
+        # (probabilities, quantiles at them) for the inverse-CDF draw.
+        self._tables = {
+            key: (np.linspace(0.0, 1.0, len(values)), np.asarray(values, dtype=float))
+            for key, values in quantiles.items()
         }
         self._rng = np.random.default_rng(seed)
 
     def factor(self, role: str, shape: StepShape) -> float:
-        values = self._quantiles.get((role, step_kind(shape)))
-        if values is None:
+        table = self._tables.get((role, step_kind(shape)))
+        if table is None:
             return 1.0
-        grid = np.linspace(0.0, 1.0, len(values))
-        return float(np.interp(self._rng.random(), grid, values))
+        return float(np.interp(self._rng.random(), *table))
 
 
 NO_NOISE = StepNoise({}, 0)  # a factor of 1 for every step
