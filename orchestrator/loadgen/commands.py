@@ -66,6 +66,12 @@ def add_subcommands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=0,
         help="seed of the simulated step-time noise (calibrations from step traces only)",
     )
+    p.add_argument(
+        "--noise-repeats",
+        type=int,
+        default=1,
+        help="simulate with seeds --noise-seed .. +N-1 and predict each figure's median",
+    )
     overheads = p.add_mutually_exclusive_group()
     overheads.add_argument(
         "--overheads-from",
@@ -311,12 +317,20 @@ def _run_validate(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
+    if args.noise_repeats < 1:
+        raise ValueError(f"--noise-repeats must be >= 1, got {args.noise_repeats}")
+    seeds = range(args.noise_seed, args.noise_seed + args.noise_repeats)
     document = documents[0]
     cost = _validation_cost(args)
     print(
         f"{cost.name}: request overheads disaggregated {cost.request_overhead_s[0]:.3f} s, "
         f"mixed {cost.request_overhead_s[1]:.3f} s"
     )
+    if cost.step_noise():
+        print(
+            f"step-time noise: seeds {seeds.start}..{seeds.stop - 1}"
+            + (f", each figure the median of {len(seeds)} simulations" if len(seeds) > 1 else "")
+        )
     workload_args = argparse.Namespace(**document["workload"], ttft_slo=1.0, tpot_slo=1.0)
     for key, value in (("max_concurrency", 1), ("timeout", 1.0), ("backend", "grpc")):
         setattr(workload_args, key, value)
@@ -325,7 +339,7 @@ def _run_validate(args: argparse.Namespace) -> int:
     for run in document["runs"]:
         name = run["name"]
         config = load_config(document["configs"][name], None)
-        prediction = predict(cost, config, specs, options.num_warmup, seed=args.noise_seed)
+        prediction = predict(cost, config, specs, options.num_warmup, seeds)
         summaries = []
         for path, other in zip(args.result, documents, strict=True):
             summary = next(r["summary"] for r in other["runs"] if r["name"] == name)

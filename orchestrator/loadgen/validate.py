@@ -15,6 +15,7 @@ derives it from a measured run; 0 when the calibration has none).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -91,14 +92,26 @@ def predict(
     config: ClusterConfig,
     specs: list[RequestSpec],
     num_warmup: int,
-    seed: int = 0,
+    seeds: Sequence[int] = (0,),
 ) -> dict[str, float]:
-    """``cost``: a model, or its spec (``calibrated:PATH``)."""
-    from orchestrator.sim.cost import create_cost_model
+    """``cost``: a model, or its spec (``calibrated:PATH``). ``seeds``: of the step-time noise
+    (a model with a spread); with several, each figure is the median of one run per seed, as
+    a measured figure is compared as the median of repeats."""
+    if isinstance(cost, str):
+        from orchestrator.sim.cost import create_cost_model
+
+        cost = create_cost_model(cost)
+    if not seeds:
+        raise ValueError("predict needs at least one noise seed")
+    runs = [_predict_once(cost, config, specs, num_warmup, seed) for seed in seeds]
+    return {key: float(np.median([run[key] for run in runs])) for key in runs[0]}
+
+
+def _predict_once(
+    cost: CostModel, config: ClusterConfig, specs: list[RequestSpec], num_warmup: int, seed: int
+) -> dict[str, float]:
     from orchestrator.sim.metrics import summarize
 
-    if isinstance(cost, str):
-        cost = create_cost_model(cost)
     result = simulator_for(cost, config, seed).run(specs)
     measured = tuple(r for r in result.records if r.request_id >= num_warmup)
     # Warm-up requests are left out as in the measurement, their tokens' gaps with them: the

@@ -229,6 +229,11 @@ def test_validate_with_a_calibration_from_the_results_own_traces(
     # One request: its 3 decode steps are 3 draws of the noise (fast or slow, as traced).
     assert validate(1) == validate(1)
     assert len({validate(seed) for seed in range(6)}) > 1
+    command = ["bench", "validate", str(result), "--calibration", str(traced)]
+    assert main([*command, "--noise-repeats", "5"]) == 0
+    assert "seeds 0..4, each figure the median of 5 simulations" in capsys.readouterr().out
+    assert main([*command, "--noise-repeats", "0"]) == 2
+    assert "--noise-repeats must be >= 1" in capsys.readouterr().err
 
 
 def test_validate_reports_input_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

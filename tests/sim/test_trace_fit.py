@@ -14,6 +14,8 @@ import pytest
 import yaml
 
 from orchestrator.cli import main
+from orchestrator.config import ClusterConfig
+from orchestrator.loadgen.validate import predict
 from orchestrator.sim.calibrated import CalibratedCostModel, load
 from orchestrator.sim.cost import StepShape
 from orchestrator.sim.instances import EngineLimits
@@ -217,3 +219,10 @@ def test_traced_spread_reaches_the_simulated_itl_tail(tmp_path: Path, tiny_model
     steady = dataclasses.replace(model, step_noise_quantiles=())
     assert itl_p99(model) > 2 * itl_p99(steady)  # the slow tenth of steps is the tail
     assert itl_p99(model, seed=3) == itl_p99(model, seed=3)
+
+    # Predictions over several seeds: each figure is the median of one run per seed.
+    config = ClusterConfig.from_yaml(tmp_path / "disagg.yaml")
+    single = [predict(model, config, requests, 0, seeds=(seed,)) for seed in range(3)]
+    assert predict(model, config, requests, 0, seeds=range(3)) == {
+        key: float(np.median([p[key] for p in single])) for key in single[0]
+    }
