@@ -325,6 +325,18 @@ def _calibrate(args: argparse.Namespace) -> int:
         if args.from_trace:
             from orchestrator.sim.trace_fit import calibration_from_traces
 
+            measuring = [
+                flag
+                for flag, given in (
+                    ("--fabric", args.fabric),
+                    ("--concurrent", args.concurrent != 1),
+                    ("--background", args.background is not None),
+                )
+                if given
+            ]
+            if measuring:
+                raise ValueError(f"--from-trace measures nothing: {', '.join(measuring)} unused")
+
             data = calibration_from_traces(args.from_trace)
             model = fit(data)
             Path(args.out).write_text(json.dumps(data) + "\n")

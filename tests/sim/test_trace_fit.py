@@ -139,6 +139,10 @@ def test_calibrate_from_traces_refuses_results_without_them(
     bare = _document(tmp_path, tiny_model_dir, traces=False)
     assert main(["calibrate", "--from-trace", str(bare), "--out", str(out)]) == 2
     assert "no step traces" in capsys.readouterr().err
+    traced = _document(tmp_path, tiny_model_dir)
+    argv = ["calibrate", "--from-trace", str(traced), "--out", str(out), "--fabric"]
+    assert main([*argv, "--concurrent", "3"]) == 2
+    assert "measures nothing: --fabric, --concurrent unused" in capsys.readouterr().err
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"command": "run", "runs": []}))
     assert main(["calibrate", "--from-trace", str(other), "--out", str(out)]) == 2
