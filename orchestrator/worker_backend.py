@@ -164,7 +164,7 @@ class MixedBackend:
         return None
 
     def step_trace(self) -> dict[str, Any]:
-        return self._loop.call(self._loop.trace.snapshot)
+        return self._loop.trace_snapshot()
 
     def prefill_endpoint(self) -> bytes:
         return b""

@@ -70,14 +70,15 @@ async def run_cluster(
 async def step_traces(app: Any) -> list[dict[str, Any]]:
     """The step trace of every worker the controller knows (a TP group: its leader's)."""
     traces = []
-    for role in ("prefill", "decode", "mixed"):
-        for record in app.controller.registry.of_role(role):
-            handle = app.controller.handle_of(record.worker_id)
-            try:
-                traces.append(await handle.step_trace.remote())
-            except Exception as error:  # a worker lost at the end: the run's figures still count
-                logger.warning("no step trace from %s: %r", record.worker_id, error)
-                traces.append({"worker_id": record.worker_id, "role": role, "error": repr(error)})
+    for record in app.controller.registry.workers.values():
+        handle = app.controller.handle_of(record.worker_id)
+        try:
+            traces.append(await handle.step_trace.remote())
+        except Exception as error:  # a worker lost at the end: the run's figures still count
+            logger.warning("no step trace from %s: %r", record.worker_id, error)
+            traces.append(
+                {"worker_id": record.worker_id, "role": record.role, "error": repr(error)}
+            )
     return traces
 
 

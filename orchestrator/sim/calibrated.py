@@ -101,17 +101,11 @@ class CalibratedCostModel:
     def step_seconds(
         self, shape: StepShape, tp: int, busy_others: int = 0, role: str | None = None
     ) -> float:
-        role_fit = self._role_fit_of.get(role) if role is not None else None
+        role_fit = self._role_fit_of.get(role or "")
         if role_fit is not None:
-            intercept, *per_unit = role_fit
-            units = (
-                shape.num_prefill_tokens,
-                shape.num_prefill_attention,
-                shape.num_decode_seqs,
-                shape.num_decode_kv_tokens,
-            )
-            variable = sum(c * u for c, u in zip(per_unit, units, strict=True))
-            return intercept + variable / tp + (self.tp_step_overhead_s if tp > 1 else 0.0)
+            # One intercept for every step of the role, whatever its kind.
+            a, per_token, per_attention, per_seq, per_kv = role_fit
+            return self._price((a, per_token, per_attention), (a, per_seq, per_kv), shape, tp)
         contended = self._price(self.prefill_coefficients, self.decode_coefficients, shape, tp)
         if self.alone_coefficients is None:
             return contended

@@ -339,10 +339,9 @@ def _calibrate(args: argparse.Namespace) -> int:
 
             data = calibration_from_traces(args.from_trace)
             model = fit(data)
-            Path(args.out).write_text(json.dumps(data) + "\n")
     except (ValueError, OSError) as error:
         return _refuse("calibrate", error)
-    if not args.from_trace:
+    if not args.from_trace:  # writes args.out itself
         data = run_calibration(
             args.out,
             repeats=args.repeats,
@@ -362,6 +361,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         data["overheads"] = derive(reference, result, Path(args.overheads_from).name)
         if against is not None:
             data["overheads"]["against"] = Path(args.overheads_against).name
+    if args.from_trace or result is not None:
         # Traced points run to thousands: one line of JSON.
         Path(args.out).write_text(json.dumps(data, indent=None if args.from_trace else 2) + "\n")
     if args.from_trace:

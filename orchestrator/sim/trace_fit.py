@@ -65,25 +65,22 @@ def role_points(documents: Sequence[dict[str, Any]]) -> dict[str, list[list[floa
 
 def model_facts(config: ClusterConfig) -> dict[str, Any]:
     """num_layers, kv_bytes_per_token and kv_capacity_tokens of the cluster's model and pool."""
-    import torch
-
     from workers.engine.config import DEFAULT_KV_MEMORY_BYTES
+    from workers.engine.kv_cache import num_pages_for_budget, page_nbytes
     from workers.engine.loader import resolve_dtype
     from workers.engine.model_config import ModelConfig
 
     model = ModelConfig.from_dir(config.model)
-    element = torch.empty((), dtype=resolve_dtype(config.dtype, model)).element_size()
-    per_token = model.kv_page_bytes(1, element)
+    dtype = resolve_dtype(config.dtype, model)
     limits = config.limits
-    if limits.num_pages is not None:
-        capacity = limits.num_pages * config.page_size
-    else:
-        capacity = int((limits.kv_memory_bytes or DEFAULT_KV_MEMORY_BYTES) // per_token)
+    num_pages = limits.num_pages or num_pages_for_budget(
+        model, config.page_size, dtype, limits.kv_memory_bytes or DEFAULT_KV_MEMORY_BYTES
+    )
     return {
         "model": Path(config.model).name,
         "num_layers": model.num_layers,
-        "kv_bytes_per_token": per_token,
-        "kv_capacity_tokens": capacity,
+        "kv_bytes_per_token": page_nbytes(model, 1, dtype),
+        "kv_capacity_tokens": num_pages * config.page_size,
     }
 
 

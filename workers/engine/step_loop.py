@@ -80,7 +80,7 @@ class StepLoop:
         self._closed = False
         self.error: BaseException | None = None
         self.num_waits = 0  # times the loop waited for a call or a wake-up
-        self.trace = StepTrace()  # read it on the loop thread: ``call(loop.trace.snapshot)``
+        self.trace = StepTrace()  # appended on the loop thread: read it with `trace_snapshot`
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     @property
@@ -99,6 +99,10 @@ class StepLoop:
             self._calls.put((function, future))
         self._wake.set()
         return future.result(timeout)
+
+    def trace_snapshot(self) -> dict[str, Any]:
+        """The engine's recent steps (`StepTrace.snapshot`), read on the loop thread."""
+        return self.call(self.trace.snapshot)
 
     def stop(self, timeout: float = 30.0) -> None:
         with self._lock:

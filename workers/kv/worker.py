@@ -269,7 +269,7 @@ class PrefillWorker:
 
     def step_trace(self) -> dict[str, Any]:
         """The engine's recent steps (`workers.engine.step_trace`)."""
-        return self._loop.call(self._loop.trace.snapshot)
+        return self._loop.trace_snapshot()
 
     def finished_transfers(self) -> dict[str, dict[str, Any]]:
         """Records of recently ended transfers by request id, oldest first (bounded memory)."""
@@ -414,7 +414,7 @@ class DecodeWorker:
 
     def step_trace(self) -> dict[str, Any]:
         """The engine's recent steps (`workers.engine.step_trace`)."""
-        return self._loop.call(self._loop.trace.snapshot)
+        return self._loop.trace_snapshot()
 
     def finished_transfers(self) -> dict[str, dict[str, Any]]:
         """Records of recently ended transfers by request id, oldest first (bounded memory)."""
