@@ -32,10 +32,10 @@ seconds]`` of the busy cycles of a served cluster's prefill, decode or mixed wor
 role gets one affine fit of all four terms, and an instance of that role is priced with it
 alone: the points were measured inside the cluster, so its contention is in them and
 ``busy_others`` plays no part. The points' spread around their role's fit, as quantiles of
-measured / fitted time per step kind (`noise`), is the model's ``step_noise``: the simulator
-draws each step's factor from it. Such a file needs no ``"prefill"`` / ``"decode"`` points:
-the role-less fits (for a role the traces lack) are taken from its prefill-only and
-decode-only cycles.
+measured - fitted seconds per step kind (`noise.Spread`), is the model's ``step_noise``: the
+simulator adds a draw from it to each step's price. Such a file needs no ``"prefill"`` /
+``"decode"`` points: the role-less fits (for a role the traces lack) are taken from its
+prefill-only and decode-only cycles.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 
 from orchestrator.sim.cost import StepShape
+from orchestrator.sim.noise import Spread, step_kind
 
 # Intercept, per prefill token, per attention position, per decode sequence, per KV token.
 RoleFit = tuple[float, float, float, float, float]
@@ -72,8 +73,8 @@ class CalibratedCostModel:
     contention_processes: int = 1
     # Fits of a served cluster's steps by worker role; see the module docstring.
     role_coefficients: tuple[tuple[str, RoleFit], ...] = ()
-    # Quantiles of measured / fitted busy cycles by (role, step kind): `noise.StepNoise`.
-    step_noise_quantiles: tuple[tuple[tuple[str, str], tuple[float, ...]], ...] = ()
+    # Spread of measured - fitted busy cycles by (role, step kind): `noise.StepNoise`.
+    step_noise_spreads: tuple[tuple[tuple[str, str], Spread], ...] = ()
     max_tp: int = 8
     source: str = "calibrated"
 
@@ -140,8 +141,8 @@ class CalibratedCostModel:
     def _role_fit_of(self) -> dict[str, RoleFit]:
         return dict(self.role_coefficients)
 
-    def step_noise(self) -> dict[tuple[str, str], tuple[float, ...]]:
-        return dict(self.step_noise_quantiles)
+    def step_noise(self) -> dict[tuple[str, str], Spread]:
+        return dict(self.step_noise_spreads)
 
     def request_overhead_seconds(self, disaggregated: bool) -> float:
         return self.request_overhead_s[0 if disaggregated else 1]
@@ -205,16 +206,14 @@ def _fit_steps(
     return (p[0], p[1], p[2]), (d[0], d[1], d[2])
 
 
-NoiseQuantiles = tuple[tuple[tuple[str, str], tuple[float, ...]], ...]
+NoiseSpreads = tuple[tuple[tuple[str, str], Spread], ...]
 
 
 def _role_fits(
     roles: dict[str, list[list[float]]],
-) -> tuple[tuple[tuple[str, RoleFit], ...], NoiseQuantiles]:
+) -> tuple[tuple[tuple[str, RoleFit], ...], NoiseSpreads]:
     """Each role's fit, and the spread of its points around it by step kind (a kind needs
     `MIN_NOISE_POINTS` points of the role; fewer: that kind's steps get no noise)."""
-    from orchestrator.sim.noise import ratio_quantiles, step_kind
-
     fits, noise = [], []
     for role, points in sorted(roles.items()):
         rows = np.array(points, dtype=float)
@@ -227,7 +226,7 @@ def _role_fits(
         for kind in sorted(set(kinds)):
             chosen = [k == kind for k in kinds]
             if sum(chosen) >= MIN_NOISE_POINTS:
-                noise.append(((role, kind), ratio_quantiles(rows[chosen, 4], fitted[chosen])))
+                noise.append(((role, kind), Spread.measured(rows[chosen, 4], fitted[chosen])))
     return tuple(fits), tuple(noise)
 
 
@@ -280,7 +279,7 @@ def fit(data: dict[str, Any], source: str = "calibrated") -> CalibratedCostModel
         alone_coefficients=alone,
         contention_processes=int((data.get("contention") or {}).get("processes", 1)),
         role_coefficients=role_fits,
-        step_noise_quantiles=noise,
+        step_noise_spreads=noise,
         source=source,
     )
 

@@ -14,9 +14,12 @@ implementation lazily.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from orchestrator.sim.noise import Spread
 
 
 @dataclass(frozen=True)
@@ -75,9 +78,9 @@ class CostModel(Protocol):
         step traces); the others ignore it."""
         ...
 
-    def step_noise(self) -> Mapping[tuple[str, str], Sequence[float]]:
-        """Spread of measured step times around ``step_seconds``: (role, step kind) -> ratio
-        quantiles (`noise`); empty for a model without measurements of a served cluster."""
+    def step_noise(self) -> Mapping[tuple[str, str], Spread]:
+        """Spread of measured step times around ``step_seconds``: (role, step kind) -> its
+        `noise.Spread`; empty for a model without measurements of a served cluster."""
         ...
 
     def kv_bytes(self, num_tokens: int) -> int:

@@ -135,7 +135,7 @@ class InstanceBase:
 
     def _price(self, shape: StepShape) -> float:
         seconds = self.cost.step_seconds(shape, self.tp, self.busy_others, self.role)
-        return seconds * self.noise.factor(self.role, shape)
+        return self.noise.apply(self.role, shape, seconds)
 
     def _admits(self, request: SimRequest, num_admitted: int) -> bool:
         return (

@@ -4,16 +4,23 @@ A fitted cost model prices every step of a given shape alike, so a simulated ITL
 the slowest shapes. On a served cluster the same shape takes longer now and then (another
 worker's step on the same cores, the decoder admitting pushed KV, garbage collection), and
 those steps are the p99 ITL (bench/RESULTS.md, "Simulator from step traces"). A cost model
-fitted to step traces keeps, per worker role and step kind, the quantiles of measured / fitted
-busy-cycle time (`calibrated.CalibratedCostModel.step_noise`); the simulator multiplies each
-step's price by a draw from them, independent from step to step, from its own seeded generator
-(one simulation, one seed: the same prediction every time). Models without such quantiles
-(roofline, a calibration run's fits) have no noise.
+fitted to step traces keeps, per worker role and step kind, a `Spread`: the quantiles of
+measured - fitted busy-cycle time (`calibrated.CalibratedCostModel.step_noise`). The simulator
+adds a draw from them to each step's price, independent from step to step, from its own
+seeded generator (one simulation, one seed: the same prediction every time). Models without
+a spread (roofline, a calibration run's fits) have no noise.
+
+The spread is in seconds, not a ratio to the fit: a stall from another worker or a pause does
+not grow with the step it lands in. Measured, the colocated workers' smallest third of chunk
+steps had a p99 of 1.94x their fit and the largest two thirds 1.53x; one ratio spread for all
+priced the large steps' tail from the small ones' and put the simulated ITL p99 8-31% high
+(bench/RESULTS.md, "Step-time noise in seconds").
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -30,30 +37,50 @@ def step_kind(shape: StepShape) -> str:
     return "decode" if not shape.num_prefill_tokens else "mixed"
 
 
-def ratio_quantiles(measured: ArrayLike, fitted: ArrayLike) -> tuple[float, ...]:
-    ratios = np.asarray(measured, dtype=float) / np.maximum(np.asarray(fitted, dtype=float), 1e-9)
-    return tuple(float(q) for q in np.quantile(ratios, np.linspace(0.0, 1.0, NOISE_QUANTILES)))
+@dataclass(frozen=True)
+class Spread:
+    """Measured - fitted seconds of one (role, step kind), as quantiles at evenly spaced
+    probabilities; ``floor``: the lowest measured / fitted ratio (at most 1), under which a
+    drawn step never goes (a residual of a large step drawn for a small one could else make
+    it free or negative)."""
+
+    floor: float
+    residuals: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.residuals) < 2 or list(self.residuals) != sorted(self.residuals):
+            raise ValueError("a step-time spread wants >= 2 increasing residual quantiles")
+        if not 0.0 < self.floor <= 1.0:
+            raise ValueError(f"a step-time spread's floor must be in (0, 1], got {self.floor}")
+
+    @classmethod
+    def measured(cls, measured: ArrayLike, fitted: ArrayLike) -> Spread:
+        seconds = np.asarray(measured, dtype=float)
+        fit = np.maximum(np.asarray(fitted, dtype=float), 1e-9)
+        quantiles = np.quantile(seconds - fit, np.linspace(0.0, 1.0, NOISE_QUANTILES))
+        floor = float(np.clip((seconds / fit).min(), 1e-3, 1.0))
+        return cls(floor, tuple(float(q) for q in quantiles))
 
 
 class StepNoise:
-    """``quantiles``: (role, step kind) -> ratio quantiles at evenly spaced probabilities."""
+    """``spreads``: (role, step kind) -> its `Spread`."""
 
-    def __init__(self, quantiles: Mapping[tuple[str, str], Sequence[float]], seed: int) -> None:
-        for key, values in quantiles.items():
-            if len(values) < 2 or min(values) <= 0 or list(values) != sorted(values):
-                raise ValueError(f"step noise {key}: want >= 2 increasing positive quantiles")
-        # (probabilities, quantiles at them) for the inverse-CDF draw.
+    def __init__(self, spreads: Mapping[tuple[str, str], Spread], seed: int) -> None:
+        # (probabilities, residuals at them, floor) for the inverse-CDF draw.
         self._tables = {
-            key: (np.linspace(0.0, 1.0, len(values)), np.asarray(values, dtype=float))
-            for key, values in quantiles.items()
+            key: (np.linspace(0.0, 1.0, len(s.residuals)), np.asarray(s.residuals), s.floor)
+            for key, s in spreads.items()
         }
         self._rng = np.random.default_rng(seed)
 
-    def factor(self, role: str, shape: StepShape) -> float:
+    def apply(self, role: str, shape: StepShape, seconds: float) -> float:
+        """``seconds``, a step's price, plus a drawn residual of its role and kind."""
         table = self._tables.get((role, step_kind(shape)))
         if table is None:
-            return 1.0
-        return float(np.interp(self._rng.random(), *table))
+            return seconds
+        probabilities, residuals, floor = table
+        drawn = seconds + float(np.interp(self._rng.random(), probabilities, residuals))
+        return max(drawn, floor * seconds)
 
 
-NO_NOISE = StepNoise({}, 0)  # a factor of 1 for every step
+NO_NOISE = StepNoise({}, 0)  # adds nothing to any step

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields, replace
 from orchestrator.sim.cost import StepShape
 from orchestrator.sim.hardware import GPUS, NICS, GPUSpec, NICSpec
 from orchestrator.sim.models import MODELS, ModelSpec
+from orchestrator.sim.noise import Spread
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ class RooflineCostModel:
         )
         return linear + attention + self._allreduce_seconds(tokens, tp) + eff.step_overhead_s
 
-    def step_noise(self) -> dict[tuple[str, str], tuple[float, ...]]:
+    def step_noise(self) -> dict[tuple[str, str], Spread]:
         return {}  # a model of hardware, not a measurement: no spread
 
     def kv_bytes(self, num_tokens: int) -> int:
