@@ -13,8 +13,9 @@ a spread (roofline, a calibration run's fits) have no noise.
 The spread is in seconds, not a ratio to the fit: a stall from another worker or a pause does
 not grow with the step it lands in. Measured, the colocated workers' smallest third of chunk
 steps had a p99 of 1.94x their fit and the largest two thirds 1.53x; one ratio spread for all
-priced the large steps' tail from the small ones' and put the simulated ITL p99 8-31% high
-(bench/RESULTS.md, "Step-time noise in seconds").
+priced the large steps' tail from the small ones' and put the simulated colocated ITL p99
+9% high on average, against 3.5% with residuals in seconds (bench/RESULTS.md, "Step-time
+noise in seconds").
 """
 
 from __future__ import annotations
