@@ -90,6 +90,12 @@ def add_subcommands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     overheads.add_argument(
         "--no-overheads", action="store_true", help="leave out the calibration's fixed costs"
     )
+    p.add_argument(
+        "--json",
+        default=None,
+        metavar="PATH",
+        help="also write every prediction, measurement and error to PATH",
+    )
     p.set_defaults(func=_validate)
 
 
@@ -296,6 +302,7 @@ def _run_validate(args: argparse.Namespace) -> int:
     from orchestrator.loadgen.compare import load_config
     from orchestrator.loadgen.requests import kept_specs
     from orchestrator.loadgen.validate import (
+        TOLERANCE,
         compare_to_measured,
         format_validation,
         median_of,
@@ -336,17 +343,47 @@ def _run_validate(args: argparse.Namespace) -> int:
         setattr(workload_args, key, value)
     options = _options(workload_args)
     specs = kept_specs(options.workload, options.duration_s)
+    # Per config: its rows against each result, and against their median when there are
+    # several (the figure a summary counts: what a set of repeats is judged on).
+    checks: dict[str, dict[str, Any]] = {}
     for run in document["runs"]:
         name = run["name"]
         config = load_config(document["configs"][name], None)
         prediction = predict(cost, config, specs, options.num_warmup, seeds)
-        summaries = []
+        summaries, per_result = [], {}
         for path, other in zip(args.result, documents, strict=True):
             summary = next(r["summary"] for r in other["runs"] if r["name"] == name)
             summaries.append(summary)
+            per_result[path] = compare_to_measured(prediction, summary)
             label = name if len(documents) == 1 else f"{name}, {Path(path).name}"
-            print(format_validation(label, compare_to_measured(prediction, summary)))
+            print(format_validation(label, per_result[path]))
+        checks[name] = {"results": per_result}
         if len(documents) > 1:
             label = f"{name}, median of {len(documents)} runs"
-            print(format_validation(label, compare_to_measured(prediction, median_of(summaries))))
+            checks[name]["median"] = compare_to_measured(prediction, median_of(summaries))
+            print(format_validation(label, checks[name]["median"]))
+    judged = [
+        row
+        for check in checks.values()
+        for row in (check.get("median") or next(iter(check["results"].values()))).values()
+    ]
+    within = sum(row["within_tolerance"] for row in judged)
+    against = "the median of the results" if len(documents) > 1 else "the result"
+    print(f"within {TOLERANCE:.0%}: {within} of {len(judged)} figures, against {against}")
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "command": "validate",
+                    "calibration": args.calibration,
+                    "cost_model": cost.name,
+                    "noise_seeds": list(seeds) if cost.step_noise() else [],
+                    "results": list(args.result),
+                    "within_tolerance": within,
+                    "figures": len(judged),
+                    "configs": checks,
+                },
+                indent=2,
+            )
+        )
     return 0

@@ -127,12 +127,27 @@ def test_validate_checks_repeats_of_one_compare_against_their_median(
 ) -> None:
     _, calibration = _calibration(tmp_path)
     runs = [_document(tmp_path, p50, f"run{i}.json") for i, p50 in enumerate((0.3, 0.9, 0.5))]
-    assert main(["bench", "validate", *map(str, runs), "--calibration", str(calibration)]) == 0
+    written = tmp_path / "validation.json"
+    argv = ["bench", "validate", *map(str, runs), "--calibration", str(calibration)]
+    assert main([*argv, "--json", str(written)]) == 0
     out = capsys.readouterr().out
     for name in ("disaggregated", "colocated"):
         assert all(f"({name}, run{i}.json)" in out for i in range(3))
         median = out.split(f"({name}, median of 3 runs):")[1].splitlines()[1]
         assert "ttft_p50_s" in median and "measured     0.5000" in median
+    # The summary counts the median's figures, as does the file.
+    document = json.loads(written.read_text())
+    medians = [block.splitlines()[1:4] for block in out.split("median of 3 runs):")[1:]]
+    within = sum(line.endswith(" ok") for lines in medians for line in lines)
+    assert (document["within_tolerance"], document["figures"]) == (within, 6)
+    assert f"within 15%: {within} of 6 figures, against the median of the results" in out
+    checks = document["configs"]["colocated"]
+    assert checks["median"]["ttft_p50_s"]["measured"] == 0.5
+    assert [checks["results"][str(run)]["ttft_p50_s"]["measured"] for run in runs] == [
+        0.3,
+        0.9,
+        0.5,
+    ]
     # Another workload (or other configs) is not a repeat: refused.
     other = json.loads(runs[0].read_text())
     other["workload"]["seed"] = 1
