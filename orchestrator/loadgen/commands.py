@@ -343,9 +343,10 @@ def _run_validate(args: argparse.Namespace) -> int:
         setattr(workload_args, key, value)
     options = _options(workload_args)
     specs = kept_specs(options.workload, options.duration_s)
-    # Per config: its rows against each result, and against their median when there are
-    # several (the figure a summary counts: what a set of repeats is judged on).
+    # Per config: its rows against each result and, for several, against their median; the
+    # closing count judges a set of repeats on the median, a single result on itself.
     checks: dict[str, dict[str, Any]] = {}
+    judged: list[dict[str, Any]] = []
     for run in document["runs"]:
         name = run["name"]
         config = load_config(document["configs"][name], None)
@@ -362,11 +363,7 @@ def _run_validate(args: argparse.Namespace) -> int:
             label = f"{name}, median of {len(documents)} runs"
             checks[name]["median"] = compare_to_measured(prediction, median_of(summaries))
             print(format_validation(label, checks[name]["median"]))
-    judged = [
-        row
-        for check in checks.values()
-        for row in (check.get("median") or next(iter(check["results"].values()))).values()
-    ]
+        judged.extend((checks[name].get("median") or per_result[args.result[0]]).values())
     within = sum(row["within_tolerance"] for row in judged)
     against = "the median of the results" if len(documents) > 1 else "the result"
     print(f"within {TOLERANCE:.0%}: {within} of {len(judged)} figures, against {against}")
