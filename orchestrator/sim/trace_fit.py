@@ -13,8 +13,11 @@ colocated workers' went (`calibrated.CalibratedCostModel.role_coefficients`).
 What is fitted is a *busy cycle*: from a step's start to the next step's start while the step
 loop did not go idle in between (the step, the hand-off of its outputs, and the loop's work
 between steps: messenger polls, KV admission, calls from other threads). That is the time the
-simulator's back-to-back steps stand for. A step after which the loop went idle ends no cycle
-and is left out. Per role: seconds = a + b * prefill tokens + c * prefill attention
+simulator's back-to-back steps stand for. A step after which the loop went idle ends no cycle;
+its own duration stands for it. Those are often a prompt's last, short chunk: left out, a
+prefill worker's points were nearly all full chunks, and a fit could put their whole cost in
+the intercept and price a 10-token chunk like a 256-token one (bench/RESULTS.md, "Step-time
+noise in seconds"). Per role: seconds = a + b * prefill tokens + c * prefill attention
 + d * decode sequences + e * decode KV tokens, least squares with coefficients >= 0
 (`calibrated.fit_affine`).
 
@@ -40,13 +43,17 @@ MIN_POINTS = 5  # cycles a role needs for a fit of its 5 terms
 
 def busy_cycles(trace: dict[str, Any]) -> Iterator[list[float]]:
     """``[prefill_tokens, attention, decode_seqs, kv_tokens, seconds]`` of each step of one
-    worker's trace that a busy cycle follows (the next record's loop did not wait first)."""
+    worker's trace: its busy cycle where one follows (the next record's loop did not wait
+    first), else the step's own duration."""
     records = trace["records"]
     for current, following in itertools.pairwise(records):
-        start, _, _, *shape = current
+        start, duration, _, *shape = current
         next_start, _, after_wait, *_ = following
-        if not after_wait and next_start > start:
-            yield [*shape, next_start - start]
+        busy = not after_wait and next_start > start
+        yield [*shape, next_start - start if busy else duration]
+    if records:
+        _, duration, _, *shape = records[-1]
+        yield [*shape, duration]
 
 
 def role_points(documents: Sequence[dict[str, Any]]) -> dict[str, list[list[float]]]:

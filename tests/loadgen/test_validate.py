@@ -71,8 +71,9 @@ def _busy_trace(role: str, shape: list[int]) -> dict[str, Any]:
     """40 back-to-back steps of one shape, alternately fast and slow."""
     records, start = [], 0.0
     for i in range(40):
-        records.append([start, 0.001, float(i == 0), *shape])
-        start += 0.01 if i % 2 else 0.03
+        seconds = 0.01 if i % 2 else 0.03
+        records.append([start, seconds, float(i == 0), *shape])
+        start += seconds
     return {"worker_id": f"{role}-0", "role": role, "num_recorded": 40, "records": records}
 
 

@@ -36,13 +36,15 @@ def _price(law: tuple[float, ...], shape: list[float]) -> float:
 
 
 def _trace(role: str, law: tuple[float, ...], shapes: list[list[float]]) -> dict[str, Any]:
-    """Steps run back to back at the law's cycle times, then an idle wait, then one more."""
+    """Steps run back to back at the law's cycle times, then an idle wait, then one more;
+    each step's own duration is its cycle's (no work between steps)."""
     records, now = [], 0.0
     for i, shape in enumerate(shapes):
         if i == len(shapes) - 1:
             now += 5.0  # idle: the step before it ends no busy cycle
-        records.append([now, 0.001, 1.0 if i in (0, len(shapes) - 1) else 0.0, *shape])
-        now += _price(law, shape)
+        price = _price(law, shape)
+        records.append([now, price, 1.0 if i in (0, len(shapes) - 1) else 0.0, *shape])
+        now += price
     return {"worker_id": f"{role}-0", "role": role, "records": records}
 
 
@@ -81,7 +83,7 @@ def _document(tmp_path: Path, tiny_model_dir: Path, traces: bool = True) -> Path
     return path
 
 
-def test_busy_cycles_run_from_one_start_to_the_next_without_a_wait() -> None:
+def test_busy_cycles_run_from_one_start_to_the_next_without_a_wait_else_a_step() -> None:
     trace = {"records": [
         [0.00, 0.01, 1.0, 32, 528, 0, 0],
         [0.02, 0.01, 0.0, 0, 0, 2, 90],
@@ -90,8 +92,11 @@ def test_busy_cycles_run_from_one_start_to_the_next_without_a_wait() -> None:
         [1.03, 0.01, 0.0, 0, 0, 1, 8],
     ]}  # fmt: skip
     cycles = list(busy_cycles(trace))
-    assert [c[:4] for c in cycles] == [[32, 528, 0, 0], [0, 0, 2, 90], [0, 0, 1, 7]]
-    assert [c[4] for c in cycles] == pytest.approx([0.02, 0.03, 0.03])
+    assert [c[:4] for c in cycles] == [
+        [32, 528, 0, 0], [0, 0, 2, 90], [0, 0, 2, 92], [0, 0, 1, 7], [0, 0, 1, 8],
+    ]  # fmt: skip
+    # A cycle to the next start; before an idle wait, and last, the step's own duration.
+    assert [c[4] for c in cycles] == pytest.approx([0.02, 0.03, 0.01, 0.03, 0.01])
 
 
 def test_calibrate_from_traces_recovers_each_roles_law(
@@ -112,11 +117,12 @@ def test_calibrate_from_traces_recovers_each_roles_law(
     # The tiny preset: 4 layers, 2 KV heads of 32, float32; the config's pool.
     assert (data["num_layers"], data["kv_bytes_per_token"]) == (4, 2 * 4 * 2 * 32 * 4)
     assert data["kv_capacity_tokens"] == 128 * 16
-    # Each trace's last step is followed by no cycle; the one after the idle wait neither.
+    # A point per step: the two that no busy cycle follows (before the idle wait, and the
+    # last) by their own duration.
     assert {role: len(points) for role, points in data["roles"].items()} == {
-        "prefill": len(PREFILL_SHAPES) - 2,
-        "decode": len(DECODE_SHAPES) - 2,
-        "mixed": len(MIXED_SHAPES) - 2,
+        "prefill": len(PREFILL_SHAPES),
+        "decode": len(DECODE_SHAPES),
+        "mixed": len(MIXED_SHAPES),
     }
     model = load(out)
     fits = dict(model.role_coefficients)
