@@ -68,7 +68,10 @@ def limits_of(config: ClusterConfig, role: str, cost: CostModel) -> EngineLimits
                 f"{rank_page_bytes:.0f} bytes per rank ({cost.name})"
             )
     return EngineLimits(
-        limits.max_num_seqs, limits.max_num_batched_tokens, num_pages * config.page_size
+        limits.max_num_seqs,
+        limits.max_num_batched_tokens,
+        num_pages * config.page_size,
+        config.page_size,
     )
 
 

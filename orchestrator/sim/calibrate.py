@@ -37,6 +37,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from orchestrator.sim.instances import chunk_tokens
+
 logger = logging.getLogger(__name__)
 
 BUDGET = 256  # prefill chunk / step token budget of the calibration engine (default)
@@ -154,14 +156,6 @@ def _decode_run(
     return timed
 
 
-def _chunk(computed: int, total: int, budget: int, page_size: int) -> int:
-    """The engine scheduler's chunk (`workers.engine.scheduler`): the rest of the prompt if it
-    fits the budget, else up to the last page boundary within it."""
-    if total - computed <= budget:
-        return total - computed
-    return max((computed + budget) // page_size * page_size - computed, 0)
-
-
 def _mixed_points(
     engine: Any, batches: Sequence[int], context: int, repeats: int
 ) -> list[dict[str, float]]:
@@ -190,7 +184,9 @@ def _mixed_points(
             engine.add_request(f"{prefix}-p", [15] * context, SamplingParams(max_tokens=1))
             prefilled, chunk = 0, 0
             while prefilled < context:
-                take = _chunk(prefilled, context, budget - batch, engine.config.page_size)
+                take = chunk_tokens(
+                    prefilled, context - prefilled, budget - batch, engine.config.page_size
+                )
                 # Each decoder reads its prompt, its outputs and the token it feeds.
                 kv = sum(context + n for n in generated.values())
                 start = time.perf_counter()

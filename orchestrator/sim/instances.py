@@ -38,12 +38,30 @@ class EngineLimits:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     kv_capacity_tokens: int | None = None
+    page_size: int = 16  # a prompt's chunks but its last end on a page boundary, as served
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.page_size < 1:
             raise ValueError(f"limits must be >= 1, got {self}")
+        if self.max_num_batched_tokens < self.page_size:
+            # A chunk could never reach a page boundary: the prompt would never advance.
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                f"page_size ({self.page_size})"
+            )
+
         if self.kv_capacity_tokens is not None and self.kv_capacity_tokens < 1:
             raise ValueError(f"kv_capacity_tokens must be >= 1, got {self.kv_capacity_tokens}")
+
+
+def chunk_tokens(done: int, left: int, budget: int, page_size: int) -> int:
+    """Prompt tokens a step runs of a prompt with ``done`` computed and ``left`` to go, within
+    ``budget``: all that are left if they fit, else up to the last page boundary in reach, as
+    the engine's scheduler chunks (`workers.engine.scheduler`). With decodes in a step, a
+    budget of 256 gives a chunk of 240 on 16-token pages, not 253-255."""
+    if left <= budget:
+        return left
+    return max((done + budget) // page_size * page_size - done, 0)
 
 
 class SimRequest:
@@ -164,7 +182,9 @@ class PrefillInstance(InstanceBase):
             if budget == 0:
                 break
             left = request.spec.num_prompt_tokens - 1 - request.num_prefilled
-            take = min(left, budget)
+            take = chunk_tokens(request.num_prefilled, left, budget, self.limits.page_size)
+            if not take:
+                continue
             context = request.num_prefilled
             attention += take * context + take * (take + 1) // 2
             tokens += take

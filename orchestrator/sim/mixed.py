@@ -16,6 +16,7 @@ from orchestrator.sim.instances import (
     EngineLimits,
     InstanceBase,
     SimRequest,
+    chunk_tokens,
     request_tokens,
 )
 
@@ -46,7 +47,10 @@ class MixedInstance(InstanceBase):
         for request in self.prefilling:
             if budget == 0:
                 break
-            take = min(request.spec.num_prompt_tokens - request.num_prefilled, budget)
+            left = request.spec.num_prompt_tokens - request.num_prefilled
+            take = chunk_tokens(request.num_prefilled, left, budget, self.limits.page_size)
+            if not take:
+                continue
             attention += take * request.num_prefilled + take * (take + 1) // 2
             tokens, budget = tokens + take, budget - take
             self._chunks.append((request, take))

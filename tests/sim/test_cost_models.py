@@ -217,12 +217,12 @@ def test_calibration_under_contention_and_its_mixed_points(tmp_path: Path) -> No
     assert len(mixed_errors(fit(data), data)) == 2
 
 
-def test_mixed_point_chunks_follow_the_schedulers_page_aligned_rule() -> None:
-    from orchestrator.sim.calibrate import _chunk
+def test_chunks_follow_the_schedulers_page_aligned_rule() -> None:
+    from orchestrator.sim.instances import chunk_tokens
 
-    assert _chunk(0, 768, 252, 16) == 240  # 4 decodes leave 252: the chunk ends on a page
-    assert _chunk(720, 768, 252, 16) == 48  # the rest fits: all of it
-    assert _chunk(0, 768, 10, 16) == 0  # less than a page left: nothing this step
+    assert chunk_tokens(0, 768, 252, 16) == 240  # 4 decodes leave 252: the chunk ends on a page
+    assert chunk_tokens(720, 48, 252, 16) == 48  # the rest fits: all of it
+    assert chunk_tokens(0, 768, 10, 16) == 0  # less than a page left: nothing this step
 
 
 def test_a_calibration_under_contention_prices_steps_by_how_many_others_step() -> None:

@@ -11,8 +11,15 @@ import pytest
 
 from orchestrator.sim.instances import EngineLimits
 from orchestrator.sim.metrics import summarize
-from orchestrator.sim.simulator import Layout, RequestRecord, SimResult, UnservableError, simulate
-from orchestrator.sim.workload import LengthDist, Workload
+from orchestrator.sim.simulator import (
+    Layout,
+    RequestRecord,
+    SimResult,
+    Simulator,
+    UnservableError,
+    simulate,
+)
+from orchestrator.sim.workload import LengthDist, RequestSpec, Workload
 from tests.sim.toy import affine
 
 LAYOUTS = [
@@ -163,3 +170,22 @@ def test_itl_of_a_run_is_its_records_gaps(layout: Layout) -> None:
     gaps = np.sort(np.concatenate([r.itl_gaps for r in kept]))
     summary = summarize(result, warmup=0.25)
     assert summary.itl_p99 == gaps[math.ceil(len(gaps) * 0.99) - 1]  # nearest rank
+
+
+@pytest.mark.parametrize(("page_size", "ttft"), [(16, 3.5), (1, 2.5)])
+def test_prompt_chunks_end_on_page_boundaries_as_the_engine_schedules_them(
+    page_size: int, ttft: float
+) -> None:
+    # Every step costs 1 s. A decodes from t=1; B's 500-token prompt arrives at t=0.5 and
+    # shares each step's 256 tokens with A's decode: on 16-token pages its chunks are 240,
+    # 240 and 20 (first token at t=4), not 255 and 245 (t=3) as they would be unaligned.
+    cost = affine(prefill=(1.0, 0.0, 0.0), decode=(1.0, 0.0, 0.0))
+    limits = EngineLimits(max_num_seqs=8, max_num_batched_tokens=256, page_size=page_size)
+    requests = [RequestSpec(0, 0.0, 16, 50), RequestSpec(1, 0.5, 500, 2)]
+    result = Simulator(cost, Layout(num_mixed=1), limits).run(requests)
+    assert result.records[1].ttft == pytest.approx(ttft)
+
+
+def test_a_token_budget_under_one_page_is_refused() -> None:
+    with pytest.raises(ValueError, match="at least page_size"):
+        EngineLimits(max_num_batched_tokens=8, page_size=16)
