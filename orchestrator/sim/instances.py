@@ -49,7 +49,6 @@ class EngineLimits:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
                 f"page_size ({self.page_size})"
             )
-
         if self.kv_capacity_tokens is not None and self.kv_capacity_tokens < 1:
             raise ValueError(f"kv_capacity_tokens must be >= 1, got {self.kv_capacity_tokens}")
 

@@ -1,8 +1,8 @@
 """The colocated (mixed) instance: chunked prefill and decode share every step.
 
 Each step runs one token of every running sequence, then fills the rest of the token budget
-with prefill chunks in admission order; the step that completes a prompt yields its first
-token. The whole step costs one pass over all its tokens, so a chunk in the batch slows
+with prefill chunks in admission order (each but a prompt's last ends on a page boundary:
+`instances.chunk_tokens`); the step that completes a prompt yields its first token. The whole step costs one pass over all its tokens, so a chunk in the batch slows
 every decoding sequence of that step (DESIGN.md §1): that stall is what this models.
 """
 
