@@ -54,6 +54,7 @@ from orchestrator.sim.noise import Spread, step_kind
 
 # Intercept, per prefill token, per attention position, per decode sequence, per KV token.
 RoleFit = tuple[float, float, float, float, float]
+MIN_ROLE_POINTS = 5  # points a role needs for a fit of its 5 terms
 MIN_NOISE_POINTS = 20  # traced steps of one role and kind that give its spread
 
 
@@ -217,8 +218,8 @@ def _role_fits(
     fits, noise = [], []
     for role, points in sorted(roles.items()):
         rows = np.array(points, dtype=float)
-        if rows.ndim != 2 or rows.shape[1] != 5 or len(rows) < 5:
-            raise ValueError(f"roles.{role}: want >= 5 points of 5 numbers each")
+        if rows.ndim != 2 or rows.shape[1] != 5 or len(rows) < MIN_ROLE_POINTS:
+            raise ValueError(f"roles.{role}: want >= {MIN_ROLE_POINTS} points of 5 numbers each")
         a, b, c, d, e = fit_affine(rows[:, :4], rows[:, 4])
         fits.append((role, (a, b, c, d, e)))
         fitted = a + rows[:, :4] @ np.array([b, c, d, e])

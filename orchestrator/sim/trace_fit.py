@@ -35,10 +35,10 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.config import ClusterConfig
+from orchestrator.sim.calibrated import MIN_ROLE_POINTS
 
 ROLES = ("prefill", "decode", "mixed")
 POINT_FIELDS = ["prefill_tokens", "prefill_attention", "decode_seqs", "decode_kv_tokens", "seconds"]
-MIN_POINTS = 5  # cycles a role needs for a fit of its 5 terms
 
 
 def busy_cycles(trace: dict[str, Any]) -> Iterator[list[float]]:
@@ -112,7 +112,7 @@ def calibration_from_traces(paths: Sequence[str | Path]) -> dict[str, Any]:
             + " (results of a pdserve bench compare that saved none: rerun it)"
         )
     for role, found in points.items():
-        if len(found) < MIN_POINTS:
+        if len(found) < MIN_ROLE_POINTS:
             raise ValueError(f"only {len(found)} busy cycles of {role} workers: too few to fit")
     first = documents[0]
     config = load_config(first["configs"]["disaggregated"], first.get("model"))
