@@ -59,10 +59,12 @@ def test_prepared_writes_post_in_row_ranges(make_engine: Callable[..., TransferE
     with pytest.raises(OutOfRangeError):
         pair.sender.submit_prepared(prepared, 1, 1)
     for start, stop, imm in ((1, 3, 41), (0, 1, 42), (3, 4, 43)):  # any order, disjoint
-        landed = threading.Event()
+        landed, done = threading.Event(), threading.Event()
         pair.receiver.expect_imm(imm, stop - start, landed.set)
-        pair.sender.submit_prepared(prepared, start, stop, imm=imm)
-        assert landed.wait(30)
+        pair.sender.submit_prepared(prepared, start, stop, imm=imm, on_done=done.set)
+        # Both ends: the target's counter can fire before the sender's completion is reaped,
+        # and the sender counts a write's bytes at its completion.
+        assert landed.wait(30) and done.wait(30)
     assert_rows_landed(pair.target, pair.source, rows)
     assert pair.sender.stats().progress.ops_posted == 4
     assert pair.sender.stats().progress.bytes_written == int(rows[:, 2].sum())
