@@ -199,6 +199,42 @@ def test_queries_follow_the_conventions(path: Path) -> None:
             assert re.search(r"sum by \(le\b", expr) and "_bucket{" in expr, title
 
 
+_BY_LIST = re.compile(r"\bby\s*\(([^)]*)\)")
+_LEGEND_LABEL = re.compile(r"\{\{\s*(\w+)\s*\}\}")
+
+
+def kept_labels(expr: str) -> set[str]:
+    """Labels every series of an aggregated query still carries: those in each ``by (...)``
+    list (``le`` aside, which ``histogram_quantile`` consumes); none if an aggregation has no
+    ``by``. Every query of these dashboards aggregates."""
+    lists = [
+        {label.strip() for label in found.split(",")} - {"le"} for found in _BY_LIST.findall(expr)
+    ]
+    if re.search(r"\b(sum|avg|min|max|count)\s*\((?!\s*\))", expr) or not lists:
+        return set()
+    return set.intersection(*lists)
+
+
+def test_kept_labels() -> None:
+    assert kept_labels("sum by (role, reason) (rate(m[$__rate_interval]))") == {"role", "reason"}
+    assert kept_labels("histogram_quantile(0.5, sum by (le, role) (rate(m_bucket[1m])))") == {
+        "role"
+    }
+    assert kept_labels("sum by (role, x) (a) / sum by (role) (b)") == {"role"}
+    assert kept_labels("sum(rate(m[1m]))") == set()
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
+def test_legends_name_only_labels_the_query_keeps(path: Path) -> None:
+    # A legend `{{role}}` over `sum by (reason)` renders an empty role: the panel then merges
+    # the prefill and decode series under one name without any error.
+    for panel in _panels(_load(path)):
+        for target in panel.get("targets", []):
+            legend = set(_LEGEND_LABEL.findall(target.get("legendFormat", "")))
+            missing = legend - kept_labels(target["expr"])
+            assert not missing, f"{panel['title']}: legend {sorted(missing)} not kept by the query"
+
+
 @pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
 def test_layout_and_variables(path: Path) -> None:
     dashboard = _load(path)
