@@ -175,8 +175,8 @@ class Controller:
                 placed.handle.state.remote(), self.options.health_timeout_seconds
             )
         except (ray.exceptions.RayError, TimeoutError) as error:
-            if self._closing:
-                return
+            if self._closing or self._placed.get(worker_id) is not placed:
+                return  # shutting down, or the actor asked was already replaced
             logger.error("%s failed its health check: %r", worker_id, error)
             self.registry.set_health(worker_id, "unhealthy")
             if self.options.replace_failed and worker_id not in self._replacing:
@@ -185,10 +185,17 @@ class Controller:
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
             return
+        # A late answer from an actor that failed another check meanwhile (and is being
+        # replaced: `starting`, or `unhealthy`) says nothing of the worker now.
+        if self._placed.get(worker_id) is not placed or record.health not in (
+            "healthy",
+            "draining",
+        ):
+            return
         record.load = WorkerLoad(
             **{k: int(state[k]) for k in dataclasses.asdict(WorkerLoad()) if k in state}
         )
-        if state["health"] in ("healthy", "draining") and record.health != "unhealthy":
+        if state["health"] in ("healthy", "draining"):
             record.health = state["health"]
 
     async def _health_loop(self) -> None:
