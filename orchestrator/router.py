@@ -255,11 +255,14 @@ class Router:
                     logger.warning("request %s: %s; trying another worker", request_id, lost)
                     if self.metrics is not None:
                         self.metrics.count_router_retry("worker")
-                    await self._release(worker.worker_id)
-                    worker = None
+                    # Cleared before the await: a cancel while it waits must not let the
+                    # finally release the slot a second time.
+                    lost_worker, worker = worker, None
+                    await self._release(lost_worker.worker_id)
                     worker = await self._admit(exclude=tried)
         finally:
             del self._requests[request_id]
+            self._gauge()  # `_admit` counted it while it was still in `_requests`
             self._release_prefill(inflight)
             if admitted and not completed and self.metrics is not None:
                 self.metrics.count_request_success("abort")  # cancelled, timed out or failed
@@ -384,8 +387,11 @@ class Router:
                         self._num_queued += 1
                         self._gauge()
                     # Woken by a release; the timeout re-reads readiness (workers may come back).
+                    # Not `wait_for`: on Python 3.11 it drops a cancel that lands as the wait
+                    # completes, and the request its client left would be admitted.
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._room.wait(), 1.0)
+                        async with asyncio.timeout(1.0):
+                            await self._room.wait()
         finally:
             if queued:
                 self._num_queued -= 1

@@ -4,9 +4,14 @@ A session reads ``ConnectRequest``s (start / abort) and writes ``ConnectResponse
 the deltas of every request that has news (a decode step's tokens of all its requests leave in
 one message). Request life cycle on a session::
 
-    generate ─▶ starting (submit on an executor thread) ─▶ active ─▶ finished delta sent
+    generate ─▶ starting (submit on an executor thread) ─▶ running ─▶ finished delta sent
     abort while starting ─▶ aborted as soon as submit returns
-    session ends (router gone) ─▶ every starting / active request aborted
+    session ends (router gone) ─▶ every starting / running request aborted (one whose submit,
+        which no cancel stops, returns after that: again, once it returned)
+
+``active`` (what a drain waits for) holds a request from its start to its finished delta: it
+may finish within its submit, before that returns. Aborts run in tasks of their own, so one the
+backend fails (closed, its step loop stuck) is logged and the stream goes on.
 
 Backend sinks run on the step thread and only hand deltas to the event loop.
 """
@@ -16,8 +21,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from concurrent.futures import Executor
+from functools import partial
+from typing import Any
 
 import grpc
 
@@ -91,16 +98,21 @@ class ConnectSession:
             left = self.active | self._starting
             self.active.clear()
             for request_id in left:  # the router is gone: free what it left here
-                await self._loop.run_in_executor(self._executor, self._backend.abort, request_id)
+                await self._abort_on_backend(request_id)
 
     async def _read(self, requests: AsyncIterator[wpb.ConnectRequest]) -> None:
         async for request in requests:
+            # Both in tasks, in the order they came: a start's task runs first and marks its
+            # request starting before an abort of it looks.
             if request.HasField("generate"):
-                task = asyncio.create_task(self._start(request.generate))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                self._spawn(self._start(request.generate))
             elif request.abort_request_id:
-                await self._abort(request.abort_request_id)
+                self._spawn(self._abort(request.abort_request_id))
+
+    def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _fail(self, request_id: str, code: grpc.StatusCode, message: str) -> None:
         self._outbox.put_nowait(
@@ -133,9 +145,12 @@ class ConnectSession:
             loop.call_soon_threadsafe(outbox.put_nowait, proto)
 
         self._starting.add(request_id)
+        # Active before the submit: the request may finish (and `run` discard it) before the
+        # submit returns; added after, it would stay active for good.
+        self.active.add(request_id)
         try:
             params = self._sampling(message.sampling)
-            await loop.run_in_executor(
+            submit = loop.run_in_executor(
                 self._executor,
                 self._backend.submit,
                 request_id,
@@ -144,20 +159,38 @@ class ConnectSession:
                 message.prefill_endpoint,
                 sink,
             )
+            try:
+                await asyncio.shield(submit)
+            except asyncio.CancelledError:
+                # The session ended (the router is gone) while the submit ran on its thread,
+                # where no cancel stops it: the session's abort may come before the request is
+                # in, so abort it again once it is.
+                submit.add_done_callback(partial(self._abort_if_submitted, request_id))
+                raise
         except Exception as error:
+            self.active.discard(request_id)
             code = status_of_submit_error(error, request_id)
             self._fail(request_id, code, str(error))
             return
         finally:
             self._starting.discard(request_id)
-        self.active.add(request_id)
         if request_id in self._aborted_early:
             self._aborted_early.discard(request_id)
             await self._abort(request_id)
+
+    def _abort_if_submitted(self, request_id: str, submit: asyncio.Future[None]) -> None:
+        if not submit.cancelled() and submit.exception() is None:
+            self._spawn(self._abort_on_backend(request_id))
 
     async def _abort(self, request_id: str) -> None:
         if request_id in self._starting:
             self._aborted_early.add(request_id)
             return
         if request_id in self.active:
+            await self._abort_on_backend(request_id)
+
+    async def _abort_on_backend(self, request_id: str) -> None:
+        try:
             await self._loop.run_in_executor(self._executor, self._backend.abort, request_id)
+        except Exception:  # closed engine, step loop call timed out: the session goes on
+            logger.exception("abort of request %s failed", request_id)

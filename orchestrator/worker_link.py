@@ -7,6 +7,11 @@ which a client may reuse while the worker still runs the old request).
 `WorkerLink.abort` writes an ``abort`` message (fire and forget: it runs from ``finally`` blocks
 of cancelled tasks). When the stream breaks (worker died, network), every open queue receives a
 `LinkBroken` and the next `start` opens a new stream.
+
+Every write runs in a task of the link's own (`_send`), never in a request's task: grpc.aio
+cancels the whole call when a task is cancelled inside ``write``, and the call is the stream
+of every request on the worker. Writes go out in the order they were sent (a FIFO lock), so an
+abort sent after a cancelled request's ``generate`` reaches the worker after it.
 """
 
 from __future__ import annotations
@@ -42,11 +47,12 @@ class WorkerLink:
 
     async def start(self, message: wpb.WorkerGenerateRequest) -> DeltaQueue:
         queue: DeltaQueue = asyncio.Queue()
-        call = self._connect()
-        self._queues[message.request_id] = queue
         try:
-            async with self._write_lock:
-                await call.write(wpb.ConnectRequest(generate=message))
+            call = self._connect()  # a closed link's channel refuses a new call (UsageError)
+            self._queues[message.request_id] = queue
+            # Shielded: the request's task cancelled here (its client left) must not cancel the
+            # write, and so the stream; the write goes on and the caller's abort follows it.
+            await asyncio.shield(self._send(call, wpb.ConnectRequest(generate=message)))
         except (
             grpc.aio.AioRpcError,
             grpc.aio.UsageError,
@@ -61,9 +67,7 @@ class WorkerLink:
         """Stop routing ``request_id`` and ask the worker to abort it (in the background)."""
         if self._queues.pop(request_id, None) is None or self._call is None:
             return
-        task = asyncio.get_running_loop().create_task(self._write_abort(self._call, request_id))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._send(self._call, wpb.ConnectRequest(abort_request_id=request_id))
 
     def forget(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
@@ -84,17 +88,25 @@ class WorkerLink:
             self._reader = asyncio.get_running_loop().create_task(self._read(call))
         return self._call
 
-    async def _write_abort(self, call: grpc.aio.StreamStreamCall, request_id: str) -> None:
-        try:
-            async with self._write_lock:
-                await call.write(wpb.ConnectRequest(abort_request_id=request_id))
-        except (
-            grpc.aio.AioRpcError,
-            grpc.aio.UsageError,
-            asyncio.InvalidStateError,  # the call already finished (its worker died)
-            asyncio.CancelledError,
-        ):
-            pass  # the stream is gone: the worker aborts everything it carried
+    def _send(
+        self, call: grpc.aio.StreamStreamCall, message: wpb.ConnectRequest
+    ) -> asyncio.Task[None]:
+        """Write ``message`` on ``call`` in a task of the link's own (kept until done)."""
+        task = asyncio.get_running_loop().create_task(self._write(call, message))
+        self._tasks.add(task)
+        task.add_done_callback(self._written)
+        return task
+
+    async def _write(self, call: grpc.aio.StreamStreamCall, message: wpb.ConnectRequest) -> None:
+        async with self._write_lock:  # asyncio.Lock is FIFO: writes keep the order of `_send`
+            await call.write(message)
+
+    def _written(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled():
+            # Retrieved, not raised: a failed write means the stream is gone, which the reader
+            # reports to every open request (and the worker aborts everything it carried).
+            task.exception()
 
     async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
         reason = "stream closed"
