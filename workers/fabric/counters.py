@@ -20,8 +20,14 @@ Every write posted with `imm` produces, on the target, one completion carrying `
   gets a new value, so a straggler always hits a tombstone (or, once the tombstone is evicted
   after `max_cancelled` newer cancellations, the unexpected buffer), never a live counter.
 * **Arrivals.** `arrived(imm)` is the number of arrivals seen for the value since it was last
-  armed (or first seen): counted while armed, buffered, or dropped late after a cancel. The KV
-  messenger uses it to learn when every write of an aborted transfer has landed.
+  armed (or first seen): counted while armed, buffered, or dropped late after a cancel, less
+  those already taken. `take_arrivals(imm)` returns a disarmed value's arrivals not taken yet,
+  zeroes them and (re)tombstones the value as the newest: a caller that watches a cancelled
+  value keeps the running total itself, since tombstones are bounded (the KV messenger learns
+  so when every write of an aborted transfer has landed).
+* **Reset.** `reset(imm)` forgets a disarmed value's tombstone and buffered arrivals, for a
+  value handed out anew once no write of its earlier use can land: otherwise its new writes
+  that come before the arming would hit the old tombstone and be dropped as late.
 * **Deadlines.** An armed counter may carry a deadline; when it passes the counter is cancelled
   (tombstoned as above) and `on_error(ImmTimeoutError)` is called.
 * **Close.** Armed counters get `on_error(EngineClosedError)` (`fail_all`: the engine closed,
@@ -115,8 +121,28 @@ class ImmCounters:
             self._tombstone(imm, arrived)
             return armed is not None or buffered is not None
 
+    def reset(self, imm: int) -> None:
+        """Forget the tombstone and buffered arrivals of the disarmed `imm` (handed out anew;
+        the caller guarantees that no write of its earlier use can still land)."""
+        with self._lock:
+            if imm in self._armed:
+                raise ImmError(f"cannot reset armed immediate value {imm:#x}")
+            self._cancelled.pop(imm, None)
+            self._unexpected.pop(imm, None)
+
+    def take_arrivals(self, imm: int) -> int:
+        """Arrivals of the disarmed `imm` not taken yet (tombstoned, or buffered once its
+        tombstone was evicted); zeroes them and keeps `imm` tombstoned, as the newest."""
+        with self._lock:
+            if imm in self._armed:
+                raise ImmError(f"cannot take the arrivals of armed immediate value {imm:#x}")
+            taken = self._cancelled.pop(imm, 0) + self._unexpected.pop(imm, 0)
+            self._tombstone(imm, 0)
+            return taken
+
     def arrived(self, imm: int) -> int:
-        """Arrivals of `imm` since it was last armed (armed, buffered or tombstoned)."""
+        """Arrivals of `imm` since it was last armed (armed, buffered or tombstoned), less
+        those taken (`take_arrivals`)."""
         with self._lock:
             armed = self._armed.get(imm)
             if armed is not None:

@@ -688,6 +688,18 @@ class TransferEngine:
         self._check_imm(imm)
         return self.counters.cancel(imm)
 
+    def take_imm_arrivals(self, imm: int) -> int:
+        """Writes carrying the disarmed `imm` that landed here and were not taken yet; they are
+        taken now, and `imm` stays tombstoned (see counters: the caller keeps the total)."""
+        self._check_imm(imm)
+        return self.counters.take_arrivals(imm)
+
+    def reset_imm(self, imm: int) -> None:
+        """Forget the disarmed `imm`'s tombstone and buffered writes: it is handed out anew, and
+        no write of its earlier use can land any more (the caller's guarantee)."""
+        self._check_imm(imm)
+        self.counters.reset(imm)
+
     # -- messages -------------------------------------------------------------------------------
 
     def submit_send(

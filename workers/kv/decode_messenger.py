@@ -206,7 +206,9 @@ class DecodeMessenger:
         self._wake = wake or (lambda: None)
         self._pending: deque[str] = deque()
         self._by_id: dict[str, _Incoming] = {}
-        self._quarantined: dict[int, int] = {}  # imm -> arrivals already told to the quarantine
+        # imm -> writes landed, counted here: the fabric's tombstones are bounded (and a later
+        # cancellation may evict one), so each poll takes its new arrivals (`_tend_quarantine`).
+        self._quarantined: dict[int, int] = {}
         self._failures: list[tuple[str, str]] = []
         self.finished: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self.context_states: OrderedDict[str, torch.Tensor] = OrderedDict()
@@ -270,6 +272,11 @@ class DecodeMessenger:
         except KvTransferError:
             self.engine.free_pinned(pages)
             raise
+        # The imm may be handed out again (its generation wrapped): drop its old tombstone and
+        # stray arrivals, or this transfer's writes landing before the counter is armed would be
+        # ignored as late ones. Safe: a slot comes back only once no write of its old imm can
+        # land (drained when its counter fired, else parked until its pages left quarantine).
+        self.fabric.reset_imm(imm)
         slot, _ = self.imm_layout.decode(imm)
         incoming.transfer = DecodeTransfer(
             request_id, imm, tuple(pages), None, now + self.config.transfer_timeout_s, now
@@ -498,7 +505,10 @@ class DecodeMessenger:
             self._fail(decoded.request_id, f"write count disagreement: {error}")
             return
         if not incoming.armed:
-            self._arm(incoming, decoded.expected_write_count)
+            try:
+                self._arm(incoming, decoded.expected_write_count)
+            except FabricError as error:  # the fabric closed (this poll's `_fabric_lost` follows)
+                self._fail(decoded.request_id, f"KV fabric unusable: {error}")
 
     def _handle_fired(self, imm: int, fired_s: float) -> None:
         request_id = self.slots.resolve(imm)
@@ -571,14 +581,17 @@ class DecodeMessenger:
         now = time.monotonic()
         imm = transfer.imm
         never_sent = transfer.state is DecodeState.ALLOCATED  # nothing can land
-        fired = incoming.armed and not self.fabric.cancel_imm(imm)
-        if not incoming.armed:
-            self.fabric.cancel_imm(imm)
+        still_armed = self.fabric.cancel_imm(imm)  # tombstoned: late writes count for nothing
+        # An armed counter found disarmed fired (every write landed; its callback may not have
+        # run yet), unless the fabric closed: that disarms every counter too (`fail_all`), with
+        # writes still to come, so the pages stay held (closed is set before it disarms).
+        fired = incoming.armed and not still_armed and self.fabric.closed_reason() is None
         transfer.fail(reason, now)
         self._remember(request_id, transfer)  # before any release, which it records
         self.slots.release(imm, drained=False)
         expected = transfer.num_writes_expected
-        seen = expected if fired and expected else self.fabric.imm_arrivals(imm)
+        landed = self.fabric.take_imm_arrivals(imm)
+        seen = expected if fired and expected else landed
         self._quarantined[imm] = seen
         released = self.quarantine.hold(
             QuarantinedPages(imm, request_id, transfer.page_ids, incoming.endpoint.address),
@@ -600,11 +613,11 @@ class DecodeMessenger:
     def _tend_quarantine(self, now: float) -> None:
         """Count late arrivals, judge the prefill peers, re-send the aborts that are due."""
         released: list[QuarantinedPages] = []
-        for imm, told in list(self._quarantined.items()):
-            seen = self.fabric.imm_arrivals(imm)
-            if seen > told:
-                self._quarantined[imm] = seen
-                released += self.quarantine.record_writes(imm, seen - told)
+        for imm in list(self._quarantined):
+            landed = self.fabric.take_imm_arrivals(imm)
+            if landed:
+                self._quarantined[imm] += landed
+                released += self.quarantine.record_writes(imm, landed)
         self._release(released)
         while True:
             try:
@@ -745,11 +758,11 @@ class DecodeMessenger:
         """Free quarantined pages; ``how``: every write that can land did (``drained``), or
         the prefill process is gone (``peer_gone``), recorded in the transfer's record."""
         for pages in released:
-            self._quarantined.pop(pages.imm, None)
+            landed = self._quarantined.pop(pages.imm, 0) + self.fabric.take_imm_arrivals(pages.imm)
             record = self.finished.get(pages.request_id)
             if record is not None and record["imm"] == pages.imm:
                 record["quarantine_release"] = how
-                record["num_writes_landed"] = self.fabric.imm_arrivals(pages.imm)
+                record["num_writes_landed"] = landed
             self.engine.free_pinned(pages.page_ids)
             self.slots.recycle(pages.imm)
 

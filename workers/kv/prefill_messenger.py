@@ -24,7 +24,8 @@ Queues and life cycle (all keyed by the decoder's request id)::
   until its pages are freed, so every copy is answered: for a transfer that already ended with
   its count (kept for ``finished_memory`` transfers), for one never seen (or forgotten: its
   writes all completed long ago) with 0. **Deadline** (the request's ``timeout_ms``): same as
-  an abort, marked failed; no write is submitted after it.
+  an abort, marked failed; no write is submitted after it. A new request reusing the id of one
+  aborted in the engine stays queued until that one's final output came (one engine step).
 - **Giving up** (deadline, a failed write, the engine ending the request, `shutdown`, the
   step loop dying: `engine_failed`): the transfer stops as on an abort and
   `PrefillFailed(reason, num_writes_submitted)` goes to the decoder at once, so it fails the
@@ -76,7 +77,6 @@ from workers.kv.pages import num_pages_for_tokens
 from workers.kv.pools import register_engine_pools
 from workers.kv.prefill_checks import CheckedRequest, RequestRejected, check_request
 from workers.kv.protocol import (
-    MAX_DETAIL_CHARS,
     AbortAcknowledged,
     AbortPrefill,
     FailReason,
@@ -86,6 +86,7 @@ from workers.kv.protocol import (
     RejectReason,
     decode_message,
     encode_message,
+    truncate_detail,
 )
 from workers.kv.push import CallOutcome, PassPlan, PushItem, PushThread
 from workers.kv.sharding import GroupSharding
@@ -168,6 +169,11 @@ class PrefillMessenger:
         self._by_id: dict[str, Outgoing] = {}
         self._queued: deque[Outgoing] = deque()
         self._reserved_pages = 0
+        # Request ids aborted in the engine whose final ("abort") output is still to come (from
+        # its next step). The engine knows requests by the decoder's id: a new request with
+        # such an id waits in the queue until that output came, else it would be taken for the
+        # new one's (`after_step`) and the new one would be given up yet kept in the engine.
+        self._engine_ending: set[str] = set()
         self.finished: OrderedDict[str, dict[str, Any]] = OrderedDict()
         # Writes ever submitted by each ended transfer, by (request id, imm): re-sent aborts.
         self._ended_writes: OrderedDict[tuple[str, int], int] = OrderedDict()
@@ -313,6 +319,9 @@ class PrefillMessenger:
     def after_step(self, outputs: list[RequestOutput]) -> None:
         """After the step: requests the engine reports prefilled may be freed once drained."""
         for output in outputs:
+            if output.finished and output.request_id in self._engine_ending:
+                self._engine_ending.discard(output.request_id)
+                continue  # an ended transfer's: a live one with this id is not in the engine
             out = self._by_id.get(output.request_id)
             if out is None:
                 continue
@@ -460,7 +469,9 @@ class PrefillMessenger:
     def _handle_request(self, request: PrefillRequest, peer: PeerHandle) -> None:
         def reject(reason: RejectReason, detail: str) -> None:
             log.info("rejected %s: %s %s", request.request_id, reason.name, detail)
-            rejected = PrefillRejected(request.request_id, request.transfer_id, reason, detail)
+            rejected = PrefillRejected(
+                request.request_id, request.transfer_id, reason, truncate_detail(detail)
+            )
             self._send(peer, rejected)
 
         if self._refusal is not None:
@@ -538,6 +549,8 @@ class PrefillMessenger:
             out = self._queued[0]
             if self._reserved_pages + out.num_pages_total > self.engine.num_pages:
                 return
+            if out.request_id in self._engine_ending:
+                return  # admitted after the engine's next step (`_engine_ending`)
             self._queued.popleft()
             tokens = list(out.request.token_ids)
             try:
@@ -565,7 +578,7 @@ class PrefillMessenger:
             if isinstance(error, InvalidRequestError | CapacityError)
             else RejectReason.INTERNAL
         )
-        detail = str(error)[:MAX_DETAIL_CHARS]
+        detail = truncate_detail(str(error))
         self._send(out.peer, PrefillRejected(out.request_id, out.transfer.imm, reason, detail))
         self._stop(out, f"rejected: {error}", failed=True)
 
@@ -615,7 +628,7 @@ class PrefillMessenger:
         self._stop(out, detail, failed=True)
         submitted = out.transfer.num_writes_submitted
         failed = PrefillFailed(
-            out.request_id, out.transfer.imm, reason, submitted, detail[:MAX_DETAIL_CHARS]
+            out.request_id, out.transfer.imm, reason, submitted, truncate_detail(detail)
         )
         self._send(out.peer, failed)
 
@@ -638,7 +651,7 @@ class PrefillMessenger:
                 out.transfer.imm,
                 FailReason.WRITE_ERROR,
                 out.transfer.num_writes_submitted,
-                f"{count} writes failed: {error}"[:MAX_DETAIL_CHARS],
+                truncate_detail(f"{count} writes failed: {error}"),
             )
             self._send(out.peer, failed)
         self._finish_if_drained(out)
@@ -684,8 +697,10 @@ class PrefillMessenger:
                 pass  # never call a failed engine; its pages go with the process
             elif out.transfer.state is PrefillState.DONE:
                 self.engine.release(request_id)
-            else:
-                self.engine.abort(request_id)
+            elif self.engine.abort(request_id) and not out.prefilled:
+                # Still among the engine's requests (a prefilled one is held and released
+                # without an output): its final output comes from the next step.
+                self._engine_ending.add(request_id)
 
     def _remember(self, out: Outgoing) -> None:
         self.finished[out.request_id] = out.summary()
@@ -728,7 +743,7 @@ class PrefillMessenger:
         state after a failed step is unknown); `poll` keeps answering messages and draining
         completions for whoever takes the messenger over (`PrefillWorker`)."""
         self._engine_failed = True
-        self._refusal = (RejectReason.INTERNAL, detail[:MAX_DETAIL_CHARS])
+        self._refusal = (RejectReason.INTERNAL, truncate_detail(detail))
         for out in list(self._by_id.values()):
             if out.transfer.state in _ACTIVE:
                 self._give_up(out, FailReason.ENGINE_ERROR, detail)

@@ -43,7 +43,8 @@ MAX_TOKENS = 1 << 21
 MAX_RANKS = 256
 MAX_ID_CHARS = 256
 MAX_DESCRIPTOR_BYTES = 4096
-MAX_DETAIL_CHARS = 1024
+MAX_DETAIL_BYTES = 1024  # UTF-8 bytes, as msgpack's max_str_len counts (`decode_message`)
+MAX_STR_BYTES = MAX_DETAIL_BYTES  # every str field's wire limit (a request id's 256 chars fit)
 U32_MAX = (1 << 32) - 1
 U64_MAX = (1 << 64) - 1
 
@@ -109,12 +110,28 @@ class _Bool(_Field):
 
 @dataclasses.dataclass(frozen=True)
 class _Str(_Field):
+    """``min_len..max_len`` characters and at most ``max_bytes`` UTF-8 bytes: the receiver's
+    msgpack limit counts bytes, so a str within a character bound alone could be refused there."""
+
     min_len: int
     max_len: int
+    max_bytes: int = MAX_STR_BYTES
 
     def check(self, name: str, value: object) -> None:
         if type(value) is not str or not self.min_len <= len(value) <= self.max_len:
             raise ProtocolError(f"{name} must be a str of {self.min_len}..{self.max_len} chars")
+        try:
+            num_bytes = len(value.encode("utf-8"))
+        except UnicodeEncodeError:  # a lone surrogate: msgpack could not pack it
+            raise ProtocolError(f"{name} is not valid UTF-8 text") from None
+        if num_bytes > self.max_bytes:
+            raise ProtocolError(f"{name} is {num_bytes} UTF-8 bytes, at most {self.max_bytes}")
+
+
+def truncate_detail(text: str, max_bytes: int = MAX_DETAIL_BYTES) -> str:
+    """``text`` cut to at most ``max_bytes`` UTF-8 bytes at a character boundary, for a
+    message's ``detail`` (characters UTF-8 cannot carry, lone surrogates, become "?")."""
+    return text.encode("utf-8", "replace")[:max_bytes].decode("utf-8", "ignore")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,7 +344,7 @@ class PrefillRejected(_Message):
         _REQUEST_ID,
         _TRANSFER_ID,
         _Enum(RejectReason),
-        _Str(0, MAX_DETAIL_CHARS),
+        _Str(0, MAX_DETAIL_BYTES),
     )
 
     request_id: str
@@ -373,7 +390,7 @@ class PrefillFailed(_Message):
         _TRANSFER_ID,
         _Enum(FailReason),
         _Int(0, U64_MAX),
-        _Str(0, MAX_DETAIL_CHARS),
+        _Str(0, MAX_DETAIL_BYTES),
     )
 
     request_id: str
@@ -428,7 +445,7 @@ def decode_message(data: bytes | bytearray | memoryview) -> Message:
             data,
             raw=False,
             use_list=True,
-            max_str_len=MAX_DETAIL_CHARS,
+            max_str_len=MAX_STR_BYTES,
             max_bin_len=4 * MAX_TOKENS,
             max_array_len=MAX_RANKS + 16,
             max_map_len=0,
