@@ -142,7 +142,9 @@ class MixedBackend:
             self.engine.add_request(request_id, prompt_token_ids, params)
             self._sinks[request_id] = sink
 
-        self._loop.call(start)
+        # Undone if it timed out while running: the caller reports an error, and the request
+        # must not run on unread.
+        self._loop.call(start, undo=lambda: self.engine.abort(request_id))
 
     def abort(self, request_id: str) -> None:
         self._loop.call(lambda: self.engine.abort(request_id))

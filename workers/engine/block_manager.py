@@ -16,7 +16,7 @@ The allocator knows nothing of sequences; the scheduler keeps each sequence's pa
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 
 from workers.engine.errors import CapacityError
@@ -86,20 +86,23 @@ class BlockManager:
 
     def unpin(self, page_ids: Iterable[int]) -> None:
         """Hand pinned pages over to a sequence: they become ordinary allocated pages."""
-        for page_id in page_ids:
-            if page_id not in self._pinned:
-                raise PageAllocationError(f"page {page_id} is not pinned")
-            self._pinned.remove(page_id)
+        page_ids = list(page_ids)
+        self._check_pinned(page_ids)  # all checked first: a refused call changes nothing
+        self._pinned.difference_update(page_ids)
 
     def free(self, page_ids: Iterable[int]) -> None:
         """Drop one reference to each page; a page returns to the free list at zero."""
-        for page_id in page_ids:
+        page_ids = list(page_ids)
+        # All checked first: a refused call changes nothing. A page may repeat (one reference
+        # per occurrence), so count occurrences against the reference count.
+        for page_id, count in Counter(page_ids).items():
             if page_id in self._pinned:
                 raise PageAllocationError(
                     f"page {page_id} is pinned: unpin it first or use free_pinned"
                 )
-            if self._ref_counts[page_id] <= 0:
+            if self._ref_counts[page_id] < count:
                 raise PageAllocationError(f"page {page_id} freed twice")
+        for page_id in page_ids:
             self._ref_counts[page_id] -= 1
             if self._ref_counts[page_id] == 0:
                 self._free.append(page_id)
@@ -107,8 +110,16 @@ class BlockManager:
     def free_pinned(self, page_ids: Iterable[int]) -> None:
         """Give back pinned pages that were never handed over (an aborted transfer)."""
         page_ids = list(page_ids)
+        self._check_pinned(page_ids)  # then neither step below can fail half-way
         self.unpin(page_ids)
         self.free(page_ids)
+
+    def _check_pinned(self, page_ids: list[int]) -> None:
+        if len(set(page_ids)) != len(page_ids):
+            raise PageAllocationError(f"page ids repeat: {page_ids}")
+        for page_id in page_ids:
+            if page_id not in self._pinned:
+                raise PageAllocationError(f"page {page_id} is not pinned")
 
     # --- checks ----------------------------------------------------------------------------
 

@@ -204,6 +204,7 @@ class EngineCore:
 
     def free_pinned(self, page_ids: Sequence[int]) -> None:
         """Give back pinned pages that were never handed to a request (failed transfer)."""
+        self._check_unowned(page_ids)
         self.block_manager.free_pinned(page_ids)
 
     def num_prefill_pages(self, num_prompt_tokens: int) -> int:
@@ -297,7 +298,11 @@ class EngineCore:
         scheduled = self.scheduler.schedule()
         self.stats.num_preemptions += len(scheduled.preempted)
         for seq in scheduled.hopeless:
-            outputs.append(self._final_output(seq))
+            # Outgrew the pool (``length``): release the held-back text as any finish does.
+            new_text, stopped = self.stop_checker.finish_text(seq)
+            if stopped:
+                seq.finish_reason = FinishReason.STOP
+            outputs.append(self._final_output(seq, new_text))
         if scheduled.is_empty:
             return outputs
         if self.on_step_scheduled is not None:
@@ -359,6 +364,13 @@ class EngineCore:
         """The checks of `add_request` (typed errors, nothing allocated): the prompt as ints."""
         if request_id in self._requests or request_id in self._held:
             raise InvalidRequestError(f"request id {request_id!r} is already active")
+        if any(output.request_id == request_id for output in self._pending):
+            # Aborted, its final output not stepped out yet: no caller could tell that output
+            # from the new request's.
+            raise InvalidRequestError(
+                f"request id {request_id!r} is still ending; its final output comes with the "
+                "next step"
+            )
         return validate_request(
             request_id,
             prompt_token_ids,
@@ -378,9 +390,18 @@ class EngineCore:
             )
         if len(set(page_ids)) != len(page_ids):
             raise InvalidRequestError("page ids repeat")
+        self._check_unowned(page_ids)
+
+    def _check_unowned(self, page_ids: Sequence[int]) -> None:
+        """Pinned pages no request holds: a request waiting for KV holds its pinned pages."""
+        owned = {
+            p for seq in [*self._requests.values(), *self._held.values()] for p in seq.page_ids
+        }
         for page_id in page_ids:
             if not 0 <= page_id < self.num_pages or not self.block_manager.is_pinned(page_id):
                 raise InvalidRequestError(f"page {page_id} was not allocated with allocate_pinned")
+            if page_id in owned:
+                raise InvalidRequestError(f"page {page_id} is held by another request")
 
     def _finish(self, seq: Seq, reason: FinishReason, *, emit: bool = True) -> RequestOutput:
         keep = reason is FinishReason.PREFILLED
@@ -396,12 +417,13 @@ class EngineCore:
         self._requests.pop(seq.request_id, None)
         self.stop_checker.forget(seq)
 
-    def _final_output(self, seq: Seq) -> RequestOutput:
+    def _final_output(self, seq: Seq, new_text: str = "") -> RequestOutput:
         self._forget(seq)
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=[],
             token_times=[],
+            new_text=new_text,
             finished=True,
             finish_reason=seq.finish_reason.value if seq.finish_reason else None,
             num_prompt_tokens=seq.num_prompt_tokens,

@@ -41,3 +41,16 @@ class EngineClosedError(EngineError, RuntimeError):
 
     Raised by `StepLoop.call` at once (``__cause__`` is the loop's error when it died).
     """
+
+
+class EngineCallTimeoutError(EngineError, TimeoutError):
+    """`StepLoop.call` gave up waiting for its function.
+
+    ``started`` False: the function never ran and never will (the call was cancelled).
+    ``started`` True: it was already running on the loop thread and still completes, unseen by
+    the caller: whatever it started (a request) is the caller's to undo (abort).
+    """
+
+    def __init__(self, message: str, *, started: bool) -> None:
+        super().__init__(message)
+        self.started = started

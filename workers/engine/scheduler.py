@@ -215,18 +215,31 @@ class Scheduler:
 
         Only the decode role has waiting sequences that hold pages (KV written by a prefill
         worker). If they hold every free page, nothing running will ever free one: drop the KV
-        of the newest of them (they recompute it later) until ``seq`` fits.
+        of the newest of them (they recompute it later) until ``seq`` fits. Drop none when all
+        of them would not make room (pinned pages block ``seq``): ``seq`` waits for those either
+        way, and the dropped KV would only have to be recomputed.
         """
         if self.running:
             return False  # running sequences will finish or be preempted and free pages
+        needed = self._pages_needed(seq, num_new)
+        num_reclaimable = self.block_manager.num_free_pages
+        victims: list[Sequence] = []
         for victim in reversed(self.waiting):
-            if self._can_append(seq, num_new):
+            if num_reclaimable >= needed:
                 break
             if victim is not seq and victim.page_ids:
-                logger.debug("dropping the KV of waiting %s (recompute)", victim.request_id)
-                self.release_pages(victim)
-                victim.drop_kv()
-                out.preempted.append(victim)
+                victims.append(victim)
+                # A shared page returns to the pool only with its last owner.
+                num_reclaimable += sum(
+                    1 for p in victim.page_ids if self.block_manager.ref_count(p) == 1
+                )
+        if num_reclaimable < needed:
+            return False
+        for victim in victims:
+            logger.debug("dropping the KV of waiting %s (recompute)", victim.request_id)
+            self.release_pages(victim)
+            victim.drop_kv()
+            out.preempted.append(victim)
         return self._can_append(seq, num_new)
 
     def _fits_alone(self, seq: Sequence, num_new: int) -> bool:

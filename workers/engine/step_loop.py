@@ -6,7 +6,9 @@
 
 Other threads reach the engine only through ``call(function)``, which runs ``function`` on this
 thread and returns its result. Used by the KV workers (``poll`` / ``has_work`` drive the
-messenger) and by the colocated worker backend (no messenger).
+messenger) and by the colocated worker backend (no messenger). A call that times out is
+cancelled unless its function already started (`EngineCallTimeoutError.started`): a late run
+would act for a caller that gave up.
 
 A step that schedules nothing (every waiting request blocked by pages held for transfers) waits
 too: spinning would hold the GIL against the messenger and fabric threads that free the pages;
@@ -28,7 +30,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from workers.engine.errors import EngineClosedError
+from workers.engine.errors import EngineCallTimeoutError, EngineClosedError
 from workers.engine.step_trace import StepTrace
 
 if TYPE_CHECKING:
@@ -48,6 +50,11 @@ def _nothing() -> None:
 
 def _no_work() -> bool:
     return False
+
+
+def _log_posted_error(future: Future[object]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.error("engine call queued without a caller failed", exc_info=future.exception())
 
 
 def _ignore_error(error: BaseException) -> None:
@@ -90,15 +97,49 @@ class StepLoop:
     def wake(self) -> None:
         self._wake.set()
 
-    def call(self, function: Callable[[], T], timeout: float = 60.0) -> T:
-        """Run ``function`` on the loop thread; raises `EngineClosedError` once closed."""
+    def call(
+        self,
+        function: Callable[[], T],
+        timeout: float = 60.0,
+        *,
+        undo: Callable[[], object] | None = None,
+    ) -> T:
+        """Run ``function`` on the loop thread; raises `EngineClosedError` once closed, and
+        `EngineCallTimeoutError` after ``timeout`` seconds (see its ``started``). ``undo``:
+        queued to run after a ``function`` that timed out once started (e.g. abort the request
+        it starts), so that nothing it did outlives a caller that gave up."""
         future: Future[T] = Future()
         with self._lock:
             if self._closed:
                 raise self._closed_error()
             self._calls.put((function, future))
         self._wake.set()
-        return future.result(timeout)
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            if future.cancel():  # not started: `_run_calls` will skip it
+                raise EngineCallTimeoutError(
+                    f"engine call not run within {timeout} s; cancelled, it will not run",
+                    started=False,
+                ) from None
+            if future.done():  # it finished just as the wait ran out
+                return future.result()
+            if undo is not None:
+                self._post(undo)
+            raise EngineCallTimeoutError(
+                f"engine call still running after {timeout} s; it will complete unseen",
+                started=True,
+            ) from None
+
+    def _post(self, function: Callable[[], object]) -> None:
+        """Queue ``function`` without waiting for it; an error it raises is logged."""
+        future: Future[object] = Future()
+        future.add_done_callback(_log_posted_error)
+        with self._lock:
+            if self._closed:
+                return  # the loop's end fails every request anyway
+            self._calls.put((function, future))
+        self._wake.set()
 
     def trace_snapshot(self) -> dict[str, Any]:
         """The engine's recent steps (`StepTrace.snapshot`), read on the loop thread."""
@@ -168,6 +209,9 @@ class StepLoop:
                 function, future = self._calls.get_nowait()
             except queue.Empty:
                 return
+            # False when its caller timed out and cancelled it; once True, cancel() fails.
+            if not future.set_running_or_notify_cancel():
+                continue
             try:
                 future.set_result(function())
             except BaseException as error:
@@ -179,4 +223,5 @@ class StepLoop:
                 _, future = self._calls.get_nowait()
             except queue.Empty:
                 return
-            future.set_exception(error)
+            if future.set_running_or_notify_cancel():  # a cancelled one takes no exception
+                future.set_exception(error)

@@ -97,6 +97,13 @@ class StopChecker:
             reason = FinishReason.STOP
         return self._take(seq, final=reason is not None), reason
 
+    def finish_text(self, seq: Sequence) -> tuple[str, bool]:
+        """Text not yet reported of a sequence ended outside `check` (it outgrew the KV pool):
+        the held-back tail and the detokenizer's leftover, as `check` releases them on a finish;
+        True when that leftover completed a stop string (the finish becomes ``stop``)."""
+        stopped = self._add_text(seq, self._flush(seq))
+        return self._take(seq, final=True), stopped
+
     def _push(self, seq: Sequence, token_id: int) -> str:
         state = self._texts.get(seq.request_id)
         return state.detokenizer.push(token_id) if state is not None else ""

@@ -380,19 +380,21 @@ class DecodeWorker:
                 del self._streams[request_id]
                 raise
 
-        self._loop.call(start)
+        # Undone if it timed out while running: the caller reports an error, and the request
+        # must not run on unread.
+        self._loop.call(start, undo=partial(self._abort_here, request_id))
         return stream
 
     def abort(self, request_id: str) -> bool:
         """End a request wherever it is; its stream gets a final ``abort`` output."""
+        return self._loop.call(partial(self._abort_here, request_id))
 
-        def abort() -> bool:
-            if self.messenger.abort(request_id):
-                self._emit(WorkerOutput(request_id, [], True, "abort"))
-                return True
-            return self.engine.abort(request_id)
-
-        return self._loop.call(abort)
+    def _abort_here(self, request_id: str) -> bool:
+        """`abort`, on the step thread."""
+        if self.messenger.abort(request_id):
+            self._emit(WorkerOutput(request_id, [], True, "abort"))
+            return True
+        return self.engine.abort(request_id)
 
     def state(self) -> dict[str, Any]:
         _check_fabric(self.fabric)
