@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import ray
+
 from orchestrator.config import ClusterConfig
 from orchestrator.config_sections import GroupConfig
 from orchestrator.controller import Controller, ControllerOptions, _Placed
@@ -85,6 +87,9 @@ def test_a_late_answer_from_a_replaced_actor_does_not_mark_its_worker_healthy(
             await asyncio.Event().wait()  # the new actor is still loading its model
 
         controller._launch = relaunch  # type: ignore[method-assign]
+        # No Ray actor to kill (`ray.kill` would start a Ray instance in this process, which
+        # the cluster tests' own `ray.init` then refuses): the fake is only forgotten.
+        controller._discard = lambda worker_id: controller._placed.pop(worker_id, None)  # type: ignore[method-assign,assignment]
         old = _SlowActor()
         controller._placed["mixed-0"] = _Placed(old, None)
         late = asyncio.create_task(controller._check("mixed-0"))  # waits for `old.answer`
@@ -101,3 +106,4 @@ def test_a_late_answer_from_a_replaced_actor_does_not_mark_its_worker_healthy(
         await controller.shutdown(0.1)
 
     asyncio.run(run())
+    assert not ray.is_initialized()  # the cluster tests after this one start their own
