@@ -6,6 +6,9 @@ Both fill a `RequestResult` as messages arrive: the arrival time of each message
 tokens it carries (gRPC: ``token_ids`` with ``return_token_ids``; HTTP: ``logprobs.tokens``
 with ``logprobs: 0``, the only per-chunk token count the OpenAI shape has). A failure is
 recorded on the result (status name or HTTP status), never raised: every request is counted.
+So is a stream that ended before its request ran its course (`check_finish`): aborted, or cut
+at ``length`` short of ``max_tokens`` (max_model_len, or a request that outgrew the KV pool),
+whose tokens would flatter TPOT and goodput.
 """
 
 from __future__ import annotations
@@ -56,6 +59,20 @@ async def model_info(address: str, timeout: float = 30.0, token: str | None = No
     )
 
 
+def check_finish(request: TimedRequest, result: RequestResult) -> None:
+    """Record a finished stream that did not run its course as an error. ``stop`` (EOS or a
+    stop string) is a course run at any length; ``length`` only at ``max_tokens``."""
+    # The server's own count where it sent one: a server may send chunks without token counts.
+    tokens = max(result.output_tokens, result.usage_completion_tokens or 0)
+    reason = result.finish_reason
+    if reason == "stop" or (reason == "length" and tokens >= request.max_tokens):
+        return
+    result.error = (
+        f"ended early: {reason or 'no finish reason'} after {tokens} of {request.max_tokens} tokens"
+    )
+    result.finish_s = None  # set for completed requests only
+
+
 class GrpcClient:
     name = "grpc"
 
@@ -85,6 +102,8 @@ class GrpcClient:
                     result.finish_s = arrived
             if result.finish_s is None:
                 result.error = "incomplete"  # the stream ended without its last message
+            else:
+                check_finish(request, result)
         except grpc.aio.AioRpcError as error:
             result.error = error.code().name
             result.finish_s = None
@@ -139,6 +158,8 @@ class HttpClient:
                         return
             if result.finish_s is None:
                 result.error = "incomplete"
+            else:
+                check_finish(request, result)
         except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as error:
             result.error = type(error).__name__
             result.finish_s = None
@@ -146,7 +167,9 @@ class HttpClient:
     @staticmethod
     def _on_event(event: dict[str, Any], arrived: float, result: RequestResult) -> None:
         if "error" in event:
-            result.error = f"stream: {event['error'].get('code') or 'error'}"
+            error = event["error"]  # OpenAI's shape is an object; a server may send a string
+            code = error.get("code") if isinstance(error, dict) else error
+            result.error = f"stream: {code or 'error'}"
             return
         if event.get("usage"):
             result.usage_completion_tokens = event["usage"]["completion_tokens"]

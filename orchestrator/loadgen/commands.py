@@ -254,7 +254,7 @@ def _simulate_runs(
     from orchestrator.loadgen.requests import kept_specs
     from orchestrator.loadgen.validate import compare_to_measured, format_validation, predict
 
-    specs = kept_specs(options.workload, options.duration_s)
+    specs = kept_specs(options.workload, options.duration_s, options.num_warmup)
     validation: dict[str, Any] = {}
     for run in runs:
         prediction = predict(cost, run.config, specs, args.warmup)
@@ -342,7 +342,7 @@ def _run_validate(args: argparse.Namespace) -> int:
     for key, value in (("max_concurrency", 1), ("timeout", 1.0), ("backend", "grpc")):
         setattr(workload_args, key, value)
     options = _options(workload_args)
-    specs = kept_specs(options.workload, options.duration_s)
+    specs = kept_specs(options.workload, options.duration_s, options.num_warmup)
     # Per config: its rows against each result and, for several, against their median; the
     # closing count judges a set of repeats on the median, a single result on itself.
     checks: dict[str, dict[str, Any]] = {}

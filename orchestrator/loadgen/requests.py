@@ -39,17 +39,11 @@ def build_requests(
 ) -> list[TimedRequest]:
     """The workload's requests with prompts; arrivals after ``duration_s`` are dropped (a bound
     on the run, not a rate change). The first ``num_warmup`` are marked warm-up."""
-    if num_warmup < 0 or num_warmup >= workload.num_requests:
-        raise ValueError(
-            f"warm-up must be in [0, num_requests={workload.num_requests}), got {num_warmup}"
-        )
-    if duration_s is not None and duration_s <= 0:
-        raise ValueError(f"duration must be positive, got {duration_s}")
+    specs = kept_specs(workload, duration_s, num_warmup)
     excluded = set(excluded_ids)
     allowed = np.array([t for t in range(vocab_size) if t not in excluded], dtype=np.int64)
     if not len(allowed):
         raise ValueError(f"no token ids left to draw prompts from (vocab {vocab_size})")
-    specs = kept_specs(workload, duration_s)
     # Its own stream (index 3): workload.py uses [seed, 1] and [seed, 2].
     rng = np.random.default_rng([workload.seed, 3])
     out = []
@@ -67,9 +61,21 @@ def build_requests(
     return out
 
 
-def kept_specs(workload: Workload, duration_s: float | None) -> list[RequestSpec]:
-    """The workload's specs that arrive within ``duration_s`` (all when None)."""
+def kept_specs(
+    workload: Workload, duration_s: float | None, num_warmup: int = 0
+) -> list[RequestSpec]:
+    """The workload's specs that arrive within ``duration_s`` (all when None); ValueError
+    unless the first ``num_warmup`` of them (warm-up) leave at least one to measure."""
+    if duration_s is not None and not duration_s > 0:
+        raise ValueError(f"duration must be positive, got {duration_s}")
     specs = workload.requests()
-    if duration_s is None:
-        return specs
-    return [s for s in specs if s.arrival_time <= duration_s]
+    if duration_s is not None:
+        specs = [s for s in specs if s.arrival_time <= duration_s]
+    # Against the requests kept, not num_requests: a duration that keeps no more than the
+    # warm-up leaves nothing measured, and every summary and simulation of it is empty.
+    if not 0 <= num_warmup < len(specs):
+        within = "" if duration_s is None else f" arriving within {duration_s} s"
+        raise ValueError(
+            f"warm-up must be in [0, {len(specs)}) (the requests{within}), got {num_warmup}"
+        )
+    return specs

@@ -59,6 +59,11 @@ async def run_open_loop(
         try:
             async with slots:
                 await client.send(request, result, now)
+        except Exception as error:
+            # One request's failure is its own (a malformed stream the client did not foresee):
+            # raised, it would fail `gather` and cancel every request in flight.
+            result.error = f"{type(error).__name__}: {error}"
+            result.finish_s = None
         finally:
             in_flight -= 1
 

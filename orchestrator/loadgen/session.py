@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, TextIO
 
 from orchestrator.loadgen.clients import Client, GrpcClient, HttpClient, model_info
-from orchestrator.loadgen.requests import build_requests
+from orchestrator.loadgen.requests import build_requests, kept_specs
 from orchestrator.loadgen.runner import RunOutcome, run_open_loop
 from orchestrator.loadgen.stats import SLOs, summarize
 from orchestrator.sim.workload import Workload
@@ -26,6 +26,11 @@ class BenchOptions:
     timeout_s: float = 600.0  # per request
     backend: Backend = "grpc"
     api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        # Before any cluster runs: a warm-up that leaves no request measured (after the
+        # duration cut) makes a run that measures nothing and a simulation that fails.
+        kept_specs(self.workload, self.duration_s, self.num_warmup)
 
 
 async def measure(

@@ -2,7 +2,8 @@
 goodput, error counts.
 
 Warm-up requests are left out of every latency and throughput figure but counted in
-``sent`` / ``completed`` / ``errored``. Percentiles are numpy's linear interpolation. ITL
+``sent`` / ``completed`` / ``errored``. Percentiles are numpy's linear interpolation, as the
+simulator's (`orchestrator.sim.metrics.percentile`, one function for both). ITL
 percentiles pool every measured request's per-token gaps (`RequestResult.itls`). Throughput
 and goodput divide by the measured window: from the first measured request's send to the last
 measured request's end.
@@ -18,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from orchestrator.loadgen.records import RequestResult
+from orchestrator.sim.metrics import percentile
 
 PERCENTILES = (50, 90, 99)
 
@@ -48,7 +50,7 @@ def distribution(values: Sequence[float]) -> dict[str, float | None]:
     array = np.asarray(values, dtype=float)
     out: dict[str, float | None] = {"mean": float(array.mean())}
     for q in PERCENTILES:
-        out[f"p{q}"] = float(np.percentile(array, q))
+        out[f"p{q}"] = percentile(array, q)
     return out
 
 

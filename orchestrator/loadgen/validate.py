@@ -122,7 +122,7 @@ def _predict_once(
     kept = SimResult(result.layout, measured, result.itl_steps, result.busy_seconds)
     summary = summarize(kept)
     return {
-        "ttft_p50_s": float(np.percentile([r.ttft for r in measured], 50)),
+        "ttft_p50_s": summary.ttft_p50,
         "itl_p99_s": summary.itl_p99,
         "output_token_throughput": summary.output_tokens_per_s,
     }

@@ -42,6 +42,7 @@ from orchestrator.sim.instances import chunk_tokens
 logger = logging.getLogger(__name__)
 
 BUDGET = 256  # prefill chunk / step token budget of the calibration engine (default)
+PAGE_SIZE = 16  # tokens per KV page of the calibration engine (`EngineConfig`'s default)
 PROMPT_LEN = 32  # decode points: prompt tokens per sequence (default; see decode_contexts)
 DECODE_STEPS = 4  # timed decode steps per batch size
 BACKGROUND_BATCH = 4  # each background engine: rounds of this many requests ...
@@ -325,10 +326,26 @@ def check_options(
     budget: int,
     background: tuple[int, int] = (BACKGROUND_PROMPT, BACKGROUND_OUTPUT),
     repeats: int = 1,
+    *,
+    decode_batches: Sequence[int] = (1,),
+    decode_contexts: Sequence[int] = (PROMPT_LEN,),
+    mixed_batches: Sequence[int] = (),
 ) -> int:
     """Validate `run_calibration`'s process count, background requests (prompt, output tokens),
-    long prompt and timed runs per point before anything is measured; returns the long
-    prompt's length (default: 4 chunks)."""
+    long prompt, timed runs per point and the decode and mixed points' batches and contexts
+    before anything is measured; returns the long prompt's length (default: 4 chunks)."""
+    if not decode_batches or min(decode_batches) < 1:
+        raise ValueError(f"decode batches must be >= 1 sequences, got {list(decode_batches)}")
+    if not decode_contexts or min(decode_contexts) < 1:
+        raise ValueError(f"decode contexts must be >= 1 tokens, got {list(decode_contexts)}")
+    # A mixed step's chunk gets the budget its decodes leave, cut to a page boundary: below
+    # one page the prompt never advances (`chunk_tokens` gives 0) and the point never ends.
+    most = budget - PAGE_SIZE
+    if mixed_batches and not 1 <= min(mixed_batches) <= max(mixed_batches) <= most:
+        raise ValueError(
+            f"mixed batches must be 1..{most} sequences (the {budget}-token budget less one "
+            f"{PAGE_SIZE}-token page for the chunk), got {list(mixed_batches)}"
+        )
     if concurrent < 1:
         raise ValueError(f"concurrent must be >= 1 (engine processes), got {concurrent}")
     if repeats < 1:
@@ -372,7 +389,16 @@ def run_calibration(
 ) -> dict[str, Any]:
     from workers.engine.presets import write_random_checkpoint
 
-    prefill_context = check_options(concurrent, prefill_context, budget, background, repeats)
+    prefill_context = check_options(
+        concurrent,
+        prefill_context,
+        budget,
+        background,
+        repeats,
+        decode_batches=decode_batches,
+        decode_contexts=decode_contexts,
+        mixed_batches=mixed_batches,
+    )
     with tempfile.TemporaryDirectory(prefix="pdserve-calibrate-") as tmp:
         model_dir = write_random_checkpoint("small", Path(tmp) / "small")
         # Decode points at long contexts need every sequence's pages at once (16 per page).

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +55,12 @@ from orchestrator.sim.noise import Spread, step_kind
 
 # Intercept, per prefill token, per attention position, per decode sequence, per KV token.
 RoleFit = tuple[float, float, float, float, float]
+# The smallest step of each kind, and the kinds each role's instances run (`instances`).
+_SMALLEST_STEPS = {
+    "prefill": StepShape(num_prefill_tokens=1, num_prefill_attention=1),
+    "decode": StepShape(num_decode_seqs=1, num_decode_kv_tokens=1),
+}
+_ROLE_STEP_KINDS = {"prefill": ("prefill",), "decode": ("decode",)}
 MIN_ROLE_POINTS = 5  # points a role needs for a fit of its 5 terms
 MIN_NOISE_POINTS = 20  # traced steps of one role and kind that give its spread
 
@@ -91,10 +98,40 @@ class CalibratedCostModel:
                 raise ValueError("fits measured alone need a contention of >= 2 processes")
         for _, role_fit in self.role_coefficients:
             coefficients += role_fit
+        numbers = (
+            *coefficients,
+            *self.request_overhead_s,
+            self.tp_step_overhead_s,
+            self.kv_bytes_per_token,
+        )
+        # NaN passes every comparison below, and an infinity prices steps (or KV) at infinity.
+        if not all(math.isfinite(number) for number in numbers):
+            raise ValueError(
+                f"cost coefficients, overheads and kv_bytes_per_token must be finite, got {numbers}"
+            )
         if min(coefficients) < 0 or min(self.request_overhead_s) < 0:
             raise ValueError(f"cost coefficients must be >= 0, got {coefficients}")
         if self.num_layers < 1 or self.kv_bytes_per_token <= 0 or self.kv_capacity_per_rank < 1:
             raise ValueError("num_layers, kv_bytes_per_token and kv_capacity must be positive")
+        self._check_step_prices()
+
+    def _check_step_prices(self) -> None:
+        """`CostModel`'s contract: every step takes time. A fit of measurements that are all
+        <= 0 comes out as zero coefficients (`fit_affine` keeps them >= 0), and would run
+        steps for free; each fit must price the smallest step of each kind it prices > 0."""
+        fits = [("the", self.prefill_coefficients, self.decode_coefficients, "")]
+        if self.alone_coefficients is not None:
+            fits.append(("the alone", *self.alone_coefficients, ""))
+        for role, (a, per_token, per_attention, per_seq, per_kv) in self.role_coefficients:
+            fits.append((f"the {role}", (a, per_token, per_attention), (a, per_seq, per_kv), role))
+        for name, prefill, decode, role in fits:
+            for kind in _ROLE_STEP_KINDS.get(role, ("prefill", "decode")):
+                seconds = self._price(prefill, decode, _SMALLEST_STEPS[kind], 1)
+                if seconds <= 0:
+                    raise ValueError(
+                        f"{name} fit prices a {kind} step at {seconds} s: step times must be "
+                        "positive (are the measured seconds <= 0?)"
+                    )
 
     @property
     def name(self) -> str:
@@ -165,6 +202,8 @@ class CalibratedCostModel:
 def fit_affine(features: np.ndarray, seconds: np.ndarray) -> tuple[float, ...]:
     """Least squares of ``seconds`` on [1, features...], coefficients >= 0: a feature whose
     coefficient comes out negative (noise on a small term) is dropped and the rest refit."""
+    if not (np.isfinite(features).all() and np.isfinite(seconds).all()):
+        raise ValueError("measurements must be finite numbers (NaN or Infinity in the points)")
     columns = np.column_stack([np.ones(len(seconds)), features])
     active = list(range(columns.shape[1]))
     while True:
@@ -267,22 +306,33 @@ def fit(data: dict[str, Any], source: str = "calibrated") -> CalibratedCostModel
         t = (intercept, per_byte)
     overheads = data.get("overheads") or {}
     return CalibratedCostModel(
-        num_layers=int(data["num_layers"]),
-        kv_bytes_per_token=float(data["kv_bytes_per_token"]),
-        kv_capacity_per_rank=int(data["kv_capacity_tokens"]),
+        num_layers=int(_finite(data["num_layers"], "num_layers")),
+        kv_bytes_per_token=_finite(data["kv_bytes_per_token"], "kv_bytes_per_token"),
+        kv_capacity_per_rank=int(_finite(data["kv_capacity_tokens"], "kv_capacity_tokens")),
         prefill_coefficients=p,
         decode_coefficients=d,
         transfer_coefficients=t,
         request_overhead_s=(
-            float(overheads.get("disaggregated_s", 0.0)),
-            float(overheads.get("mixed_s", 0.0)),
+            _finite(overheads.get("disaggregated_s", 0.0), "overheads.disaggregated_s"),
+            _finite(overheads.get("mixed_s", 0.0), "overheads.mixed_s"),
         ),
         alone_coefficients=alone,
-        contention_processes=int((data.get("contention") or {}).get("processes", 1)),
+        contention_processes=int(
+            _finite((data.get("contention") or {}).get("processes", 1), "contention.processes")
+        ),
         role_coefficients=role_fits,
         step_noise_spreads=noise,
         source=source,
     )
+
+
+def _finite(value: Any, name: str) -> float:
+    """``value`` as a float; ValueError for NaN or an infinity (JSON's ``NaN``, ``Infinity``,
+    or a number too large for a float), which `int` or the cost arithmetic would choke on."""
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return number
 
 
 def mixed_errors(model: CalibratedCostModel, data: dict[str, Any]) -> list[float]:
@@ -310,6 +360,8 @@ def load(path: str | Path) -> CalibratedCostModel:
         return fit(data, source=f"calibrated from {path.name}")
     except (KeyError, TypeError, AttributeError) as error:  # a JSON of another shape
         raise ValueError(f"{path}: not a pdserve calibrate file ({error!r})") from None
+    except ValueError as error:  # numbers it cannot fit (non-finite, no step time, ...)
+        raise ValueError(f"{path}: {error}") from None
 
 
 def from_spec(args: list[str]) -> CalibratedCostModel:

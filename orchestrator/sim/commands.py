@@ -11,6 +11,7 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from orchestrator.sim.cost import CostModel
     from orchestrator.sim.instances import EngineLimits
     from orchestrator.sim.metrics import SLO
     from orchestrator.sim.simulator import Layout
@@ -183,13 +184,14 @@ def _inputs(args: argparse.Namespace) -> tuple[Workload, SLO, EngineLimits]:
 
 def _slo_text(slo: SLO) -> str:
     text = f"TTFT <= {slo.ttft_s}s, TPOT <= {slo.tpot_s * 1e3:.0f}ms"
-    return text + (f", max ITL <= {slo.max_itl_s * 1e3:.0f}ms" if slo.max_itl_s else "")
+    bound = slo.max_itl_s
+    return text + (f", max ITL <= {bound * 1e3:.0f}ms" if bound is not None else "")
 
 
 def _simulate(args: argparse.Namespace) -> int:
     try:
         return _run_simulate(args)
-    except (ValueError, OSError) as error:  # UnservableError is a ValueError
+    except (ValueError, OSError) as error:  # Unservable-, UnsupportedLayoutError: ValueErrors
         return _refuse("simulate", error)
 
 
@@ -224,7 +226,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _run_plan(args: argparse.Namespace) -> int:
     from orchestrator.sim.cost import create_cost_model
-    from orchestrator.sim.emit import check_options
+    from orchestrator.sim.emit import check_helm_options, check_options
     from orchestrator.sim.planner import PlanSpec, format_table, plan
 
     cost = create_cost_model(args.cost)
@@ -248,6 +250,11 @@ def _run_plan(args: argparse.Namespace) -> int:
         check_options(limits, model_path=args.model_path, provider=args.provider)
     except ValueError as error:
         raise ValueError(f"--max-num-batched-tokens / --provider: {error}") from None
+    if args.emit_helm:
+        try:  # and what no Helm values could
+            check_helm_options(model_path=args.model_path, provider=args.provider)
+        except ValueError as error:
+            raise ValueError(f"--emit-helm: {error}") from None
     candidates = plan(cost, spec)
     print(f"cost model: {cost.name}; {len(candidates)} layouts within {args.gpus} GPUs")
     print(
@@ -257,11 +264,11 @@ def _run_plan(args: argparse.Namespace) -> int:
     if not candidates or candidates[0].goodput == 0:
         print("no layout meets the SLOs; nothing emitted")
         return 1
-    _emit(candidates[0].layout, limits, args)
+    _emit(candidates[0].layout, limits, cost, args)
     return 0
 
 
-def _emit(best: Layout, limits: EngineLimits, args: argparse.Namespace) -> None:
+def _emit(best: Layout, limits: EngineLimits, cost: CostModel, args: argparse.Namespace) -> None:
     """Print the best layout's cluster config and Helm values, and write them when asked:
     only once the orchestrator's loader accepts the config (a ConfigError otherwise)."""
     import yaml
@@ -270,7 +277,7 @@ def _emit(best: Layout, limits: EngineLimits, args: argparse.Namespace) -> None:
 
     try:
         config = checked_cluster_config(
-            best, limits, model_path=args.model_path, provider=args.provider
+            best, limits, cost, model_path=args.model_path, provider=args.provider
         )
     except ValueError as error:
         raise ValueError(f"the cluster config of {best.label} would be refused: {error}") from None
@@ -280,7 +287,13 @@ def _emit(best: Layout, limits: EngineLimits, args: argparse.Namespace) -> None:
     if args.emit_config:
         with open(args.emit_config, "w") as out:
             yaml.safe_dump(config, out, sort_keys=False)
-    values = helm_values(best, limits, provider=args.provider)
+    try:  # with --emit-helm, checked before the search
+        values = helm_values(
+            best, limits, cost=cost, model_path=args.model_path, provider=args.provider
+        )
+    except ValueError as error:
+        print(f"(no Helm values: {error})")
+        return
     if values is None:
         print("(mixed layout: the Helm chart deploys prefill/decode groups only; no values)")
     else:
@@ -321,7 +334,16 @@ def _calibrate(args: argparse.Namespace) -> int:
                     f"--background wants PROMPT,OUTPUT token counts, got {args.background!r}"
                 )
             background = (int(parts[0]), int(parts[1]))
-        check_options(args.concurrent, args.prefill_context, BUDGET, background, args.repeats)
+        check_options(
+            args.concurrent,
+            args.prefill_context,
+            BUDGET,
+            background,
+            args.repeats,
+            decode_batches=batches,
+            decode_contexts=contexts,
+            mixed_batches=mixed,
+        )
         if args.from_trace:
             from orchestrator.sim.trace_fit import calibration_from_traces
 

@@ -3,23 +3,48 @@
 Both are plain dicts for `yaml.safe_dump`. `checked_cluster_config` loads the config through
 `ClusterConfig.from_dict` before anything is written, so a planned layout is a config the
 orchestrator accepts (a `ConfigError` otherwise); `check_options` runs the same loader on the
-command's limits and provider before the search. The Helm values carry the same layout,
-limits, provider and device, so the same rules cover them. Every layout runs on the GPUs it
-reserves (``device: cuda``, one GPU per rank).
+command's limits and provider before the search, and `check_helm_options` the chart's own
+rules (a provider that spans nodes, a model path inside the pods). The Helm values carry the
+same layout, limits, KV pools, model path, provider and device, so the same rules cover them.
+Every layout runs on the GPUs it reserves (``device: cuda``, one GPU per rank).
+
+KV pools: given the cost model the plan priced, each group gets the pool the simulation
+assumed, ``num_pages`` per rank (`kv_num_pages`); without one the engine would fall back to
+its small default pool (`workers.engine.config.DEFAULT_KV_MEMORY_BYTES`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from orchestrator.config import ClusterConfig
+from orchestrator.config import ClusterConfig, ConfigError
+from orchestrator.config_sections import FABRIC_PROVIDER_ALIASES
+from orchestrator.sim.cost import CostModel
 from orchestrator.sim.instances import EngineLimits
 from orchestrator.sim.simulator import Layout
 
 PAGE_SIZE = 16  # tokens per KV page of the emitted configs
+# The chart's fabric providers (values.schema.json): its pods span nodes, which shm cannot.
+HELM_PROVIDERS: tuple[str, ...] = ("efa", "verbs;ofi_rxm", "tcp;ofi_rxm")
+# The chart's fabric.rdmaResource for each RDMA provider (its default is EFA's).
+RDMA_RESOURCES: dict[str, str] = {"efa": "vpc.amazonaws.com/efa", "verbs;ofi_rxm": "rdma/ib"}
 
 
-def _group(replicas: int, tp: int, provider: str | None) -> dict[str, Any]:
+def kv_num_pages(cost: CostModel, tp: int, limits: EngineLimits) -> int:
+    """Pages of each rank's KV pool in an instance of ``tp`` ranks, as the plan simulated it
+    (``limits.kv_capacity_tokens``, else the cost model's capacity at ``tp``). Every rank holds
+    its share of the KV heads for the same pages, so the instance holds ``num_pages *
+    PAGE_SIZE`` tokens (`orchestrator.loadgen.validate.limits_of` reads it back so)."""
+    tokens = limits.kv_capacity_tokens
+    if tokens is None:
+        tokens = cost.kv_capacity_tokens(tp)
+    num_pages = tokens // PAGE_SIZE
+    if num_pages < 1:
+        raise ValueError(f"{cost.name} holds {tokens} KV tokens at TP {tp}: not one page")
+    return num_pages
+
+
+def _group(replicas: int, tp: int, provider: str | None, num_pages: int | None) -> dict[str, Any]:
     group: dict[str, Any] = {
         "replicas": replicas,
         "tp": tp,
@@ -27,6 +52,8 @@ def _group(replicas: int, tp: int, provider: str | None) -> dict[str, Any]:
     }
     if provider is not None:
         group["fabric"] = {"provider": provider}
+    if num_pages is not None:
+        group["limits"] = {"num_pages": num_pages}
     return group
 
 
@@ -34,16 +61,27 @@ def cluster_config(
     layout: Layout,
     limits: EngineLimits,
     *,
+    cost: CostModel | None = None,
     model_path: str = "/models/model",
     provider: str = "verbs;ofi_rxm",
     dtype: str = "auto",
 ) -> dict[str, Any]:
+    """``cost``: the model the plan priced, whose KV capacity becomes each group's pool; None
+    emits no pool (only for checking options: the engine's default pool is not the plan's)."""
+
+    def pages(tp: int) -> int | None:
+        return None if cost is None else kv_num_pages(cost, tp, limits)
+
     if layout.is_mixed:
-        groups = {"mixed": _group(layout.num_mixed, layout.tp_mixed, None)}
+        groups = {"mixed": _group(layout.num_mixed, layout.tp_mixed, None, pages(layout.tp_mixed))}
     else:
         groups = {
-            "prefill": _group(layout.num_prefill, layout.tp_prefill, provider),
-            "decode": _group(layout.num_decode, layout.tp_decode, provider),
+            "prefill": _group(
+                layout.num_prefill, layout.tp_prefill, provider, pages(layout.tp_prefill)
+            ),
+            "decode": _group(
+                layout.num_decode, layout.tp_decode, provider, pages(layout.tp_decode)
+            ),
         }
     return {
         "model": model_path,
@@ -60,10 +98,12 @@ def cluster_config(
     }
 
 
-def checked_cluster_config(layout: Layout, limits: EngineLimits, **options: str) -> dict[str, Any]:
+def checked_cluster_config(
+    layout: Layout, limits: EngineLimits, cost: CostModel | None = None, **options: str
+) -> dict[str, Any]:
     """`cluster_config` (same options), loaded as the orchestrator loads it; `ConfigError` (a
     ValueError) when the loader would refuse it."""
-    config = cluster_config(layout, limits, **options)
+    config = cluster_config(layout, limits, cost=cost, **options)
     ClusterConfig.from_dict(config)
     return config
 
@@ -74,27 +114,65 @@ def check_options(limits: EngineLimits, *, model_path: str, provider: str) -> No
     checked_cluster_config(Layout(1, 1), limits, model_path=model_path, provider=provider)
 
 
+def check_helm_options(*, model_path: str, provider: str) -> str:
+    """The chart's provider name for ``provider`` (aliases resolved); ConfigError for a
+    provider the chart cannot deploy or a model path that is not absolute inside its pods."""
+    canonical = FABRIC_PROVIDER_ALIASES.get(provider, provider)
+    if canonical == "shm":
+        raise ConfigError(
+            "fabric.provider",
+            "shm moves KV within one node, and the chart's pods span nodes: use efa or verbs",
+        )
+    if canonical not in HELM_PROVIDERS:
+        raise ConfigError("fabric.provider", f"must be one of {HELM_PROVIDERS}, got {provider!r}")
+    if not model_path.startswith("/"):
+        raise ConfigError(
+            "model.path", f"must be an absolute path inside the chart's pods, got {model_path!r}"
+        )
+    return canonical
+
+
 def helm_values(
-    layout: Layout, limits: EngineLimits, *, provider: str = "verbs;ofi_rxm"
+    layout: Layout,
+    limits: EngineLimits,
+    *,
+    cost: CostModel | None = None,
+    model_path: str = "/models/model",
+    provider: str = "verbs;ofi_rxm",
 ) -> dict[str, Any] | None:
     """Overrides of `helm/pdserve/values.yaml`; None for a mixed layout (the chart deploys
-    prefill and decode groups only)."""
+    prefill and decode groups only). ``cost`` as in `cluster_config`; ConfigError as in
+    `check_helm_options`."""
     if layout.is_mixed:
         return None
+    provider = check_helm_options(model_path=model_path, provider=provider)
 
     def group(replicas: int, tp: int) -> dict[str, Any]:
         # One RDMA device per GPU (DESIGN.md §4: each rank's shard goes out of its own NIC).
         rdma = 0 if provider == "tcp;ofi_rxm" else tp
-        return {"replicas": replicas, "tpPerPod": tp, "gpuPerRank": 1, "rdmaDevicesPerPod": rdma}
+        values: dict[str, Any] = {
+            "replicas": replicas,
+            "tpPerPod": tp,
+            "gpuPerRank": 1,
+            "rdmaDevicesPerPod": rdma,
+        }
+        if cost is not None:  # the group's cluster config limits: the pool the plan priced
+            values["limits"] = {"num_pages": kv_num_pages(cost, tp, limits)}
+        return values
 
+    fabric = {"provider": provider}
+    if provider in RDMA_RESOURCES:
+        fabric["rdmaResource"] = RDMA_RESOURCES[provider]
     return {
-        "fabric": {"provider": provider},
+        "model": {"path": model_path},
+        "fabric": fabric,
         "workerGroups": {
             "prefill": group(layout.num_prefill, layout.tp_prefill),
             "decode": group(layout.num_decode, layout.tp_decode),
         },
         "clusterConfig": {
             "device": "cuda",
+            "page_size": PAGE_SIZE,  # the pages' size, whatever the chart's default
             "limits": {
                 "max_num_seqs": limits.max_num_seqs,
                 "max_num_batched_tokens": limits.max_num_batched_tokens,

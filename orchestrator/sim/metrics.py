@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,8 +24,10 @@ class SLO:
     max_itl_s: float | None = None
 
     def __post_init__(self) -> None:
-        if self.ttft_s <= 0 or self.tpot_s <= 0 or (self.max_itl_s or 1) <= 0:
-            raise ValueError(f"SLOs must be positive, got {self}")
+        bounds = (self.ttft_s, self.tpot_s, *(() if self.max_itl_s is None else (self.max_itl_s,)))
+        # `not (x > 0)` refuses NaN too, which every comparison would let pass.
+        if not all(bound > 0 and math.isfinite(bound) for bound in bounds):
+            raise ValueError(f"SLOs must be positive finite seconds, got {self}")
 
     def met_by(self, record: RequestRecord) -> bool:
         stall_ok = self.max_itl_s is None or record.max_itl <= self.max_itl_s
@@ -83,12 +86,12 @@ def summarize(result: SimResult, slo: SLO | None = None, warmup: float = 0.0) ->
     return Summary(
         num_requests=len(records),
         ttft_mean=float(ttft.mean()),
-        ttft_p50=float(np.percentile(ttft, 50)),
-        ttft_p99=float(np.percentile(ttft, 99)),
+        ttft_p50=percentile(ttft, 50),
+        ttft_p99=percentile(ttft, 99),
         queue_mean=float(np.mean([r.queue_time for r in records])),
         tpot_mean=float(tpot.mean()) if len(tpot) else 0.0,
-        itl_p50=_nearest_rank(durations, 50),
-        itl_p99=_nearest_rank(durations, 99),
+        itl_p50=percentile(durations, 50) if len(durations) else 0.0,
+        itl_p99=percentile(durations, 99) if len(durations) else 0.0,
         e2e_mean=float(np.mean([r.e2e for r in records])),
         tokens_per_s_per_request=float(speed.mean()),
         output_tokens_per_s=sum(r.num_output_tokens for r in records) / span if span > 0 else 0.0,
@@ -96,10 +99,8 @@ def summarize(result: SimResult, slo: SLO | None = None, warmup: float = 0.0) ->
     )
 
 
-def _nearest_rank(values: np.ndarray, q: float) -> float:
-    """The ``q``-th percentile as the load generator takes it: the smallest value with at
-    least ``q``% of the values at or below it (0.0 when there are none)."""
-    if not len(values):
-        return 0.0
-    ordered = np.sort(values)
-    return float(ordered[max(math.ceil(len(ordered) * q / 100) - 1, 0)])
+def percentile(values: Sequence[float] | np.ndarray, q: float) -> float:
+    """The ``q``-th percentile as the simulator and the load generator both take it (numpy's
+    linear interpolation; `orchestrator.loadgen.stats`), so that ``bench validate`` compares
+    like with like."""
+    return float(np.percentile(np.asarray(values, dtype=float), q))

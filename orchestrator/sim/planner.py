@@ -47,6 +47,9 @@ class PlanSpec:
             raise ValueError(f"tp_choices must be positive, got {self.tp_choices}")
         if not 0 < self.attainment <= 1:
             raise ValueError(f"attainment must be in (0, 1], got {self.attainment}")
+        if not 0 <= self.min_duration_s < math.inf:  # NaN fails too
+            # It sizes each run's request list: an infinite one has no size.
+            raise ValueError(f"min_duration_s must be finite and >= 0, got {self.min_duration_s}")
 
 
 @dataclass(frozen=True)

@@ -132,6 +132,11 @@ class UnservableError(ValueError):
     """A request that no instance of the layout can ever hold (KV capacity)."""
 
 
+class UnsupportedLayoutError(ValueError):
+    """A layout with a TP size the cost model does not run (`CostModel.supports_tp`: the
+    weights do not fit, or the heads do not shard): its instances would hold no KV."""
+
+
 class Simulator:
     """One run (``run`` once per instance). ``limits`` are the decode (or mixed) instances';
     ``prefill_limits`` the prefill instances' (default: the same). ``seed``: of the step-time
@@ -145,6 +150,14 @@ class Simulator:
         prefill_limits: EngineLimits | None = None,
         seed: int = 0,
     ) -> None:
+        sizes = (layout.tp_mixed,) if layout.is_mixed else (layout.tp_prefill, layout.tp_decode)
+        unsupported = sorted({tp for tp in sizes if not cost.supports_tp(tp)})
+        if unsupported:
+            raise UnsupportedLayoutError(
+                f"{layout.label}: {cost.name} does not run at TP "
+                f"{', '.join(map(str, unsupported))} (the weights do not fit, or the heads do "
+                "not shard that way)"
+            )
         self.cost, self.layout = cost, layout
         self.limits = limits or EngineLimits()
         self.prefill_limits = prefill_limits or self.limits
@@ -310,4 +323,13 @@ def simulate(
     return Simulator(cost, layout, limits).run(workload)
 
 
-__all__ = ["EngineLimits", "Layout", "RequestRecord", "SimResult", "Simulator", "simulate"]
+__all__ = [
+    "EngineLimits",
+    "Layout",
+    "RequestRecord",
+    "SimResult",
+    "Simulator",
+    "UnservableError",
+    "UnsupportedLayoutError",
+    "simulate",
+]

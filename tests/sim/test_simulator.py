@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 
 import numpy as np
 import pytest
@@ -169,7 +168,7 @@ def test_itl_of_a_run_is_its_records_gaps(layout: Layout) -> None:
     kept = sorted(result.records, key=lambda r: r.arrival_time)[15:45]
     gaps = np.sort(np.concatenate([r.itl_gaps for r in kept]))
     summary = summarize(result, warmup=0.25)
-    assert summary.itl_p99 == gaps[math.ceil(len(gaps) * 0.99) - 1]  # nearest rank
+    assert summary.itl_p99 == np.percentile(gaps, 99)  # interpolated, as the load generator
 
 
 @pytest.mark.parametrize(("page_size", "ttft"), [(16, 3.5), (1, 2.5)])
