@@ -151,6 +151,10 @@ class MixedBackend:
 
     def load(self) -> WorkerLoad:
         def load() -> WorkerLoad:
+            if self.engine.tp is not None:
+                # A follower that died while the worker idles fails the health check now,
+                # not the next request.
+                self.engine.tp.check_healthy()
             scheduler = self.engine.scheduler
             return WorkerLoad(
                 num_running_requests=len(scheduler.running),

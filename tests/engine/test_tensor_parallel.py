@@ -12,6 +12,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
@@ -34,7 +35,7 @@ from workers.engine.model import load_model
 from workers.engine.model_config import ModelConfig
 from workers.engine.parallel import check_tensor_parallel, shard_spec
 from workers.engine.scheduler import ScheduledChunk
-from workers.engine.shared_kv import POOL_FILE_PREFIX, SHM_DIR
+from workers.engine.shared_kv import POOL_FILE_PREFIX, SHM_DIR, remove_stale_pool_files
 
 pytestmark = pytest.mark.slow
 
@@ -277,6 +278,20 @@ def test_failed_start_leaves_nothing(tiny_model_dir: Path, tmp_path: Path) -> No
         make_engine(broken, tensor_parallel_size=2)
     assert _children() == before
     assert _leftover_pool_files() == []
+
+
+def test_pool_files_of_a_leader_that_is_gone_are_removed(tmp_path: Path) -> None:
+    """A leader killed before it unlinked its followers' pool files leaves them behind with
+    their size reserved; the next leader removes them, and never a live leader's."""
+    gone = subprocess.Popen(["true"])  # a real process that has exited: its pid is free
+    gone.wait()
+    stale = tmp_path / f"{POOL_FILE_PREFIX}{gone.pid}-0123abcd-rank1"
+    live = tmp_path / f"{POOL_FILE_PREFIX}{os.getpid()}-4567cdef-rank1"
+    other = tmp_path / "pdserve-something-else"
+    for path in (stale, live, other):
+        path.write_bytes(b"\0" * 4096)
+    assert remove_stale_pool_files(tmp_path) == 4096
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name])
 
 
 def test_llm_and_follower_death(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,14 +3,16 @@ loop ends the streams it leaves open."""
 
 from __future__ import annotations
 
+import os
 import queue
+import signal
 from pathlib import Path
 
 import pytest
 
 from orchestrator.worker_backend import MixedBackend, TokenDelta
 from workers.engine.config import EngineConfig
-from workers.engine.errors import EngineClosedError
+from workers.engine.errors import EngineClosedError, TensorParallelError
 from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import SamplingParams
 
@@ -35,6 +37,26 @@ def test_close_stops_the_tensor_parallel_followers(tiny_model_dir: Path) -> None
         process.join(DEADLINE_S)
     assert [process.exitcode for process in followers] == [0]  # left on SHUTDOWN
     backend.close()  # idempotent
+
+
+@pytest.mark.slow
+def test_a_follower_dying_while_the_worker_idles_fails_its_health_check(
+    tiny_model_dir: Path,
+) -> None:
+    """`load()` is what the control plane's health check reads: a dead rank must show there,
+    not only on the next request (which would fail, with the worker still listed healthy)."""
+    backend = MixedBackend(tiny_model_dir, EngineConfig(num_pages=32, tensor_parallel_size=2))
+    try:
+        assert backend.engine.tp is not None
+        assert backend.load().num_total_kv_pages == 32
+        (follower,) = backend.engine.tp.processes
+        assert follower.pid is not None
+        os.kill(follower.pid, signal.SIGKILL)
+        follower.join(DEADLINE_S)
+        with pytest.raises(TensorParallelError, match="follower died"):
+            backend.load()
+    finally:
+        backend.close()
 
 
 def test_a_dying_step_loop_ends_open_streams(tiny_model_dir: Path) -> None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -178,6 +179,11 @@ class TPGroup:
             nccl: Any = getattr(dist, "ProcessGroupNCCL", None)
             if nccl is None:
                 raise RuntimeError("tensor parallelism on CUDA needs a torch built with NCCL")
+            # On an NCCL error or timeout (a rank died mid-step) abort the communicator and
+            # raise in this process (2: CleanUpOnly), rather than torch's default of killing
+            # it (3), which would end the worker without failing its requests. Read when the
+            # group is created; a value the user set is kept.
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
             options = nccl.Options()
             options._timeout = self.timeout
             store = dist.PrefixStore("tp-nccl", self._store)

@@ -51,6 +51,7 @@ from workers.engine.shared_kv import (
     new_group_name,
     pool_nbytes,
     pool_path,
+    remove_stale_pool_files,
     unlink_pool_files,
 )
 from workers.engine.tp_worker import (
@@ -211,6 +212,8 @@ def start_tensor_parallel(
         )
     group_name = new_group_name()
     paths = [] if on_cuda else [pool_path(group_name, rank) for rank in range(1, tp)]
+    if paths:
+        remove_stale_pool_files()
     exchange: Any = None
     cuda_pools: list[Any] = []
     store = dist.TCPStore(STORE_HOST, 0, is_master=True, timeout=STARTUP_TIMEOUT)

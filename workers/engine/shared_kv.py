@@ -12,7 +12,8 @@ Life cycle (named per group, so concurrent groups never collide):
 2. each follower maps its file and reports ready; the leader maps every file;
 3. the leader unlinks the files at once: the mappings stay valid until the last process
    unmaps, so nothing can leak in ``/dev/shm`` even if a process is killed later.
-   A failed start unlinks them too.
+   A failed start unlinks them too; a leader killed before step 3 leaves its files, which the
+   next leader on the machine removes (`remove_stale_pool_files`).
 
 GPU (``shared_kv_cuda``; `workers.engine.parallel_runner` and `tp_worker` use it on CUDA):
 each rank allocates its pool with ``cuMemCreate`` (``CU_MEM_HANDLE_TYPE_
@@ -97,6 +98,37 @@ def unlink_pool_files(paths: Iterable[Path]) -> None:
             pass
         except OSError:
             logger.exception("could not remove KV pool file %s", path)
+
+
+def remove_stale_pool_files(directory: Path = SHM_DIR) -> int:
+    """Remove the pool files of leaders that are gone; the bytes freed.
+
+    A leader killed (SIGKILL, or SIGTERM before its handlers exist) between creating its
+    followers' files and unlinking them (step 1 to 3 above) leaves them in ``/dev/shm`` with
+    their full size reserved, and a restarted worker would leave more each time. The leader's
+    pid is in every name (`new_group_name`); a file whose pid no longer runs is stale. A pid
+    reused by another process keeps its files: never one of a live leader is removed.
+    """
+    freed = 0
+    for path in directory.glob(f"{POOL_FILE_PREFIX}*"):
+        pid_text = path.name.removeprefix(POOL_FILE_PREFIX).split("-", 1)[0]
+        if not pid_text.isdigit():
+            continue
+        try:
+            os.kill(int(pid_text), 0)
+            continue  # alive (or another user's process: not ours to judge)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        try:
+            size = path.stat().st_size
+            path.unlink()
+        except FileNotFoundError:
+            continue  # another leader cleaned it meanwhile
+        freed += size
+        logger.warning("removed %s (%.1f MiB) of a leader that is gone", path, size / 2**20)
+    return freed
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -400,6 +400,10 @@ class DecodeWorker:
         _check_fabric(self.fabric)
 
         def state() -> dict[str, Any]:
+            if self.engine.tp is not None:
+                # A follower that died while the worker idles fails the health check now,
+                # not the next request.
+                self.engine.tp.check_healthy()
             block_manager = self.engine.block_manager
             return {
                 "num_free_pages": block_manager.num_free_pages,
