@@ -117,7 +117,7 @@ void pd_freeinfo(struct fi_info *list);
 
 pd_engine *pd_engine_open(struct fi_info *list, int index, uint32_t num_slots,
                           char *err, size_t errlen);
-void pd_engine_close(pd_engine *e);
+int pd_engine_close(pd_engine *e);
 int pd_engine_getname(pd_engine *e, void *buf, size_t *len);
 uint64_t pd_engine_mr_mode(pd_engine *e);
 uint32_t pd_engine_free_slots(pd_engine *e);
@@ -174,11 +174,12 @@ C_SOURCE += r"""
 
 /* Every posted operation owns one slot; the slot begins with the provider's scratch space
  * so the pointer doubles as op_context for FI_CONTEXT / FI_CONTEXT2 providers. */
+enum { PD_SLOT_FREE = 0, PD_SLOT_OP = 1, PD_SLOT_RECV = 2 };
 typedef struct pd_slot {
     struct fi_context2 ctx;
     uint64_t job;
     uint32_t next_free;
-    uint32_t is_recv;
+    uint32_t state; /* PD_SLOT_*: a completion's context counts only while its slot is taken */
 } pd_slot;
 
 struct pd_engine {
@@ -285,25 +286,30 @@ void pd_freeinfo(struct fi_info *list)
     if (list) fi_freeinfo(list);
 }
 
-static void pd_close_fid(struct fid *f)
+/* Keeps the first failure in *first (a domain still holding a region answers -FI_EBUSY). */
+static void pd_close_fid(struct fid *f, int *first)
 {
-    if (f) (void)fi_close(f);
+    int rc = f ? fi_close(f) : 0;
+    if (rc && !*first) *first = rc;
 }
 
-void pd_engine_close(pd_engine *e)
+/* Returns 0, or the first fi_close failure (everything is closed and freed either way). */
+int pd_engine_close(pd_engine *e)
 {
-    if (!e) return;
+    int first = 0;
+    if (!e) return 0;
     /* Endpoint first: it stops traffic and flushes posted operations; then what it was bound
      * to. Registered regions are closed by the caller before this. */
-    if (e->ep) pd_close_fid(&e->ep->fid);
-    if (e->av) pd_close_fid(&e->av->fid);
-    if (e->cq) pd_close_fid(&e->cq->fid);
-    if (e->domain) pd_close_fid(&e->domain->fid);
-    if (e->fabric) pd_close_fid(&e->fabric->fid);
+    if (e->ep) pd_close_fid(&e->ep->fid, &first);
+    if (e->av) pd_close_fid(&e->av->fid, &first);
+    if (e->cq) pd_close_fid(&e->cq->fid, &first);
+    if (e->domain) pd_close_fid(&e->domain->fid, &first);
+    if (e->fabric) pd_close_fid(&e->fabric->fid, &first);
     if (e->info) fi_freeinfo(e->info);
     if (e->wake_fd >= 0) close(e->wake_fd);
     free(e->slots);
     free(e);
+    return first;
 }
 
 #define PD_TRY(call, what)                                                                  \
@@ -311,7 +317,7 @@ void pd_engine_close(pd_engine *e)
         int rc_ = (call);                                                                   \
         if (rc_) {                                                                          \
             snprintf(err, errlen, "%s failed: %s (%d)", what, fi_strerror(-rc_), rc_);      \
-            pd_engine_close(e);                                                             \
+            (void)pd_engine_close(e);                                                       \
             return NULL;                                                                    \
         }                                                                                   \
     } while (0)
@@ -447,7 +453,7 @@ int pd_mr_reg(pd_engine *e, void *buf, size_t len, uint64_t requested_key, int c
 
 int pd_mr_close(struct fid_mr *mr) { return fi_close(&mr->fid); }
 
-static pd_slot *pd_slot_take(pd_engine *e, uint64_t job, int is_recv)
+static pd_slot *pd_slot_take(pd_engine *e, uint64_t job, uint32_t state)
 {
     pd_slot *s;
     if (e->free_count == 0) return NULL;
@@ -455,22 +461,28 @@ static pd_slot *pd_slot_take(pd_engine *e, uint64_t job, int is_recv)
     e->free_head = s->next_free;
     e->free_count--;
     s->job = job;
-    s->is_recv = is_recv;
+    s->state = state;
     return s;
 }
 
 static void pd_slot_put(pd_engine *e, pd_slot *s)
 {
+    s->state = PD_SLOT_FREE;
     s->next_free = e->free_head;
     e->free_head = (uint32_t)(s - e->slots);
     e->free_count++;
 }
 
+/* The taken slot a completion's context names, or NULL: a context that is not exactly one of
+ * our slots, or a slot not in use, must neither count as an operation nor be freed twice. */
 static pd_slot *pd_slot_of(pd_engine *e, void *ctx)
 {
-    pd_slot *s = (pd_slot *)ctx;
-    if (!s || s < e->slots || s >= e->slots + e->num_slots) return NULL;
-    return s;
+    uintptr_t p = (uintptr_t)ctx, base = (uintptr_t)e->slots;
+    pd_slot *s;
+    if (!ctx || p < base || p >= base + (uintptr_t)e->num_slots * sizeof(pd_slot)) return NULL;
+    if ((p - base) % sizeof(pd_slot)) return NULL;
+    s = (pd_slot *)ctx;
+    return s->state == PD_SLOT_FREE ? NULL : s;
 }
 
 int pd_post_writes(pd_engine *e, int n, const uint64_t *laddr, const uint64_t *lens,
@@ -481,7 +493,7 @@ int pd_post_writes(pd_engine *e, int n, const uint64_t *laddr, const uint64_t *l
     *rc_out = 0;
     for (i = 0; i < n; i++) {
         ssize_t rc;
-        pd_slot *s = pd_slot_take(e, job, 0);
+        pd_slot *s = pd_slot_take(e, job, PD_SLOT_OP);
         if (!s) {
             *rc_out = -FI_EAGAIN;
             return i;
@@ -505,7 +517,7 @@ int pd_post_send(pd_engine *e, const void *buf, size_t len, void *desc, fi_addr_
                  uint64_t job)
 {
     ssize_t rc;
-    pd_slot *s = pd_slot_take(e, job, 0);
+    pd_slot *s = pd_slot_take(e, job, PD_SLOT_OP);
     if (!s) return -FI_EAGAIN;
     rc = fi_send(e->ep, buf, len, desc, dest, s);
     if (rc) pd_slot_put(e, s);
@@ -515,7 +527,7 @@ int pd_post_send(pd_engine *e, const void *buf, size_t len, void *desc, fi_addr_
 int pd_post_recv(pd_engine *e, void *buf, size_t len, void *desc, uint64_t job)
 {
     ssize_t rc;
-    pd_slot *s = pd_slot_take(e, job, 1);
+    pd_slot *s = pd_slot_take(e, job, PD_SLOT_RECV);
     if (!s) return -FI_EAGAIN;
     rc = fi_recv(e->ep, buf, len, desc, FI_ADDR_UNSPEC, s);
     if (rc) pd_slot_put(e, s);
@@ -529,13 +541,16 @@ static int64_t pd_now_us(void)
     return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
 }
 
+/* 1: an error entry was copied to *out; else fi_cq_readerr's failure (negative). */
 static int pd_read_error(pd_engine *e, pd_error_t *out)
 {
     struct fi_cq_err_entry ee;
     pd_slot *s;
+    ssize_t rc;
     memset(&ee, 0, sizeof(ee));
     memset(out, 0, sizeof(*out));
-    if (fi_cq_readerr(e->cq, &ee, 0) < 0) return 0;
+    rc = fi_cq_readerr(e->cq, &ee, 0);
+    if (rc != 1) return rc < 0 ? (int)rc : -FI_EOTHER;
     s = pd_slot_of(e, ee.op_context);
     if (s) {
         out->id = s->job;
@@ -567,18 +582,25 @@ int pd_poll(pd_engine *e, int max, uint64_t *kinds, uint64_t *ids, uint64_t *dat
         ssize_t n = want > 0 ? fi_cq_read(e->cq, buf, (size_t)want) : 0;
         ssize_t k;
         if (n == -FI_EAVAIL) {
-            if (pd_read_error(e, err)) return PD_POLL_ERROR - rows;
-            continue;
+            int rc = pd_read_error(e, err);
+            if (rc == 1) return PD_POLL_ERROR - rows;
+            /* Retrying would spin here forever on -FI_EAVAIL: hand back the rows read so far,
+             * and the failure itself when there are none (the next call gets there). An entry
+             * not there yet (-FI_EAGAIN) is no failure: the caller polls again. */
+            return rows > 0 || rc == -FI_EAGAIN ? rows : rc;
         }
         for (k = 0; k < n; k++) {
             pd_slot *s = pd_slot_of(e, buf[k].op_context);
             uint64_t f = buf[k].flags;
-            /* Our sends never carry CQ data, so FI_REMOTE_CQ_DATA alone marks a landed write
-             * (remote completion flags otherwise differ by provider). */
-            if (f & FI_REMOTE_CQ_DATA) {
-                kinds[rows] = s ? PD_EV_IMM_RECV : PD_EV_IMM;
+            int is_recv = s && s->state == PD_SLOT_RECV;
+            /* Our sends never carry CQ data, so FI_REMOTE_CQ_DATA marks a landed write (remote
+             * completion flags otherwise differ by provider) - unless the context is one of
+             * our own writes or sends: reposting that slot as a receive would post at a wild
+             * address, so such a completion stays local whatever its flags say. */
+            if ((f & FI_REMOTE_CQ_DATA) && (!s || is_recv)) {
+                kinds[rows] = is_recv ? PD_EV_IMM_RECV : PD_EV_IMM;
                 data[rows] = buf[k].data;
-            } else if (s && s->is_recv) {
+            } else if (is_recv) {
                 kinds[rows] = PD_EV_RECV;
                 data[rows] = 0;
             } else {

@@ -64,6 +64,8 @@ class CallbackDispatcher:
             except Exception:  # never into the caller (the progress loop)
                 self.errors += 1
                 log.exception("inline fabric callback %r raised", callback.callback)
+        if not queued:
+            return  # nothing owed: a loop ending after its engine was torn down may call this
         with self._lock:
             if self._closed:
                 raise EngineClosedError("engine is closed")

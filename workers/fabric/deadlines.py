@@ -8,6 +8,11 @@ not know:
 
 * A missed deadline fails the job's peer (`OperationTimeoutError`, through `PeerTable.fail`),
   which ends every unfinished job addressed to it.
+* Unless the job waited only for this engine: nothing of it in flight, and its queue stopped
+  by a shortage of context slots or send buffers (`ProgressLoop.starved`; e.g. all held by ops
+  stranded at a failed peer). It then ends alone in `TransferError` naming the shortage: its
+  peer never had a chance to fail. A provider's EAGAIN stays the peer's matter (rxm retrying
+  an unreachable address refuses every post to it).
 * shm completes transmits strictly in order per endpoint: an op to a dead peer never completes
   and holds back every later local completion, to any peer. A posted job to another peer that
   misses its deadline while a failed peer still has ops posted ends in `TransferError` ("blocked
@@ -51,6 +56,7 @@ class DeadlineSweep:
         dispatcher: CallbackDispatcher,
         finish: Callable[[Job, FabricError], None],
         provider_name: str,
+        starved: dict[int, str],
     ) -> None:
         # The progress loop's lock and job table: `jobs` is iterated only under `_lock`.
         self._lock = lock
@@ -61,6 +67,7 @@ class DeadlineSweep:
         self._dispatcher = dispatcher
         self._finish = finish
         self._provider_name = provider_name
+        self._starved = starved  # the loop's: fi_addr -> why its queue could not be posted
         self._ordered_tx_completions = provider_name == "shm"
         self._last_deadline = 0.0
 
@@ -89,6 +96,15 @@ class DeadlineSweep:
                 continue
             self._stats.timeouts += 1
             what = "write" if job.kind == WRITE else "message"
+            shortage = self._starved.get(job.peer.fi_addr)
+            if shortage is not None and job.completed >= job.posted:
+                # Nothing of it is in flight, and its queue waits for this engine's own
+                # resources: its peer is not to blame.
+                self._finish(job, TransferError(
+                    f"{what} to {job.peer.name}: {job.total - job.posted} of {job.total} ops "
+                    f"never posted before the deadline: {shortage}"
+                ))  # fmt: skip
+                continue
             blocker = peers.wedging_peer() if self._ordered_tx_completions else None
             if blocker is not None and blocker.fi_addr != job.peer.fi_addr and job.posted:
                 # shm completes transmits strictly in order per endpoint: an op to a dead peer

@@ -88,6 +88,9 @@ _THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 # Context slots beyond the receive buffers' that `max_inflight_ops` must leave for writes and
 # sends: each posted receive holds one slot for the engine's life.
 MIN_FREE_OP_SLOTS = 64
+# Longest single CQ wait or spin (`idle_wait_us`, `spin_us`): a third of the watchdog's 3 s,
+# which would take a longer one for a provider call stuck and abandon an idle engine.
+MAX_POLL_US = 1_000_000
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
@@ -137,8 +140,11 @@ class TransferEngine:
         hmem: bool = False,
     ) -> None:
         _check_slots(max_inflight_ops, num_receive_buffers)
+        _check_poll_waits(spin_us, idle_wait_us)
         self._id = next(_engine_ids)
-        self._closed = False
+        self._closed = False  # refuses new work; set first by `close`
+        self._released = False  # teardown done: the endpoint is freed (or left to leak)
+        self._teardown_owed = False  # `close` could not wait: the loop tears down as it ends
         self._peer_lock = threading.Lock()
         self._close_lock = threading.Lock()
         self._native: Any = None
@@ -174,6 +180,8 @@ class TransferEngine:
                 idle_spin_us=idle_spin_us,
                 idle_wait_us=idle_wait_us,
                 provider_name=self.info.provider,
+                regions=self._regions,
+                on_ended=self._on_loop_ended,
             )
             self._loop.start()  # posts the receive buffers first: a refusal raises here
         except BaseException:
@@ -290,7 +298,8 @@ class TransferEngine:
         an engine opened with ``hmem=True``, a CUDA tensor (`BufferExtent.cuda_device`).
 
         Returns the local handle (source of writes) and the descriptor to give peers (target of
-        their writes). The engine keeps `buffer` alive until `deregister` or `close`.
+        their writes). The engine keeps `buffer` alive until `deregister` (and the last write
+        from it) or `close`.
         With `huge_pages`, a host region's 2 MiB-aligned interior is moved to huge pages first
         (module docstring; a copy of it, on this thread, before the provider sees the region).
         """
@@ -306,10 +315,15 @@ class TransferEngine:
         return handle, descriptor
 
     def deregister(self, handle: MemoryRegionHandle) -> None:
-        """Release a region; writes still posted from or into it are the caller's bug."""
+        """Release a region. New writes from it are refused at once; writes from it still
+        queued or posted go on, and its registration is closed when the last of them has
+        ended (at once when none is; a peer's writes into it are the caller's to stop first).
+        Writes posted to a failed peer may never end: then it stays registered until `close`.
+        """
         self._check_open()
-        if self._regions.pop(id(handle), None) is not None:
-            self._loop.call(lambda: lib.pd_mr_close(handle.mr))
+        # Removed from `_regions` on the progress thread: if this raises (engine closed
+        # meanwhile), the region is still there and `close` releases it.
+        self._loop.call(lambda: self._loop.release_region(handle))
 
     def add_peer(self, address: bytes) -> PeerHandle:
         """Insert a peer's `address` (its `engine.address`); idempotent per address, also
@@ -636,6 +650,7 @@ class TransferEngine:
             on_error=on_error,
             arrays=arrays,
             desc=src.desc,
+            region=src,
             key=dst.key,
             imm=imm,
             byte_count=num_bytes,
@@ -763,31 +778,65 @@ class TransferEngine:
         """Fail what is outstanding (`EngineClosedError`), stop both threads, free every fid.
 
         Idempotent. From inside a callback the callback thread is stopped without waiting.
+        Where it cannot wait for the progress thread (called on it, from an inline callback,
+        or the thread is still in a provider call after ``timeout``), that thread completes
+        the teardown as it ends; a later `close` waits for it again.
         """
-        with self._close_lock:
-            if self._closed:
-                return
-            self._closed = True
+        self._closed = True
         self._loop.stop()
-        self._loop.thread.join(timeout)
-        if self._loop.thread.is_alive():
-            log.error("fabric progress thread did not stop; leaking its endpoint")
-            return
-        self._dispatcher.close(timeout)
-        if self._loop.abandoned:
-            # Its stuck call returned after all. Nothing polled it since, while peers went on
-            # writing: closing such an endpoint crashed tcp;ofi_rxm (libfabric 1.17) in tests.
-            log.error("fabric engine was abandoned; leaking its endpoint")
-            return
-        self._release_native()
+        on_loop = threading.current_thread() is self._loop.thread
+        if not on_loop:
+            self._loop.thread.join(timeout)
+        with self._close_lock:
+            if not self._loop.work_ended:
+                self._teardown_owed = True  # `_on_loop_ended` reads it under this lock
+                if not on_loop:
+                    log.error(
+                        "fabric progress thread did not stop within %.3g s; it completes the "
+                        "teardown when it does", timeout,
+                    )  # fmt: skip
+                return
+        self._teardown(timeout)
+
+    def _on_loop_ended(self) -> None:
+        """The loop's work is over (its thread, or the watchdog's once it abandoned the
+        loop): complete a `close` that could not wait for it."""
+        with self._close_lock:
+            owed, self._teardown_owed = self._teardown_owed, False
+        if owed:
+            # Never wait here for the callback thread: a callback may be waiting for us.
+            self._teardown(0.0)
+
+    def _teardown(self, timeout: float) -> None:
+        """Stop the callback thread once what is queued ran, then free the endpoint."""
+        self._dispatcher.close(timeout)  # again on a later close: waits for the thread
+        with self._close_lock:
+            if self._released:
+                return
+            self._released = True
+            if self._loop.abandoned:
+                # Its stuck call may return some day. Nothing polled it since, while peers
+                # went on writing: closing such an endpoint crashed tcp;ofi_rxm (libfabric
+                # 1.17) in tests.
+                log.error("fabric engine was abandoned; leaking its endpoint")
+                return
+            self._release_native()
 
     def _release_native(self) -> None:
-        for handle in self._regions.values():
-            lib.pd_mr_close(handle.mr)
+        loop: ProgressLoop | None = getattr(self, "_loop", None)
+        deferred = [] if loop is None else loop.closing_regions()
+        if loop is not None:
+            loop.detach_native()  # a late wake must not reach the freed engine
+        for handle in [*self._regions.values(), *deferred]:
+            rc = lib.pd_mr_close(handle.mr)
+            if rc != 0:
+                log.error("fi_close of a memory region: %s (%d)", strerror(rc), rc)
         self._regions.clear()
         if self._native is not None:
-            lib.pd_engine_close(self._native)
+            rc = lib.pd_engine_close(self._native)
             self._native = None
+            if rc != 0:
+                log.error("closing the %s endpoint: %s (%d)", self.provider, strerror(rc), rc)
 
     def __enter__(self) -> TransferEngine:
         return self
@@ -840,6 +889,15 @@ def _check_slots(max_inflight_ops: int, num_receive_buffers: int) -> None:
             f"receive buffer holds one of the max_inflight_ops operation contexts for good, "
             f"and writes and sends share the rest"
         )
+
+
+def _check_poll_waits(spin_us: int, idle_wait_us: int | None) -> None:
+    for name, value in (("spin_us", spin_us), ("idle_wait_us", idle_wait_us)):
+        if value is not None and not 0 <= value <= MAX_POLL_US:
+            raise ValueError(
+                f"{name}={value} must be in [0, {MAX_POLL_US}]: one wait longer than that "
+                f"looks like a stuck provider call to the watchdog, which abandons the engine"
+            )
 
 
 def _check_span(what: str, offset: int, length: int, limit: int) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from workers.fabric.errors import FabricError
-from workers.fabric.handles import PeerHandle
+from workers.fabric.handles import MemoryRegionHandle, PeerHandle
 
 ErrorCallback = Callable[[FabricError], None]
 # (writes of a failed write job that were never posted, their bytes, why): see `Job`.
@@ -33,6 +33,9 @@ class Job:
     # Writes: native arrays of local addresses, lengths, remote addresses (one row per op).
     arrays: Any = None
     desc: Any = None
+    # Writes: the source region. Counted in by `ProgressLoop.enqueue` and out when the job is
+    # forgotten: a deregistered region's registration is closed only after its last job.
+    region: MemoryRegionHandle | None = None
     key: int = 0
     imm: int | None = None
     # Sends: the framed message.
@@ -57,6 +60,8 @@ class ProgressStats:
     bytes_written: int = 0
     messages_sent: int = 0
     messages_received: int = 0
+    # Received frames too short for their header or source address, dropped.
+    messages_malformed: int = 0
     error_completions: int = 0
     timeouts: int = 0
     eagain_retries: int = 0

@@ -5,11 +5,14 @@ source (no FI_SOURCE), so the sender's engine address travels in the frame; the 
 `add_peer(message.source)` to answer. Every engine posts `num_receives` receive buffers of
 `frame_bytes` each and reposts a buffer as soon as its message is copied out; sends are copied
 into one of `num_sends` registered bounce buffers (providers with FI_MR_LOCAL need registered
-memory) that is released at the send's completion.
+memory) that is released at the send's completion. A frame too short for its header or source
+(a foreign or buggy sender) is dropped and counted (`ProgressStats.messages_malformed`); the
+engine goes on.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import struct
 from collections.abc import Callable
@@ -19,7 +22,9 @@ import numpy as np
 
 from workers.fabric._lib import ffi, lib, strerror
 from workers.fabric.callbacks import CallbackDispatcher
-from workers.fabric.errors import ProviderError
+from workers.fabric.errors import FabricError, ProviderError
+
+log = logging.getLogger(__name__)
 
 _LEN = struct.Struct("<H")
 MAX_ADDRESS_BYTES = 256
@@ -40,6 +45,7 @@ class MessagePools:
         self._recv = np.zeros(num_receives * self.frame_bytes, dtype=np.uint8)
         self._send_lengths = [0] * num_sends
         self._free_sends = list(range(num_sends))
+        self.num_sends = num_sends
         self._num_receives = num_receives
         self.send_desc: Any = ffi.NULL
         self._recv_desc: Any = ffi.NULL
@@ -81,6 +87,8 @@ class MessagePools:
             self.repost_receive(native, RECEIVE_ID_BASE + slot)
 
     def repost_receive(self, native: Any, job_id: int) -> None:
+        if not self.is_receive(job_id):  # any other id would post at a wild address
+            raise FabricError(f"id {job_id:#x} is none of the {self._num_receives} receive buffers")
         slot = job_id - RECEIVE_ID_BASE
         address = ffi.cast("void *", self._recv_base + slot * self.frame_bytes)
         rc = lib.pd_post_recv(native, address, self.frame_bytes, self._recv_desc, job_id)
@@ -89,11 +97,19 @@ class MessagePools:
 
     def deliver(
         self, native: Any, job_id: int, length: int, dispatcher: CallbackDispatcher
-    ) -> None:
+    ) -> bool:
+        """Hand the message in receive buffer ``job_id`` on and repost the buffer; False when
+        the frame was malformed and dropped."""
         start = (job_id - RECEIVE_ID_BASE) * self.frame_bytes
         frame = self._recv[start : start + length].tobytes()
         self.repost_receive(native, job_id)
-        (source_len,) = _LEN.unpack_from(frame)
+        # A sender's frame always holds its non-empty address (see `frame`).
+        source_len = _LEN.unpack_from(frame)[0] if length >= _LEN.size else 0
+        if not 0 < source_len <= min(MAX_ADDRESS_BYTES, length - _LEN.size):
+            log.warning(
+                "dropped a malformed message of %d bytes (source length %d)", length, source_len
+            )
+            return False
         message = Message(
             frame[_LEN.size : _LEN.size + source_len], frame[_LEN.size + source_len :]
         )
@@ -102,3 +118,4 @@ class MessagePools:
             dispatcher.submit(handler, message)
         else:
             self.inbox.put(message)
+        return True

@@ -9,6 +9,12 @@ Life cycle of a submission (`Job`, keyed by `job_id`):
   job stays at the head of that peer's queue and is retried after the next CQ drain. Messages
   to a peer therefore keep submission order, and a peer that cannot take work (rxm answers
   EAGAIN while it retries a connection to an unreachable address) never blocks the others.
+  A queue stopped by this engine's own shortage (no free context slot or send buffer: they
+  may all be held by ops stranded at a failed peer) is "starved" (`starved`): its jobs that
+  miss their deadline then end alone, without condemning their peer (`deadlines`).
+* A write job holds its source region (`Job.region`) until it is forgotten: `release_region`
+  (`deregister`) closes a region's registration at once when no job uses it, else when the
+  last one is forgotten (closing it under a queued or posted op is a use-after-free).
 * A job finishes exactly once: `on_done` after its last op completed, or `on_error` at its first
   error completion, its deadline, its peer's failure, or engine close. Ops of a finished job that
   are still posted stay in `jobs` so their late completions free their contexts quietly. Those
@@ -24,6 +30,8 @@ Life cycle of a submission (`Job`, keyed by `job_id`):
   removed address are undefined (fi_av(3)). A failed peer's jobs end with its failure.
 * Callbacks are queued in CQ order: imm arrivals are handed to the counters before any later
   row of the same drain (a message, a local completion) is dispatched.
+* The loop's work ends in `_shutdown` (its thread) or `_abandon` (the watchdog's); `on_ended`
+  then runs there, so the engine can complete a `close` that could not wait for the thread.
 
 Every accepted job ends in exactly one callback within its deadline plus a bounded slack:
 
@@ -74,10 +82,11 @@ from workers.fabric.errors import (
     FabricError,
     PeerFailedError,
     PeerStuckError,
+    RegistrationError,
     SubmitQueueFullError,
     TransferError,
 )
-from workers.fabric.handles import PeerHandle
+from workers.fabric.handles import MemoryRegionHandle, PeerHandle
 from workers.fabric.jobs import SEND, WRITE, Job, ProgressStats
 from workers.fabric.messages import MessagePools
 from workers.fabric.peers import PeerTable
@@ -105,6 +114,8 @@ class ProgressLoop:
         idle_spin_us: int,
         idle_wait_us: int,
         provider_name: str,
+        regions: dict[int, MemoryRegionHandle],
+        on_ended: Callable[[], None],
     ) -> None:
         self.native = native
         self.provider_name = provider_name
@@ -119,6 +130,16 @@ class ProgressLoop:
             collections.deque()
         )
         self._lock = threading.Condition()
+        # The engine's registered regions by id (shared; removed from only here, under
+        # `_lock`), the jobs using each, and those deregistered while some job still did.
+        self.regions = regions
+        self._region_jobs: collections.Counter[int] = collections.Counter()
+        self._closing_regions: dict[int, MemoryRegionHandle] = {}
+        # fi_addr -> why its queue's head could not be posted, when that was this engine's
+        # shortage rather than the provider refusing the peer (progress thread only).
+        self.starved: dict[int, str] = {}
+        self._on_ended = on_ended
+        self.work_ended = False
         # Peer handles, failures and (shm) process watches; shares `_lock` and `jobs`.
         self.peers = PeerTable(
             native,
@@ -139,6 +160,7 @@ class ProgressLoop:
             dispatcher=dispatcher,
             finish=self._finish,
             provider_name=provider_name,
+            starved=self.starved,
         )
         self._max_queued = max_queued_submits
         self._spin_us = spin_us
@@ -148,6 +170,8 @@ class ProgressLoop:
         self._stopping = False
         self._stopped = False
         self._sleeping = False
+        # Held by a wake (from any thread) against `detach_native` freeing the engine under it.
+        self._native_lock = threading.Lock()
         # Per submitting thread: inside `wakes_deferred`, and whether a wake is owed at its end.
         self._local = threading.local()
         self._next_job_id = 1
@@ -195,6 +219,10 @@ class ProgressLoop:
             if self._stopping:
                 raise EngineClosedError(self._wedged or "engine is closed")
             self.peers.check_accepts(job.peer)
+            if job.region is not None:
+                if self.regions.get(id(job.region)) is not job.region:
+                    raise RegistrationError("memory region handle was deregistered")
+                self._region_jobs[id(job.region)] += 1
             self._deadlines.admit(job)  # before the insert: keeps `jobs` deadline-ordered
             self.jobs[job.job_id] = job
             self.pending.setdefault(job.peer.fi_addr, collections.deque()).append(job)
@@ -243,6 +271,31 @@ class ProgressLoop:
             self._lock.notify_all()
         self._wake()
 
+    def detach_native(self) -> None:
+        """The engine is about to free the native endpoint: later wakes do nothing."""
+        with self._native_lock:
+            self.native = None
+
+    def release_region(self, handle: MemoryRegionHandle) -> None:
+        """Deregister ``handle`` (progress thread): new jobs from it are refused, and its
+        registration is closed now, or when the last job writing from it is forgotten."""
+        key = id(handle)
+        with self._lock:  # `enqueue` checks and counts regions under it
+            if self.regions.get(key) is not handle:
+                return
+            del self.regions[key]
+            if self._region_jobs[key]:
+                self._closing_regions[key] = handle
+                return
+        _close_region(handle)
+
+    def closing_regions(self) -> list[MemoryRegionHandle]:
+        """Regions deregistered while jobs still used them, not closed yet (engine teardown)."""
+        with self._lock:
+            handles = list(self._closing_regions.values())
+            self._closing_regions.clear()
+        return handles
+
     @contextlib.contextmanager
     def wakes_deferred(self) -> Iterator[None]:
         """Submissions (`enqueue`) by this thread inside the block wake the thread once, at its
@@ -263,7 +316,9 @@ class ProgressLoop:
             self._local.wake_due = True
             return
         if self._sleeping:
-            lib.pd_wake(self.native)
+            with self._native_lock:
+                if self.native is not None:  # else released: nothing left to wake
+                    lib.pd_wake(self.native)
 
     # -- the progress thread ----------------------------------------------------------------
 
@@ -294,9 +349,11 @@ class ProgressLoop:
                         continue
                 if wait:
                     self.stats.sleeps += 1
-                if self._poll(spin, wait):
-                    last_activity = time.monotonic()
-                self._sleeping = False
+                try:
+                    if self._poll(spin, wait):
+                        last_activity = time.monotonic()
+                finally:
+                    self._sleeping = False  # a raise must not leave later wakes signalling
                 now = time.monotonic()
                 if now >= next_check:
                     self._deadlines.sweep(now)
@@ -321,6 +378,7 @@ class ProgressLoop:
         if peers.watches_exits and self.pending:
             peers.fail_exited()  # right before posting: never post to a dead process
         for fi_addr, queue in list(self.pending.items()):
+            shortage = None
             while queue:
                 job = queue[0]
                 if peers.watches_exits:
@@ -328,10 +386,27 @@ class ProgressLoop:
                 if not job.finished:
                     blocked = self._post_writes(job) if job.kind == WRITE else self._post_send(job)
                     if blocked:
+                        shortage = self._shortage(job)
                         break
                 self._pop_pending(fi_addr, queue)
                 self._forget_if_idle(job)
+            if shortage is None:
+                self.starved.pop(fi_addr, None)
+            else:
+                self.starved[fi_addr] = shortage
         return self.stats.ops_posted != before
+
+    def _shortage(self, job: Job) -> str | None:
+        """Why ``job`` could not be posted when that is this engine's own shortage; None when
+        the provider refused it (EAGAIN: a matter of its peer, e.g. one being connected)."""
+        if job.kind == SEND and job.send_slot < 0:
+            return f"all {self.pools.num_sends} send buffers are held by messages in flight"
+        if lib.pd_engine_free_slots(self.native) == 0:
+            return (
+                f"no free operation slot ({self._inflight} operations posted, "
+                f"{self.stats.ops_stranded} of them stranded at failed peers)"
+            )
+        return None
 
     def _pop_pending(self, fi_addr: int, queue: collections.deque[Job]) -> None:
         with self._lock:
@@ -403,7 +478,7 @@ class ProgressLoop:
         error = n <= lib.PD_POLL_ERROR
         rows = lib.PD_POLL_ERROR - n if error else n
         if rows < 0:
-            raise FabricError(f"fi_cq_read failed: {strerror(rows)} ({rows})")
+            raise FabricError(f"reading the completion queue failed: {strerror(rows)} ({rows})")
         imm_counts: dict[int, int] = {}
         for row in range(rows):
             kind = kinds[row]
@@ -446,8 +521,10 @@ class ProgressLoop:
         self._finish(job, None)
 
     def _received(self, slot_id: int, length: int) -> None:
-        self.stats.messages_received += 1
-        self.pools.deliver(self.native, slot_id, length, self.dispatcher)
+        if self.pools.deliver(self.native, slot_id, length, self.dispatcher):
+            self.stats.messages_received += 1
+        else:
+            self.stats.messages_malformed += 1
 
     def _error_completion(self) -> None:
         error = self._error
@@ -517,7 +594,21 @@ class ProgressLoop:
             if job.send_slot >= 0:
                 self.pools.release_send_slot(job.send_slot)
                 job.send_slot = -1
+            if job.region is not None:
+                self._region_job_ended(id(job.region))
             self.peers.job_forgotten(job.peer.fi_addr)
+
+    def _region_job_ended(self, key: int) -> None:
+        """A job writing from region ``key`` is forgotten: close the region if it was
+        deregistered and this was its last job."""
+        with self._lock:
+            self._region_jobs[key] -= 1
+            if self._region_jobs[key]:
+                return
+            del self._region_jobs[key]
+            handle = self._closing_regions.pop(key, None)
+        if handle is not None:
+            _close_region(handle)
 
     # -- ending: abandoned by the watchdog, or shut down --------------------------------------
 
@@ -553,6 +644,11 @@ class ProgressLoop:
                 else:
                     self._deliver(job, EngineClosedError(reason), exact=False)
         self.dispatcher.submit_all(self.counters.fail_all(EngineClosedError(reason)))
+        self._end_work()
+
+    def _end_work(self) -> None:
+        self.work_ended = True
+        self._on_ended()
 
     def _shutdown(self) -> None:
         with self._lock:
@@ -573,3 +669,10 @@ class ProgressLoop:
         # Whatever the watchdog delivers is queued before the caller closes the dispatcher.
         self._watchdog.stop()
         self._stopped = True
+        self._end_work()
+
+
+def _close_region(handle: MemoryRegionHandle) -> None:
+    rc = lib.pd_mr_close(handle.mr)
+    if rc != 0:
+        log.error("fi_close of a memory region: %s (%d)", strerror(rc), rc)
