@@ -52,6 +52,14 @@ def connect_ray(address: str | None, num_cpus: int | None = None) -> bool:
     return True
 
 
+def embeds_ray(address: str | None) -> bool:
+    """Whether `connect_ray` (with this ``address``) would start a local Ray."""
+    ray_environment()
+    import ray
+
+    return not (ray.is_initialized() or address or os.environ.get("RAY_ADDRESS"))
+
+
 @dataclass(frozen=True)
 class AppOptions:
     ray_address: str | None = None
@@ -110,6 +118,10 @@ class ServingApp:
         # Before anything is placed: a missing or unusable certificate fails here, cheaply.
         if self.config.router.tls.enabled:
             self._tls = load_server_tls(self.config.router.tls)
+        # An embedded Ray runs every worker here: a model directory missing here is one line
+        # now, not each worker's remote traceback (a joined cluster's hosts may have it).
+        if embeds_ray(self.options.ray_address) and not self.config.model.is_dir():
+            raise FileNotFoundError(f"model directory {self.config.model} does not exist")
         self._owns_ray = connect_ray(self.options.ray_address, self.options.num_cpus)
         registry = Registry()
         self.controller = Controller(self.config, registry, self._controller_options)
@@ -151,8 +163,15 @@ class ServingApp:
             port = server.add_secure_port(config.router.address, self._tls.grpc_credentials)
         else:
             port = server.add_insecure_port(config.router.address)
-        await server.start()
-        self._server = server
+        self._server = server  # `stop` stops it, started or not
+        starting = asyncio.ensure_future(server.start())
+        try:
+            await asyncio.shield(starting)
+        except asyncio.CancelledError:
+            # Ctrl-C: grpc's start must not be cut short (its serving loop then fails with
+            # InvalidStateError) nor the server stopped before it ends (a crash): let it end.
+            await starting
+            raise
         for name in ("", GENERATION_SERVICE):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.address = join_host_port(config.router.host, port)

@@ -12,7 +12,11 @@ from collections.abc import Callable, Sequence
 def _make_model(args: argparse.Namespace) -> int:
     from workers.engine.presets import write_random_checkpoint
 
-    path = write_random_checkpoint(args.preset, args.out, seed=args.seed)
+    try:
+        path = write_random_checkpoint(args.preset, args.out, seed=args.seed)
+    except OSError as error:  # --out under a file, no permission, disk full
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     print(f"wrote {args.preset} checkpoint to {path}")
     return 0
 
@@ -20,7 +24,11 @@ def _make_model(args: argparse.Namespace) -> int:
 def _fetch_demo_model(args: argparse.Namespace) -> int:
     from workers.engine.demo_model import fetch_demo_model
 
-    path = fetch_demo_model(args.out)
+    try:
+        path = fetch_demo_model(args.out)
+    except OSError as error:  # --out a user's own directory (refused), or under a file
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     print(f"SmolLM2-135M-Instruct ready in {path}")
     return 0
 
@@ -88,7 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", default="127.0.0.1:50051", help="router HOST:PORT")
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--temperature", type=float, default=None, help="unset: 1.0; 0 is greedy")
-    p.add_argument("--chat", action="store_true", help="wrap PROMPT in the model's chat template")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="wrap PROMPT in ChatML (<|im_start|> turns: SmolLM2's and Qwen's format), not the "
+        "served model's own template: the router applies none over gRPC",
+    )
     p.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")
     p.add_argument("--tls", action="store_true", help="TLS, trusting the system's root CAs")
     p.add_argument("--tls-ca", metavar="PEM", help="TLS, trusting this CA (router.tls.cert's)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,27 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "local-1p3d.y
 
 
 def run_demo(model_dir: str | None, max_tokens: int, config_path: str | None = None) -> int:
+    """The demo, with `pdserve serve`'s error handling: what a user can fix is one line."""
+    from ray.exceptions import RayError
+
+    from orchestrator.config import ConfigError
+    from orchestrator.launch import error_line
+    from orchestrator.placement import PlacementError
+
+    try:
+        return asyncio.run(_demo(_config(model_dir, config_path), max_tokens))
+    except KeyboardInterrupt:  # `ServingApp.start` / `_demo` stopped what they had started
+        print("interrupted", file=sys.stderr)
+        return 130
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except (PlacementError, OSError, TimeoutError, RayError) as error:
+        print(error_line(error), file=sys.stderr)
+        return 2
+
+
+def _config(model_dir: str | None, config_path: str | None) -> Any:
     from orchestrator.config import ClusterConfig
 
     if model_dir is None:
@@ -35,10 +57,9 @@ def run_demo(model_dir: str | None, max_tokens: int, config_path: str | None = N
 
         print("fetching SmolLM2-135M-Instruct (converted once, then cached) ...", flush=True)
         model_dir = str(fetch_demo_model(None))
-    config = ClusterConfig.from_yaml(config_path or DEFAULT_CONFIG).with_overrides(
+    return ClusterConfig.from_yaml(config_path or DEFAULT_CONFIG).with_overrides(
         model=model_dir, address="127.0.0.1:0", http_address="127.0.0.1:0"
     )
-    return asyncio.run(_demo(config, max_tokens))
 
 
 async def _demo(config: Any, max_tokens: int) -> int:

@@ -19,14 +19,14 @@ from orchestrator.security import TLSFileError
 TOKEN_ENV = "PDSERVE_TOKEN"
 
 
-def _apply_chat_template(prompt: str, model_dir: str | None) -> str:
-    # The router applies no template (client API); --chat renders SmolLM2's ChatML by hand so
-    # that the client needs no checkpoint.
+def _chatml(prompt: str) -> str:
+    # The router applies no template over gRPC (generation.proto's ``prompt``) and the client
+    # has no checkpoint: --chat writes ChatML (SmolLM2's and Qwen's format) by hand.
     return f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
 
 
 async def generate(args: argparse.Namespace) -> int:
-    prompt = _apply_chat_template(args.prompt, None) if args.chat else args.prompt
+    prompt = _chatml(args.prompt) if args.chat else args.prompt
     request = pb.GenerateRequest(prompt=prompt)
     if args.max_tokens is not None:
         request.sampling.max_tokens = args.max_tokens

@@ -1,17 +1,20 @@
 """The OpenAI-compatible HTTP front of the router (aiohttp, in the router's event loop).
 
     POST /v1/completions, /v1/chat/completions   JSON, or SSE with ``stream: true``
-    GET  /v1/models, /health
+    GET  /v1/models, /v1/models/{id}, /health
 
 Requests run through the same `Router.generate` as the gRPC servicer (same queue, policy,
 metrics); `orchestrator.openai_protocol` translates bodies and events. Errors become HTTP
 statuses only here, in OpenAI's shape ``{"error": {"message", "type", "code"}}``:
 
     InvalidRequestError (bad body, sampling, context overflow)  -> 400
+    UnsupportedParameterError (tools, logit_bias, ...)          -> 400 (``param`` names it)
+    ContextLengthError (prompt + explicit max_tokens too long)  -> 400 (context_length_exceeded)
     a body over ``router.max_request_bytes``                    -> 400 (code request_too_large)
     CapacityError (the prompt never fits a KV pool)             -> 400
     missing / wrong bearer token (``router.auth.token``)        -> 401
     unknown model                                               -> 404
+    unknown path, wrong method (aiohttp's HTTPException)        -> its status (404, 405, ...)
     QueueFullError                                              -> 429
     UnavailableError, WorkerFailedError (draining, no worker)   -> 503
     anything else                                               -> 500 (logged)
@@ -48,13 +51,16 @@ from orchestrator.errors import (
 )
 from orchestrator.openai_protocol import (
     ParsedRequest,
+    TextOffsets,
+    UnsupportedParameterError,
     completion_response,
+    model_entry,
     models_response,
     parse_request,
     stream_chunk,
     usage_chunk,
 )
-from orchestrator.router import Router, StreamEvent
+from orchestrator.router import ContextLengthError, Router, StreamEvent
 from orchestrator.security import bearer_matches
 
 logger = logging.getLogger(__name__)
@@ -63,6 +69,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # (error type, HTTP status, OpenAI error type, code), first match wins.
 _ERRORS: tuple[tuple[type[BaseException], int, str, str], ...] = (
+    (UnsupportedParameterError, 400, "invalid_request_error", "unsupported_parameter"),
+    (ContextLengthError, 400, "invalid_request_error", "context_length_exceeded"),
     (InvalidRequestError, 400, "invalid_request_error", "invalid_request"),
     (CapacityError, 400, "invalid_request_error", "context_length_exceeded"),
     (DuplicateRequestError, 409, "invalid_request_error", "duplicate_request"),
@@ -87,7 +95,9 @@ def error_of(error: BaseException) -> tuple[int, dict[str, Any]]:
         return 404, error_body(404, message, "invalid_request_error", "model_not_found")
     for kind, status, type_name, code in _ERRORS:
         if isinstance(error, kind):
-            return status, error_body(status, message, type_name, code)
+            body = error_body(status, message, type_name, code)
+            body["error"]["param"] = getattr(error, "param", None)
+            return status, body
     return 500, error_body(500, "internal error", "internal_error", "internal_error")
 
 
@@ -96,6 +106,21 @@ def _error_response(error: BaseException) -> web.Response:
     if status == 500:
         logger.error("request failed", exc_info=error)
     return web.json_response(body, status=status)
+
+
+def _http_error(request: web.Request, error: web.HTTPException) -> web.Response:
+    """aiohttp's own refusals (no route, wrong method) in OpenAI's shape, not its plain text,
+    so that clients raise their usual errors (``openai.NotFoundError``, ...)."""
+    if error.status == 404:
+        message, code = f"Invalid URL ({request.method} {request.path})", "not_found"
+    elif error.status == 405:
+        message = f"method {request.method} is not allowed on {request.path}"
+        code = "method_not_allowed"
+    else:
+        message, code = error.reason, "http_error"
+    headers = {"Allow": error.headers["Allow"]} if "Allow" in error.headers else None
+    body = error_body(error.status, message, "invalid_request_error", code)
+    return web.json_response(body, status=error.status, headers=headers)
 
 
 def _too_large(limit: int) -> web.Response:
@@ -120,11 +145,13 @@ class OpenAIHttpApi:
         self.settings = settings
         self.created = int(time.time())
         self.app = web.Application(
-            middlewares=[self._auth], client_max_size=router.settings.max_request_bytes
+            middlewares=[self._errors, self._auth],
+            client_max_size=router.settings.max_request_bytes,
         )
         self.app.router.add_post("/v1/completions", self._completions)
         self.app.router.add_post("/v1/chat/completions", self._chat)
         self.app.router.add_get("/v1/models", self._models)
+        self.app.router.add_get("/v1/models/{model_id:.+}", self._model)  # ids may hold "/"
         self.app.router.add_get("/health", self._health)
         self._runner: web.AppRunner | None = None
         self.address = ""
@@ -148,6 +175,15 @@ class OpenAIHttpApi:
     # --- middleware ------------------------------------------------------------------------
 
     @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except web.HTTPException as error:
+            if error.status < 400:  # a redirect is no error
+                raise
+            return _http_error(request, error)
+
+    @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         token = self.settings.auth_token
         if token is None or request.path == "/health":
@@ -169,6 +205,12 @@ class OpenAIHttpApi:
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response(models_response(self.settings.model_name, self.created))
+
+    async def _model(self, request: web.Request) -> web.Response:
+        model_id = request.match_info["model_id"]
+        if model_id != self.settings.model_name:
+            return _error_response(ModelNotFoundError(f"model {model_id!r} is not served here"))
+        return web.json_response(model_entry(model_id, self.created))
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "completion")
@@ -226,10 +268,11 @@ class OpenAIHttpApi:
         the last event."""
         created = int(time.time())
         tokenizer = self.router.tokenizer
+        offsets = TextOffsets(tokenizer)  # completions' text_offset counts from the first chunk
         event = first
         try:
             while True:
-                await _send(response, stream_chunk(parsed, event, created, tokenizer))
+                await _send(response, stream_chunk(parsed, event, created, tokenizer, offsets))
                 if event.timings is not None:
                     break
                 event = await anext(events)

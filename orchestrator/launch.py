@@ -81,6 +81,19 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
     )
 
 
+def error_line(error: BaseException) -> str:
+    """``error: Type: message`` on one line. A worker's failure is its cause alone: Ray's own
+    text of it carries the remote traceback (and of other Ray errors, the first line says it)."""
+    from ray.exceptions import RayError, RayTaskError
+
+    while isinstance(error, RayTaskError) and isinstance(error.cause, BaseException):
+        error = error.cause
+    message = str(error)
+    if isinstance(error, RayError):
+        message = message.strip().partition("\n")[0]
+    return f"error: {type(error).__name__}: {message}"
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from ray.exceptions import RayError
 
@@ -99,10 +112,15 @@ def run_serve(args: argparse.Namespace) -> int:
     controller = ControllerOptions(worker_metrics_port=None if worker_port < 0 else worker_port)
     try:
         return asyncio.run(serve(config, options, controller))
+    except KeyboardInterrupt:
+        # Ctrl-C before serving began (after, `serve` drains on SIGINT and returns 0);
+        # `ServingApp.start` stopped what it had started.
+        print("interrupted", file=sys.stderr)
+        return 130
     except (ConfigError, PlacementError, OSError, TimeoutError, RayError) as error:
         # What a user can fix (TLS files, resources, a port in use, a worker that cannot
         # start): the message, not a traceback. `serve` stopped what it had started.
-        print(f"error: {type(error).__name__}: {error}", file=sys.stderr)
+        print(error_line(error), file=sys.stderr)
         return 2
 
 

@@ -9,23 +9,27 @@ text content (a string, or ``{"type": "text"}`` parts) rendered by the tokenizer
 template; ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``stop``,
 ``seed``, ``presence_penalty``, ``frequency_penalty``, vLLM's ``top_k`` / ``min_p`` /
 ``repetition_penalty`` / ``ignore_eos``, ``logprobs`` of the chosen token only; ``n`` = 1.
+An explicit ``max_tokens`` must fit ``max_model_len`` with the prompt (OpenAI's rule; the router
+checks it, `GenerationInput.max_tokens_within_context`).
 
-Other keys are ignored, as OpenAI clients send many optional ones (``user``, ``logit_bias``,
-...), except `TRANSFER_KEYS`: fields that would steer where a request's KV comes from or goes
-to. Only the router decides that, so a body naming one is refused rather than served as if the
-key were not there.
+Other keys are ignored, as OpenAI clients send many optional ones (``user``, ``metadata``, ...),
+except those whose meaning would be lost: `TRANSFER_KEYS`, fields that would steer where a
+request's KV comes from or goes to (only the router decides that), and features this server
+lacks (tools, structured output, ``logit_bias``, ``suffix``: `_refuse_unsupported`). A body
+naming one is refused rather than served as if the key were not there.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.errors import InvalidRequestError
 from orchestrator.router import GenerationInput, StreamEvent
-from workers.engine.tokenizer import Tokenizer
+from workers.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 # OpenAI field -> SamplingParams field, with the JSON types accepted.
 _NUMBERS = {
@@ -49,6 +53,14 @@ TRANSFER_KEYS = (
     "remote_host",
     "remote_port",
 )
+
+
+class UnsupportedParameterError(InvalidRequestError):
+    """An OpenAI parameter this server cannot honour (HTTP 400 naming it as ``param``)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -166,6 +178,28 @@ def chat_prompt_ids(body: dict[str, Any], tokenizer: Tokenizer | None) -> list[i
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    """Refuse the features this server lacks unless their value asks for nothing (a client
+    relying on one would otherwise get an answer that silently ignored it)."""
+    for name in ("tools", "functions"):
+        if body.get(name):
+            raise UnsupportedParameterError(name, "tool and function calling are not supported")
+    for name in ("tool_choice", "function_call"):
+        if body.get(name) not in (None, "none", "auto"):
+            raise UnsupportedParameterError(name, "only 'none' and 'auto' are supported")
+    response_format = body.get("response_format")
+    if response_format is not None and (
+        not isinstance(response_format, dict) or response_format.get("type") != "text"
+    ):
+        raise UnsupportedParameterError(
+            "response_format", "only {'type': 'text'} is supported (no JSON mode or schema)"
+        )
+    if body.get("logit_bias"):
+        raise UnsupportedParameterError("logit_bias", "not supported")
+    if body.get("suffix"):
+        raise UnsupportedParameterError("suffix", "not supported (no insertion)")
+
+
 def parse_request(
     kind: str, body: object, served_model: str, tokenizer: Tokenizer | None
 ) -> ParsedRequest:
@@ -177,6 +211,7 @@ def parse_request(
             f"{', '.join(transfer)}: KV transfers are the router's to arrange; "
             "a client cannot set them"
         )
+    _refuse_unsupported(body)
     n = _field(body, "n", (int,), "an integer")
     if n not in (None, 1):
         raise InvalidRequestError(f"n must be 1, got {n}")
@@ -213,6 +248,7 @@ def parse_request(
         prompt_token_ids=prompt_ids,
         sampling=_sampling(body),
         max_tokens=max_tokens,
+        max_tokens_within_context=max_tokens is not None,
         return_token_ids=logprobs,
         return_logprobs=logprobs,
     )
@@ -230,8 +266,34 @@ def usage(event: StreamEvent) -> dict[str, int]:
     }
 
 
+class TextOffsets:
+    """Completions' ``text_offset`` over one answer (all of it, or its stream's chunks in order):
+    where each output token's text starts in the returned text, in characters. The text is
+    rebuilt as the router's detokenizer builds it, so a token that completes only part of a
+    character starts where that character does."""
+
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self._detokenizer = IncrementalDetokenizer(tokenizer, []) if tokenizer else None
+        self._num_sent = 0  # characters of the answer returned so far
+
+    def take(self, token_ids: Sequence[int], text: str, final: bool) -> list[int]:
+        """The offsets of ``token_ids``, sent with ``text``; on the ``final`` one they stay within
+        the answer (a stop string is cut from the text, not from the tokens)."""
+        self._num_sent += len(text)
+        if self._detokenizer is None:
+            return [0] * len(token_ids)
+        offsets = []
+        for token_id in token_ids:
+            offsets.append(len(self._detokenizer.output_text))
+            self._detokenizer.push(token_id)
+        return [min(o, self._num_sent) for o in offsets] if final else offsets
+
+
 def _logprobs(
-    request: ParsedRequest, events: list[StreamEvent], tokenizer: Tokenizer | None
+    request: ParsedRequest,
+    events: list[StreamEvent],
+    tokenizer: Tokenizer | None,
+    offsets: TextOffsets | None = None,
 ) -> dict[str, Any] | None:
     if not request.logprobs:
         return None
@@ -247,7 +309,15 @@ def _logprobs(
             for t, b, v in zip(tokens, raw, values, strict=False)
         ]
         return {"content": content}
-    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": None, "text_offset": []}
+    offsets = offsets if offsets is not None else TextOffsets(tokenizer)
+    text = "".join(e.text for e in events)
+    return {
+        "tokens": tokens,
+        "token_logprobs": values,
+        # The engine computes the chosen token's logprob only: each position's "top" is it.
+        "top_logprobs": [{t: v} for t, v in zip(tokens, values, strict=False)],
+        "text_offset": offsets.take(ids, text, final=bool(events[-1].finish_reason)),
+    }
 
 
 def _choice(
@@ -295,10 +365,15 @@ def completion_response(
 
 
 def stream_chunk(
-    request: ParsedRequest, event: StreamEvent, created: int, tokenizer: Tokenizer | None
+    request: ParsedRequest,
+    event: StreamEvent,
+    created: int,
+    tokenizer: Tokenizer | None,
+    offsets: TextOffsets | None = None,
 ) -> dict[str, Any]:
+    """One SSE chunk; ``offsets`` is the stream's own (its ``text_offset`` spans the chunks)."""
     body = _envelope(request, created, chunk=True)
-    logprobs = _logprobs(request, [event], tokenizer)
+    logprobs = _logprobs(request, [event], tokenizer, offsets)
     body["choices"] = [_choice(request, event.text, event.finish_reason or None, logprobs, True)]
     return body
 
@@ -311,8 +386,9 @@ def usage_chunk(request: ParsedRequest, event: StreamEvent, created: int) -> dic
     return body
 
 
+def model_entry(model: str, created: int) -> dict[str, Any]:
+    return {"id": model, "object": "model", "created": created, "owned_by": "pdserve"}
+
+
 def models_response(model: str, created: int) -> dict[str, Any]:
-    return {
-        "object": "list",
-        "data": [{"id": model, "object": "model", "created": created, "owned_by": "pdserve"}],
-    }
+    return {"object": "list", "data": [model_entry(model, created)]}

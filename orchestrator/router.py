@@ -115,8 +115,17 @@ class GenerationInput:
     prompt_token_ids: list[int] | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
     max_tokens: int | None = None
+    # OpenAI's rule (the HTTP front): an explicit max_tokens that the prompt leaves no room for
+    # is refused (`ContextLengthError`). Else (gRPC) it is served and ends with "length" at
+    # max_model_len.
+    max_tokens_within_context: bool = False
     return_token_ids: bool = False
     return_logprobs: bool = False
+
+
+class ContextLengthError(InvalidRequestError):
+    """The prompt plus an explicit max_tokens exceed max_model_len
+    (`GenerationInput.max_tokens_within_context`)."""
 
 
 @dataclass(frozen=True)
@@ -304,6 +313,14 @@ class Router:
         max_tokens = request.max_tokens
         if max_tokens is None:
             max_tokens = min(settings.default_max_tokens, room)
+        elif request.max_tokens_within_context and len(prompt) + max_tokens > (
+            settings.max_model_len
+        ):
+            raise ContextLengthError(
+                f"this model's maximum context length is {settings.max_model_len} tokens; "
+                f"the request asks for {len(prompt) + max_tokens} ({len(prompt)} in the "
+                f"prompt, max_tokens {max_tokens})"
+            )
         elif max_tokens > settings.max_model_len:
             # No request can ever generate that many; a smaller excess over what the prompt
             # leaves is served and ends with "length" at max_model_len.

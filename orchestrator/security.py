@@ -110,9 +110,11 @@ def server_ssl_context(
 def bearer_matches(header: str, token: str) -> bool:
     """Whether an ``Authorization`` value is ``Bearer <token>``, compared in constant time."""
     scheme, _, value = header.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(
-        value.strip().encode(), token.encode()
-    )
+    try:
+        presented = value.strip().encode()
+    except UnicodeEncodeError:  # bytes that are not UTF-8 (aiohttp keeps them as surrogates)
+        return False
+    return scheme.lower() == "bearer" and hmac.compare_digest(presented, token.encode())
 
 
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):

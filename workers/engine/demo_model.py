@@ -7,7 +7,9 @@ undo. The tokenizer is converted by transformers' GGUF tokenizer support. Both `
 ``transformers`` come with the ``dev`` extra.
 
 The result is cached: a directory holding the `_MARKER` file (written last) is complete, and a
-directory is only ever published by renaming a finished temporary directory.
+directory is only ever published by renaming a finished temporary directory. An existing
+directory without the marker is never ours (``--out`` may name a user's own directory): it is
+replaced only when empty, else refused (`OutputDirectoryError`).
 """
 
 from __future__ import annotations
@@ -59,8 +61,26 @@ def default_model_dir() -> Path:
     return root / "models" / MODEL_NAME
 
 
+class OutputDirectoryError(FileExistsError):
+    """The output path exists and is not an (empty directory or a) finished demo checkpoint."""
+
+    def __init__(self, out_dir: Path) -> None:
+        super().__init__(
+            f"{out_dir} exists and is not a pdserve demo checkpoint; refusing to replace it "
+            "(choose a new or empty directory)"
+        )
+
+
 def is_complete(model_dir: Path) -> bool:
     return (model_dir / _MARKER).is_file()
+
+
+def _check_replaceable(out_dir: Path) -> None:
+    """Raise `OutputDirectoryError` unless ``out_dir`` is absent or an empty directory."""
+    if out_dir.is_dir() and not out_dir.is_symlink() and not any(out_dir.iterdir()):
+        return
+    if out_dir.exists() or out_dir.is_symlink():
+        raise OutputDirectoryError(out_dir)
 
 
 def fetch_demo_model(out: str | Path | None = None) -> Path:
@@ -68,6 +88,7 @@ def fetch_demo_model(out: str | Path | None = None) -> Path:
     out_dir = Path(out) if out is not None else default_model_dir()
     if is_complete(out_dir):
         return out_dir
+    _check_replaceable(out_dir)  # before minutes of download and conversion
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.") as work:
@@ -207,9 +228,11 @@ def _convert_tokenizer(gguf_path: Path, out_dir: Path) -> None:
 
 def _publish(staging: Path, out_dir: Path) -> None:
     """Move the finished checkpoint into place; tolerate a concurrent fetch that won."""
-    if out_dir.exists() and not is_complete(out_dir):
-        shutil.rmtree(out_dir)  # an incomplete leftover of an older, interrupted layout
-    try:
+    if is_complete(out_dir):
+        logger.info("another process published %s first", out_dir)
+        return
+    _check_replaceable(out_dir)  # the directory may have appeared while we converted
+    try:  # a rename replaces an empty directory; a non-empty one fails it
         staging.rename(out_dir)
     except OSError:
         if not is_complete(out_dir):
