@@ -1,4 +1,4 @@
-"""Model hyper-parameters read from an HF ``config.json`` (Llama / Qwen2 / Qwen3 families)."""
+"""Model hyper-parameters read from an HF ``config.json`` (Llama, Mistral, Qwen2, Qwen3)."""
 
 from __future__ import annotations
 
@@ -9,44 +9,101 @@ from typing import Any
 
 from workers.engine.errors import UnsupportedCheckpointError
 
-# HF ``architectures`` entries we can run, and the per-family switches they imply.
-# ``default_bias``: q/k/v biases when ``attention_bias`` is absent; None: the family has no
-# biases at all and ignores the key (transformers' Mistral attention).
-# ``o_proj_bias``: whether ``attention_bias`` gives o_proj a bias too (transformers' Llama and
-# Qwen3 attention do; Qwen2's biases are on q/k/v only).
-SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool | None]] = {
-    "LlamaForCausalLM": {"qk_norm": False, "default_bias": False, "o_proj_bias": True},
-    "MistralForCausalLM": {"qk_norm": False, "default_bias": None, "o_proj_bias": False},
-    "Qwen2ForCausalLM": {"qk_norm": False, "default_bias": True, "o_proj_bias": False},
-    "Qwen3ForCausalLM": {"qk_norm": True, "default_bias": False, "o_proj_bias": True},
+
+@dataclass(frozen=True)
+class ArchitectureFamily:
+    """What an HF ``architectures`` entry implies, and the defaults its transformers config
+    class gives the keys a ``config.json`` may leave out."""
+
+    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    # q/k/v biases: None reads ``attention_bias`` (default False); a bool is fixed whatever the
+    # key says (transformers' Mistral attention never has them, Qwen2's always does).
+    qkv_bias: bool | None
+    o_proj_bias: bool  # ``attention_bias`` gives o_proj a bias too (Llama, Qwen3; not Qwen2)
+    max_position_embeddings: int
+    sliding_window: int | None
+    # Whether that window is on when ``use_sliding_window`` is absent: only Qwen2 / Qwen3 have
+    # the switch (off by default); the engine honours it in every family.
+    use_sliding_window: bool
+
+
+# The architectures we can run. Defaults are those of transformers' LlamaConfig, MistralConfig,
+# Qwen2Config and Qwen3Config.
+SUPPORTED_ARCHITECTURES: dict[str, ArchitectureFamily] = {
+    "LlamaForCausalLM": ArchitectureFamily(
+        qk_norm=False,
+        qkv_bias=None,
+        o_proj_bias=True,
+        max_position_embeddings=2048,
+        sliding_window=None,
+        use_sliding_window=True,
+    ),
+    "MistralForCausalLM": ArchitectureFamily(
+        qk_norm=False,
+        qkv_bias=False,
+        o_proj_bias=False,
+        max_position_embeddings=131072,
+        sliding_window=4096,
+        use_sliding_window=True,
+    ),
+    "Qwen2ForCausalLM": ArchitectureFamily(
+        qk_norm=False,
+        qkv_bias=True,
+        o_proj_bias=False,
+        max_position_embeddings=32768,
+        sliding_window=4096,
+        use_sliding_window=False,
+    ),
+    "Qwen3ForCausalLM": ArchitectureFamily(
+        qk_norm=True,
+        qkv_bias=None,
+        o_proj_bias=True,
+        max_position_embeddings=32768,
+        sliding_window=4096,
+        use_sliding_window=False,
+    ),
 }
 
+# RoPE types whose pretraining length a top-level ``original_max_position_embeddings`` sets,
+# over the one in the RoPE dict (transformers' ``standardize_rope_params``; Phi3 keeps it there).
+_TOP_LEVEL_ORIGINAL_MAX_TYPES = ("llama3", "yarn", "longrope")
 
-def _sliding_window(raw: dict[str, Any]) -> int | None:
+
+def _sliding_window(raw: dict[str, Any], family: ArchitectureFamily) -> int | None:
     """The window of a checkpoint that uses sliding-window attention, else None. Qwen2 /
     Qwen3 configs carry a ``sliding_window`` size that only ``use_sliding_window`` turns on;
-    Mistral's is on whenever it is set."""
-    window = raw.get("sliding_window")
-    if window is None or not raw.get("use_sliding_window", True):
+    Mistral's is on whenever it is set, and 4096 when the key is absent."""
+    window = raw.get("sliding_window", family.sliding_window)
+    if window is None or not raw.get("use_sliding_window", family.use_sliding_window):
         return None
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
         raise UnsupportedCheckpointError(f"sliding_window must be a positive integer: {window!r}")
     return window
 
 
-def _rope_scaling(raw: dict[str, Any]) -> dict[str, Any] | None:
-    """The RoPE scaling dict, or None for plain RoPE.
-
-    transformers < 5 writes ``rope_scaling`` (key ``type`` or ``rope_type``); transformers 5 writes
-    ``rope_parameters`` that always carries ``rope_type`` (``"default"`` for plain RoPE).
-    """
+def _rope_params(raw: dict[str, Any]) -> dict[str, Any]:
+    """The RoPE dict as transformers picks it: ``rope_scaling`` (transformers < 5) before
+    ``rope_parameters`` (transformers 5, which always carries ``rope_type`` and ``rope_theta``)."""
     params = raw.get("rope_scaling") or raw.get("rope_parameters")
-    if not isinstance(params, dict):
-        return None
+    return params if isinstance(params, dict) else {}
+
+
+def _rope_theta(raw: dict[str, Any]) -> float:
+    # transformers only fills the dict's ``rope_theta`` from the top-level key when it is missing.
+    return float(_rope_params(raw).get("rope_theta") or raw.get("rope_theta") or 10000.0)
+
+
+def _rope_scaling(raw: dict[str, Any]) -> dict[str, Any] | None:
+    """The RoPE scaling dict, or None for plain RoPE (``rope_type`` missing or ``"default"``)."""
+    params = _rope_params(raw)
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if rope_type == "default":
         return None
-    return {**params, "rope_type": rope_type}
+    scaling = {**params, "rope_type": rope_type}
+    original_max = raw.get("original_max_position_embeddings")
+    if rope_type in _TOP_LEVEL_ORIGINAL_MAX_TYPES and original_max is not None:
+        scaling["original_max_position_embeddings"] = original_max
+    return scaling
 
 
 @dataclass(frozen=True)
@@ -99,9 +156,10 @@ class ModelConfig:
             hidden = int(raw["hidden_size"])
             eos = raw.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-            default_bias = family["default_bias"]
-            attention_bias = default_bias is not None and bool(
-                raw.get("attention_bias", default_bias)
+            attention_bias = (
+                bool(raw.get("attention_bias", False))
+                if family.qkv_bias is None
+                else family.qkv_bias
             )
             return cls(
                 architecture=arch,
@@ -113,21 +171,19 @@ class ModelConfig:
                 num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
                 head_dim=int(raw.get("head_dim") or hidden // num_heads),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(
-                    raw.get("rope_theta")
-                    or (raw.get("rope_parameters") or {}).get("rope_theta")
-                    or 10000.0
+                rope_theta=_rope_theta(raw),
+                max_position_embeddings=int(
+                    raw.get("max_position_embeddings", family.max_position_embeddings)
                 ),
-                max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 attention_bias=attention_bias,
-                o_proj_bias=attention_bias and bool(family["o_proj_bias"]),
-                qk_norm=bool(family["qk_norm"]),
+                o_proj_bias=attention_bias and family.o_proj_bias,
+                qk_norm=family.qk_norm,
                 rope_scaling=_rope_scaling(raw),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
-                sliding_window=_sliding_window(raw),
+                sliding_window=_sliding_window(raw, family),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise UnsupportedCheckpointError(f"malformed config.json: {exc}") from exc

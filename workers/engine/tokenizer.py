@@ -138,8 +138,14 @@ def render_chat_template(
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    # HF always defines ``tools`` and ``documents`` (None without any): templates test
+    # ``tools is not none``, which an undefined name passes.
     return env.from_string(template).render(
-        messages=messages, add_generation_prompt=add_generation_prompt, **special_tokens
+        messages=messages,
+        tools=None,
+        documents=None,
+        add_generation_prompt=add_generation_prompt,
+        **special_tokens,
     )
 
 
@@ -191,6 +197,18 @@ class ByteTokenizer(Tokenizer):
         ]
 
 
+# The named special tokens HF passes to chat templates (``special_tokens_map``).
+_SPECIAL_TOKEN_KEYS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+
+
 class HFTokenizer(Tokenizer):
     """HF ``tokenizers`` backend plus the settings of ``tokenizer_config.json``."""
 
@@ -205,7 +223,7 @@ class HFTokenizer(Tokenizer):
         settings = _read_json(model_dir / "tokenizer_config.json")
         self.special_tokens = {
             key: text
-            for key in ("bos_token", "eos_token", "pad_token", "unk_token")
+            for key in _SPECIAL_TOKEN_KEYS
             if (text := _token_text(settings.get(key))) is not None
         }
         bos = self.special_tokens.get("bos_token")
