@@ -127,7 +127,8 @@ class ClusterConfig:
     ``CUDA_VISIBLE_DEVICES``; a TP worker's ranks share one bundle, `worker_bundles`, so its
     leader sees a GPU for each), and KV transfers need a provider that registers GPU memory
     (FI_HMEM: ``verbs``, ``efa``; ``shm`` on one node when libfabric was built with CUDA,
-    which the workers find out at start), which ``tcp`` cannot.
+    which the workers find out at start), which ``tcp`` cannot. On ``auto`` the latter rule
+    holds for every group that reserves GPUs: its ranks see one, and auto picks cuda there.
     ``worker_host``: the address every worker's token service (gRPC, which the router dials) and
     ``/metrics`` bind. The default, loopback, suits one machine; a cluster over several hosts
     (the Helm chart) gives ``0.0.0.0`` (or ``::``), and each worker then advertises its Ray
@@ -183,23 +184,26 @@ class ClusterConfig:
                     f"prefill:decode replicas {prefill.replicas}:{decode.replicas} is beyond "
                     f"1:{MAX_GROUP_RATIO} either way; one side would sit idle",
                 )
-        if self.device.startswith("cuda"):
+        if self.device != "cpu":
             self._check_cuda_groups()
 
     def _check_cuda_groups(self) -> None:
         for group in self.groups:
             path = f"groups.{group.role}"
-            if group.resources_per_rank.gpu < 1:
+            gpu = group.resources_per_rank.gpu
+            if self.device.startswith("cuda") and gpu < 1:
                 raise ConfigError(
                     f"{path}.resources_per_rank.gpu",
-                    f"device {self.device} needs a GPU per rank, got "
-                    f"{group.resources_per_rank.gpu}",
+                    f"device {self.device} needs a GPU per rank, got {gpu}",
                 )
-            if group.fabric is not None and group.fabric.provider == "tcp;ofi_rxm":
+            # auto resolves to cuda on a rank that reserves a GPU (Ray makes it visible): its KV
+            # sits in GPU memory as on cuda, and tcp would fail only when the worker starts.
+            if gpu > 0 and group.fabric is not None and group.fabric.provider == "tcp;ofi_rxm":
                 raise ConfigError(
                     f"{path}.fabric.provider",
-                    f"{group.fabric.provider} cannot register GPU memory for KV transfers; "
-                    "use verbs or efa (FI_HMEM), or shm on one node",
+                    f"{group.fabric.provider} cannot register GPU memory for KV transfers "
+                    f"(device {self.device}, {gpu} GPU per rank); use verbs or efa (FI_HMEM), "
+                    "or shm on one node",
                 )
 
     def _check_limits(self, limits: Limits, path: str) -> None:

@@ -21,6 +21,8 @@ FABRIC_PROVIDER_ALIASES: dict[str, str] = {"tcp": "tcp;ofi_rxm", "verbs": "verbs
 ROUTING_POLICIES: tuple[str, ...] = ("least_outstanding", "round_robin", "random")
 # Bind addresses that mean "every interface": no peer can dial them.
 WILDCARD_HOSTS: frozenset[str] = frozenset({"0.0.0.0", "::"})
+# The loopback addresses `localhost` resolves to (either or both): binding it takes them.
+LOOPBACK_HOSTS: frozenset[str] = frozenset({"127.0.0.1", "::1"})
 # router.max_request_bytes: gRPC's own default receive limit, so nothing that fit before is
 # refused; room for a 128k-token prompt as token ids (at most 5 bytes each) or as text.
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
@@ -345,9 +347,7 @@ class RouterConfig:
         grpc_host, grpc_port = _split_address(self.address)
         if self.http_address is not None:
             http_host, http_port = _split_address(self.http_address, "http_address")
-            if grpc_port == http_port != 0 and (
-                grpc_host == http_host or {grpc_host, http_host} & WILDCARD_HOSTS
-            ):
+            if grpc_port == http_port != 0 and _hosts_overlap(grpc_host, http_host):
                 # Else the second bind fails only after every worker was placed.
                 raise ConfigError(
                     "http_address",
@@ -382,12 +382,22 @@ class RouterConfig:
         return _split_address(self.http_address, "http_address")
 
 
+def _hosts_overlap(first: str, second: str) -> bool:
+    """Whether binding one port on both hosts clashes: the same host, a wildcard, or
+    ``localhost`` (any case) beside a loopback address it resolves to."""
+    first, second = first.lower(), second.lower()
+    if first == second or {first, second} & WILDCARD_HOSTS:
+        return True
+    return "localhost" in (first, second) and {first, second} <= LOOPBACK_HOSTS | {"localhost"}
+
+
 def _split_address(address: object, name: str = "address") -> tuple[str, int]:
     if not isinstance(address, str):
         raise ConfigError(name, f"must be a 'host:port' string, got {address!r}")
     host, sep, port = address.rpartition(":")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # [::1]:50051
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
+    # isdigit() takes '5²' (int() then raises) and isdecimal() other scripts' digits.
+    if not sep or not host or not (port.isascii() and port.isdecimal()) or int(port) > 65535:
         raise ConfigError(name, f"must be 'host:port' with a port in 0-65535, got {address!r}")
     return host, int(port)
 

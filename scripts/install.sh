@@ -6,26 +6,7 @@ cd "$(dirname "$0")/.."
 
 log() { printf '\033[1m[install]\033[0m %s\n' "$*"; }
 
-# --- system packages -------------------------------------------------------------------------
-apt_packages=()
-[ -f /usr/include/rdma/fabric.h ] || apt_packages+=(libfabric-dev libfabric1)
-command -v fi_info >/dev/null 2>&1 || apt_packages+=(libfabric-bin)
-command -v iperf3 >/dev/null 2>&1 || apt_packages+=(iperf3)
-# promtool (Debian package prometheus) checks the /metrics exposition in the tests.
-command -v promtool >/dev/null 2>&1 || apt_packages+=(prometheus)
-if [ ${#apt_packages[@]} -gt 0 ]; then
-  if ! command -v apt-get >/dev/null 2>&1; then
-    echo "error: missing ${apt_packages[*]} and no apt-get; install libfabric (>= 1.17, with headers) by hand" >&2
-    exit 1
-  fi
-  sudo=""
-  [ "$(id -u)" -eq 0 ] || sudo="sudo"
-  log "apt-get install ${apt_packages[*]}"
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${apt_packages[@]}" >/dev/null
-fi
-
-# --- virtual environment -----------------------------------------------------------------------
+# --- Python --------------------------------------------------------------------------------------
 python=""
 for candidate in python3.11 python3.12 python3.13 python3; do
   if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
@@ -33,11 +14,56 @@ for candidate in python3.11 python3.12 python3.13 python3; do
   fi
 done
 [ -n "$python" ] || { echo "error: Python >= 3.11 is required" >&2; exit 1; }
+
+# --- system packages -------------------------------------------------------------------------
+apt_packages=()
+[ -f /usr/include/rdma/fabric.h ] || apt_packages+=(libfabric-dev libfabric1)
+command -v fi_info >/dev/null 2>&1 || apt_packages+=(libfabric-bin)
+command -v iperf3 >/dev/null 2>&1 || apt_packages+=(iperf3)
+# promtool (Debian package prometheus) checks the /metrics exposition in the tests.
+command -v promtool >/dev/null 2>&1 || apt_packages+=(prometheus)
+# The libfabric binding is a cffi extension compiled here; buf (protos lint) comes from npm.
+command -v cc >/dev/null 2>&1 || apt_packages+=(gcc libc6-dev)
+"$python" -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
+  || apt_packages+=("${python##*/}-dev")
+"$python" -c 'import ensurepip' 2>/dev/null || apt_packages+=("${python##*/}-venv")
+command -v npm >/dev/null 2>&1 || apt_packages+=(nodejs npm)
+if [ ${#apt_packages[@]} -gt 0 ]; then
+  if ! command -v apt-get >/dev/null 2>&1; then
+    echo "error: missing ${apt_packages[*]} and no apt-get; install them (libfabric >= 1.17, with headers) by hand" >&2
+    exit 1
+  fi
+  sudo=""
+  if [ "$(id -u)" -ne 0 ]; then
+    command -v sudo >/dev/null 2>&1 || {
+      echo "error: missing ${apt_packages[*]}; run as root or install sudo (or the packages) first" >&2
+      exit 1
+    }
+    sudo="sudo"
+  fi
+  log "apt-get install ${apt_packages[*]}"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${apt_packages[@]}" >/dev/null
+fi
+# The binding asks libfabric for API 1.17 (workers/fabric/_build.py); an older one (Ubuntu
+# 22.04 ships 1.11) installs, then refuses every provider at run time.
+fabric_version=$(fi_info --version 2>/dev/null | sed -n 's/^libfabric: *\([0-9][0-9]*\.[0-9][0-9]*\).*/\1/p')
+if [ -n "$fabric_version" ] && ! printf '%s\n' "1.17" "$fabric_version" | sort -C -V; then
+  echo "error: libfabric $fabric_version is installed; pdserve needs >= 1.17 (Debian 12, Ubuntu 24.04)" >&2
+  exit 1
+fi
+
+# --- virtual environment -----------------------------------------------------------------------
+# A venv whose creation failed half-way (no ensurepip) has a python but no pip: make it again.
+if [ -x .venv/bin/python ] && ! .venv/bin/python -m pip --version >/dev/null 2>&1; then
+  log "removing the incomplete .venv"
+  rm -rf .venv
+fi
 if [ ! -x .venv/bin/python ]; then
   log "creating .venv with $python"
   "$python" -m venv .venv
 fi
-log "installing pdserve and its dev extras into .venv (torch 2.13.0 CPU build)"
+log "installing pdserve and its dev extras into .venv (torch 2.13.0)"
 # The machine's pip config adds local wheel indexes that may be absent; hide only that noise
 # (pipefail keeps pip's own exit status).
 pip_install() { .venv/bin/pip install -q --disable-pip-version-check "$@" 2>&1 | { grep -v "is ignored" || true; }; }

@@ -102,10 +102,46 @@ The router's TLS files and token file are those of the Secrets the head pod moun
 {{- end }}
 
 {{/*
+Bytes of a size as orchestrator/config.py reads it ("4MiB", "1 GB", 4194304), as a float:
+its int() truncates, so compare the floor. The schema has checked the spelling.
+*/}}
+{{- define "pdserve.bytes" -}}
+{{- if kindIs "string" . }}
+{{- $text := lower (trim .) }}
+{{- $number := regexFind "^[0-9]+(\\.[0-9]+)?" $text }}
+{{- $units := dict "" 1 "b" 1 "kb" 1e3 "mb" 1e6 "gb" 1e9 "tb" 1e12 "kib" 1024 "mib" 1048576 "gib" 1073741824 "tib" 1099511627776 }}
+{{- mulf (float64 $number) (index $units (trim (trimPrefix $number $text))) | floor }}
+{{- else }}
+{{- float64 . }}
+{{- end }}
+{{- end }}
+
+{{/*
 Rules across values that the JSON schema cannot express; the orchestrator checks the same ones
 at launch, but a failed `helm install` beats a launcher Job that crash-loops.
 */}}
 {{- define "pdserve.validate" -}}
+{{- /*
+The router's ports share one Service (which refuses a repeated port) and the head pod, where
+Ray already listens: GCS, dashboard and client (the head's container ports), and KubeRay's
+defaults for metrics export and the dashboard agent, which are on every pod.
+*/}}
+{{- $rayPorts := dict "6379" "Ray GCS" "8265" "Ray dashboard" "10001" "Ray client" "8080" "Ray metrics export" "52365" "Ray dashboard agent" }}
+{{- $routerPorts := dict }}
+{{- range $key := list "grpcPort" "httpPort" "metricsPort" }}
+{{- $port := index $.Values.router $key | int | toString }}
+{{- with index $rayPorts $port }}
+{{- fail (printf "router.%s: %s is the %s port on the Ray head; pick another" $key $port .) }}
+{{- end }}
+{{- with index $routerPorts $port }}
+{{- fail (printf "router.%s: %s is router.%s too; the router's ports must differ" $key $port .) }}
+{{- end }}
+{{- $_ := set $routerPorts $port $key }}
+{{- end }}
+{{- $workerPort := .Values.workerMetricsPort | int | toString }}
+{{- if has $workerPort (list "8080" "52365") }}
+{{- fail (printf "workerMetricsPort: %s is the %s port on every Ray pod; pick another" $workerPort (index $rayPorts $workerPort)) }}
+{{- end }}
 {{- $prefill := .Values.workerGroups.prefill.replicas | int }}
 {{- $decode := .Values.workerGroups.decode.replicas | int }}
 {{- if or (gt $prefill (mul 16 $decode)) (gt $decode (mul 16 $prefill)) }}
@@ -124,6 +160,35 @@ at launch, but a failed `helm install` beats a launcher Job that crash-loops.
 {{- range $role, $group := .Values.workerGroups }}
 {{- if lt ($group.rdmaDevicesPerPod | int) 1 }}
 {{- fail (printf "workerGroups.%s.rdmaDevicesPerPod: fabric.provider %q moves KV over RDMA devices; request at least one (%s)" $role $.Values.fabric.provider $.Values.fabric.rdmaResource) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- /* auto runs a rank on the GPU it reserves (orchestrator/config.py): cuda's rules there. */}}
+{{- $device := .Values.clusterConfig.device | default "cpu" }}
+{{- range $role, $group := .Values.workerGroups }}
+{{- $gpus := $group.gpuPerRank | int }}
+{{- if and (hasPrefix "cuda" $device) (lt $gpus 1) }}
+{{- fail (printf "workerGroups.%s.gpuPerRank: clusterConfig.device %s runs every rank on a GPU; request at least one" $role $device) }}
+{{- end }}
+{{- if and (gt $gpus 0) (ne $device "cpu") (eq $.Values.fabric.provider "tcp;ofi_rxm") }}
+{{- fail (printf "fabric.provider: tcp;ofi_rxm cannot register GPU memory for KV transfers, where clusterConfig.device %s puts them (workerGroups.%s.gpuPerRank %d); use efa or verbs;ofi_rxm" $device $role $gpus) }}
+{{- end }}
+{{- end }}
+{{- /* Byte sizes within the orchestrator's bounds (config_sections.py), which a pattern cannot say. */}}
+{{- with .Values.clusterConfig.router.max_request_bytes }}
+{{- $bytes := include "pdserve.bytes" . | float64 }}
+{{- if or (lt $bytes 1024.0) (gt $bytes 1073741824.0) }}
+{{- fail (printf "clusterConfig.router.max_request_bytes: %v is %.0f bytes; give 1KiB to 1GiB" . $bytes) }}
+{{- end }}
+{{- end }}
+{{- $limits := dict "clusterConfig.limits" .Values.clusterConfig.limits }}
+{{- range $role, $group := .Values.workerGroups }}
+{{- $_ := set $limits (printf "workerGroups.%s.limits" $role) $group.limits }}
+{{- end }}
+{{- range $path, $section := $limits }}
+{{- with and $section (index $section "kv_memory_bytes") }}
+{{- if lt (include "pdserve.bytes" . | float64) 1.0 }}
+{{- fail (printf "%s.kv_memory_bytes: %v is 0 bytes (the orchestrator truncates); give at least one" $path .) }}
 {{- end }}
 {{- end }}
 {{- end }}
