@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from tests.fabric.harness import RemoteTarget, StuckPosts
+from tests.fabric.test_review_fixes import _wait_until
 from workers.fabric import (
     EngineClosedError,
     FabricError,
@@ -43,16 +44,6 @@ from workers.fabric.messages import RECEIVE_ID_BASE
 
 MIB = 1 << 20
 pytestmark = pytest.mark.timeout(180)
-
-
-def _wait_until(condition: Callable[[], bool], timeout: float = 30.0) -> bool:
-    """Poll ``condition`` until it holds; False after ``timeout`` (a bound, not a measure)."""
-    end = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 class BindingLog:
