@@ -51,7 +51,6 @@ from orchestrator.errors import (
 )
 from orchestrator.openai_protocol import (
     ParsedRequest,
-    TextOffsets,
     UnsupportedParameterError,
     completion_response,
     model_entry,
@@ -268,11 +267,10 @@ class OpenAIHttpApi:
         the last event."""
         created = int(time.time())
         tokenizer = self.router.tokenizer
-        offsets = TextOffsets(tokenizer)  # completions' text_offset counts from the first chunk
         event = first
         try:
             while True:
-                await _send(response, stream_chunk(parsed, event, created, tokenizer, offsets))
+                await _send(response, stream_chunk(parsed, event, created, tokenizer))
                 if event.timings is not None:
                     break
                 event = await anext(events)

@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.errors import InvalidRequestError
 from orchestrator.router import GenerationInput, StreamEvent
-from workers.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from workers.engine.tokenizer import Tokenizer
 
 # OpenAI field -> SamplingParams field, with the JSON types accepted.
 _NUMBERS = {
@@ -266,34 +265,10 @@ def usage(event: StreamEvent) -> dict[str, int]:
     }
 
 
-class TextOffsets:
-    """Completions' ``text_offset`` over one answer (all of it, or its stream's chunks in order):
-    where each output token's text starts in the returned text, in characters. The text is
-    rebuilt as the router's detokenizer builds it, so a token that completes only part of a
-    character starts where that character does."""
-
-    def __init__(self, tokenizer: Tokenizer | None) -> None:
-        self._detokenizer = IncrementalDetokenizer(tokenizer, []) if tokenizer else None
-        self._num_sent = 0  # characters of the answer returned so far
-
-    def take(self, token_ids: Sequence[int], text: str, final: bool) -> list[int]:
-        """The offsets of ``token_ids``, sent with ``text``; on the ``final`` one they stay within
-        the answer (a stop string is cut from the text, not from the tokens)."""
-        self._num_sent += len(text)
-        if self._detokenizer is None:
-            return [0] * len(token_ids)
-        offsets = []
-        for token_id in token_ids:
-            offsets.append(len(self._detokenizer.output_text))
-            self._detokenizer.push(token_id)
-        return [min(o, self._num_sent) for o in offsets] if final else offsets
-
-
 def _logprobs(
     request: ParsedRequest,
     events: list[StreamEvent],
     tokenizer: Tokenizer | None,
-    offsets: TextOffsets | None = None,
 ) -> dict[str, Any] | None:
     if not request.logprobs:
         return None
@@ -309,14 +284,13 @@ def _logprobs(
             for t, b, v in zip(tokens, raw, values, strict=False)
         ]
         return {"content": content}
-    offsets = offsets if offsets is not None else TextOffsets(tokenizer)
-    text = "".join(e.text for e in events)
     return {
         "tokens": tokens,
         "token_logprobs": values,
         # The engine computes the chosen token's logprob only: each position's "top" is it.
         "top_logprobs": [{t: v} for t, v in zip(tokens, values, strict=False)],
-        "text_offset": offsets.take(ids, text, final=bool(events[-1].finish_reason)),
+        # The router's, from its prompt-seeded detokenizer (`TextStream.take_offsets`).
+        "text_offset": [offset for e in events for offset in e.text_offsets],
     }
 
 
@@ -369,11 +343,10 @@ def stream_chunk(
     event: StreamEvent,
     created: int,
     tokenizer: Tokenizer | None,
-    offsets: TextOffsets | None = None,
 ) -> dict[str, Any]:
-    """One SSE chunk; ``offsets`` is the stream's own (its ``text_offset`` spans the chunks)."""
+    """One SSE chunk."""
     body = _envelope(request, created, chunk=True)
-    logprobs = _logprobs(request, [event], tokenizer, offsets)
+    logprobs = _logprobs(request, [event], tokenizer)
     body["choices"] = [_choice(request, event.text, event.finish_reason or None, logprobs, True)]
     return body
 

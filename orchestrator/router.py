@@ -146,6 +146,8 @@ class StreamEvent:
     num_prompt_tokens: int = 0
     num_completion_tokens: int = 0
     timings: Timings | None = None
+    # With return_logprobs: where each of ``token_ids``' texts starts in the whole answer.
+    text_offsets: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -529,6 +531,9 @@ class Router:
                 len(prompt),
                 num_tokens,
             )
+            offsets = text.take_offsets()
+            if request.return_logprobs:
+                event = replace(event, text_offsets=offsets)
             if final:
                 inflight.finished = delta.finish_reason != ""
                 end = time.perf_counter()

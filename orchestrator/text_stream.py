@@ -25,13 +25,23 @@ class TextStream:
         self.text = ""
         self._num_sent = 0
         self.stopped = False
+        # Where each token pushed since the last `take_offsets` starts in `text` (OpenAI's
+        # completions ``text_offset``), read off this prompt-seeded detokenizer.
+        self._offsets: list[int] = []
 
     def push(self, token_id: int) -> None:
         """Add one output token (the engine's stop tokens included: they decode to nothing)."""
+        self._offsets.append(len(self.text))
         if self._detokenizer is None or self.stopped:
             return
         self.text += self._detokenizer.push(token_id)
         self._find_stop()
+
+    def take_offsets(self) -> list[int]:
+        """The start of each token pushed since the last call, in characters of the answer;
+        within the text (a token after a stop string starts where the text ends)."""
+        offsets, self._offsets = self._offsets, []
+        return [min(offset, len(self.text)) for offset in offsets]
 
     def take(self, *, final: bool = False) -> str:
         """Text ready to send; ``final`` releases everything held back."""

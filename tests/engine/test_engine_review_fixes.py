@@ -247,6 +247,35 @@ def test_timed_out_call_already_running_says_so(tiny_model_dir: Path) -> None:
         loop.stop()
 
 
+def test_timed_out_call_that_then_fails_is_not_undone(tiny_model_dir: Path) -> None:
+    """A started call that ends by raising (e.g. a submit refusing an id a live request
+    holds) did nothing: its undo (aborting that id) must not run."""
+    loop = StepLoop("test-step", make_engine(tiny_model_dir), lambda outputs: None)
+    loop.thread.start()
+    release = threading.Event()
+    undone: list[int] = []
+
+    def slow_refusal() -> None:
+        release.wait(DEADLINE_S)
+        raise ValueError("request id 'r' is already active")
+
+    try:
+        for timeout in (0.2, 1.0, 5.0):
+            try:
+                loop.call(slow_refusal, timeout=timeout, undo=lambda: undone.append(1))
+            except EngineCallTimeoutError as error:
+                if error.started:
+                    break
+        else:
+            pytest.fail("the loop never started the call")
+        release.set()
+        loop.call(lambda: None, timeout=DEADLINE_S)  # after the refusal and the posted undo
+        assert undone == []
+    finally:
+        release.set()
+        loop.stop()
+
+
 def test_call_whose_function_raises_timeout_error_passes_it_on(tiny_model_dir: Path) -> None:
     loop = StepLoop("test-step", make_engine(tiny_model_dir), lambda outputs: None)
     loop.thread.start()

@@ -26,7 +26,6 @@ from orchestrator.cli import main
 from orchestrator.client import pb, pb_grpc
 from orchestrator.http_api import HttpSettings, OpenAIHttpApi, error_of
 from orchestrator.openai_protocol import (
-    TextOffsets,
     UnsupportedParameterError,
     completion_response,
     parse_request,
@@ -34,6 +33,7 @@ from orchestrator.openai_protocol import (
 )
 from orchestrator.router import StreamEvent
 from orchestrator.security import bearer_matches
+from orchestrator.text_stream import TextStream
 from tests.orchestrator.cluster_helpers import ServedCluster, cluster_config, mixed_groups
 from workers.engine import demo_model
 from workers.engine.tokenizer import ByteTokenizer
@@ -89,37 +89,37 @@ def test_only_an_explicit_max_tokens_must_fit_the_context() -> None:
     assert not omitted.generation.max_tokens_within_context
 
 
-def _event(text: str, ids: list[int], reason: str = "") -> StreamEvent:
-    return StreamEvent("cmpl-1", text, ids, [-0.5] * len(ids), reason)
+def _event(text: str, ids: list[int], offsets: list[int], reason: str = "") -> StreamEvent:
+    return StreamEvent("cmpl-1", text, ids, [-0.5] * len(ids), reason, text_offsets=offsets)
 
 
-def test_completion_logprobs_have_offsets_and_the_chosen_token_as_top() -> None:
+def _offsets(stream: TextStream, ids: list[int]) -> list[int]:
+    for token_id in ids:
+        stream.push(token_id)
+    return stream.take_offsets()
+
+
+def test_text_offsets_are_where_each_token_starts_in_the_answer() -> None:
+    stream = TextStream(ByteTokenizer(), list(b"x"), ())
+    ids = list("héllo".encode())  # "é" is two byte tokens: both start at its character
+    assert _offsets(stream, ids[:2]) + _offsets(stream, ids[2:]) == [0, 1, 1, 2, 3, 4]
+    cut = TextStream(ByteTokenizer(), list(b"x"), ["lo"])  # a stop string cuts "lo" off
+    assert _offsets(cut, list(b"hello")) == [0, 1, 2, 3, 3]
+    assert cut.take(final=True) == "hel"
+
+
+def test_completion_logprobs_carry_the_routers_offsets_and_the_chosen_token_as_top() -> None:
     tokenizer = ByteTokenizer()
     request = parse_request("completion", {"prompt": "x", "logprobs": 1}, "m", tokenizer)
-    ids = list("héllo".encode())  # "é" is two byte tokens: both start at its character
-    answer = completion_response(request, [_event("héllo", ids, "length")], tokenizer)
+    ids = list("héllo".encode())
+    answer = completion_response(
+        request, [_event("héllo", ids, [0, 1, 1, 2, 3, 4], "length")], tokenizer
+    )
     logprobs = answer["choices"][0]["logprobs"]
     assert logprobs["text_offset"] == [0, 1, 1, 2, 3, 4]
     assert logprobs["top_logprobs"] == [{t: -0.5} for t in logprobs["tokens"]]
-    # Streamed, the offsets run on across chunks.
-    offsets = TextOffsets(tokenizer)
-    chunks = [_event("h", ids[:1]), _event("", ids[1:2]), _event("él", ids[2:4])]
-    chunks.append(_event("lo", ids[4:], "length"))
-    streamed = [
-        offset
-        for chunk in chunks
-        for offset in stream_chunk(request, chunk, 0, tokenizer, offsets)["choices"][0]["logprobs"][
-            "text_offset"
-        ]
-    ]
-    assert streamed == [0, 1, 1, 2, 3, 4]
-
-
-def test_text_offsets_stay_within_a_text_a_stop_string_cut() -> None:
-    tokenizer = ByteTokenizer()
-    request = parse_request("completion", {"prompt": "x", "logprobs": 0}, "m", tokenizer)
-    answer = completion_response(request, [_event("hel", list(b"hello"), "stop")], tokenizer)
-    assert answer["choices"][0]["logprobs"]["text_offset"] == [0, 1, 2, 3, 3]
+    chunk = stream_chunk(request, _event("lo", ids[4:], [3, 4], "length"), 0, tokenizer)
+    assert chunk["choices"][0]["logprobs"]["text_offset"] == [3, 4]
 
 
 def test_a_non_utf8_bearer_value_does_not_match() -> None:

@@ -393,9 +393,14 @@ class EngineCore:
         self._check_unowned(page_ids)
 
     def _check_unowned(self, page_ids: Sequence[int]) -> None:
-        """Pinned pages no request holds: a request waiting for KV holds its pinned pages."""
+        """Pinned pages no request holds. Only a request waiting for KV holds pinned pages (a
+        running or held one's are unpinned), so only those are looked at: this runs on every
+        hand-over, and a decoder may hold many running requests' pages."""
         owned = {
-            p for seq in [*self._requests.values(), *self._held.values()] for p in seq.page_ids
+            p
+            for seq in self._requests.values()
+            if seq.status is SequenceStatus.WAITING_FOR_KV
+            for p in seq.page_ids
         }
         for page_id in page_ids:
             if not 0 <= page_id < self.num_pages or not self.block_manager.is_pinned(page_id):

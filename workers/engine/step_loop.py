@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from workers.engine.errors import EngineCallTimeoutError, EngineClosedError
@@ -50,6 +51,13 @@ def _nothing() -> None:
 
 def _no_work() -> bool:
     return False
+
+
+def _undo_if_done(call: Future[Any], undo: Callable[[], object]) -> None:
+    """Posted behind ``call`` (so it has ended): undo what it did only if it did it; one that
+    raised (e.g. refused a request id a live request holds) did nothing to undo."""
+    if not call.cancelled() and call.exception() is None:
+        undo()
 
 
 def _log_posted_error(future: Future[object]) -> None:
@@ -125,7 +133,7 @@ class StepLoop:
             if future.done():  # it finished just as the wait ran out
                 return future.result()
             if undo is not None:
-                self._post(undo)
+                self._post(partial(_undo_if_done, future, undo))
             raise EngineCallTimeoutError(
                 f"engine call still running after {timeout} s; it will complete unseen",
                 started=True,
