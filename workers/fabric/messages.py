@@ -22,7 +22,7 @@ import numpy as np
 
 from workers.fabric._lib import ffi, lib, strerror
 from workers.fabric.callbacks import CallbackDispatcher
-from workers.fabric.errors import FabricError, ProviderError
+from workers.fabric.errors import EngineClosedError, FabricError, ProviderError
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,12 @@ class MessagePools:
         )
         handler = self.handler
         if handler is not None:
-            dispatcher.submit(handler, message)
+            try:
+                dispatcher.submit(handler, message)
+            except EngineClosedError:
+                # Closed under a provider call that returned late (abandoned, then torn
+                # down): nobody is left to hand the message to.
+                log.debug("dropped a message that arrived after close")
         else:
             self.inbox.put(message)
         return True

@@ -651,25 +651,28 @@ class ProgressLoop:
         self._on_ended()
 
     def _shutdown(self) -> None:
-        with self._lock:
-            self._stopping = True
-            commands = list(self._commands)
-            self._commands.clear()
-            self._lock.notify_all()
-        closed = EngineClosedError("engine closed before the operation completed")
-        for _function, future in commands:
-            future.set_exception(EngineClosedError("engine is closed"))
-        with self._lock:
-            jobs = list(self.jobs.values())
-        for job in jobs:
-            self._finish(job, closed)
-        fires: list[Fire] = self.counters.fail_all(EngineClosedError("engine closed"))
-        self.dispatcher.submit_all(fires)
-        self.peers.close_watches()
-        # Whatever the watchdog delivers is queued before the caller closes the dispatcher.
-        self._watchdog.stop()
-        self._stopped = True
-        self._end_work()
+        try:
+            with self._lock:
+                self._stopping = True
+                commands = list(self._commands)
+                self._commands.clear()
+                self._lock.notify_all()
+            closed = EngineClosedError("engine closed before the operation completed")
+            for _function, future in commands:
+                future.set_exception(EngineClosedError("engine is closed"))
+            with self._lock:
+                jobs = list(self.jobs.values())
+            for job in jobs:
+                self._finish(job, closed)
+            fires: list[Fire] = self.counters.fail_all(EngineClosedError("engine closed"))
+            self.dispatcher.submit_all(fires)
+            self.peers.close_watches()
+            # Whatever the watchdog delivers is queued before the caller closes the dispatcher.
+            self._watchdog.stop()
+            self._stopped = True
+        finally:
+            # Even after a raise above: else every `close` would wait for a thread that ended.
+            self._end_work()
 
 
 def _close_region(handle: MemoryRegionHandle) -> None:

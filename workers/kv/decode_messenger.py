@@ -272,15 +272,16 @@ class DecodeMessenger:
         except KvTransferError:
             self.engine.free_pinned(pages)
             raise
-        # The imm may be handed out again (its generation wrapped): drop its old tombstone and
-        # stray arrivals, or this transfer's writes landing before the counter is armed would be
-        # ignored as late ones. Safe: a slot comes back only once no write of its old imm can
-        # land (drained when its counter fired, else parked until its pages left quarantine).
-        self.fabric.reset_imm(imm)
         slot, _ = self.imm_layout.decode(imm)
         incoming.transfer = DecodeTransfer(
             request_id, imm, tuple(pages), None, now + self.config.transfer_timeout_s, now
         )
+        # The imm may be handed out again (its generation wrapped): drop its old tombstone and
+        # stray arrivals, or this transfer's writes landing before the counter is armed would be
+        # ignored as late ones. Safe: a slot comes back only once no write of its old imm can
+        # land (drained when its counter fired, else parked until its pages left quarantine).
+        # After `transfer` is set, so that a failure here frees the pages and slot (`_fail`).
+        self.fabric.reset_imm(imm)
         incoming.peer = self._peer(endpoint)
         coalesce = self.config.coalesce_pages
         source_sets: tuple[int, ...] = ()
