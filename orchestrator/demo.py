@@ -30,23 +30,15 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "local-1p3d.y
 
 def run_demo(model_dir: str | None, max_tokens: int, config_path: str | None = None) -> int:
     """The demo, with `pdserve serve`'s error handling: what a user can fix is one line."""
-    from ray.exceptions import RayError
-
     from orchestrator.config import ConfigError
-    from orchestrator.launch import error_line
-    from orchestrator.placement import PlacementError
+    from orchestrator.launch import run_reporting
 
     try:
-        return asyncio.run(_demo(_config(model_dir, config_path), max_tokens))
-    except KeyboardInterrupt:  # `ServingApp.start` / `_demo` stopped what they had started
-        print("interrupted", file=sys.stderr)
-        return 130
-    except ConfigError as error:
+        config = _config(model_dir, config_path)
+    except (ConfigError, OSError) as error:  # a bad config; a demo model it cannot write
         print(f"error: {error}", file=sys.stderr)
         return 2
-    except (PlacementError, OSError, TimeoutError, RayError) as error:
-        print(error_line(error), file=sys.stderr)
-        return 2
+    return run_reporting(lambda: _demo(config, max_tokens))
 
 
 def _config(model_dir: str | None, config_path: str | None) -> Any:

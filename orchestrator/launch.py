@@ -22,8 +22,8 @@ import asyncio
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Coroutine, Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from orchestrator.config import ClusterConfig
@@ -94,13 +94,30 @@ def error_line(error: BaseException) -> str:
     return f"error: {type(error).__name__}: {message}"
 
 
-def run_serve(args: argparse.Namespace) -> int:
+def run_reporting(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
+    """``asyncio.run(main())`` with what a user can fix (config, TLS files, resources, a port
+    in use, a worker that cannot start) as one line and exit 2, Ctrl-C as 130: the message,
+    not a traceback. ``main`` stops what it started before any of these reach here."""
     from ray.exceptions import RayError
 
+    from orchestrator.config import ConfigError
+    from orchestrator.placement import PlacementError
+
+    try:
+        return asyncio.run(main())
+    except KeyboardInterrupt:
+        # Ctrl-C before serving began (after, `serve` drains on SIGINT and returns 0).
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (ConfigError, PlacementError, OSError, TimeoutError, RayError) as error:
+        print(error_line(error), file=sys.stderr)
+        return 2
+
+
+def run_serve(args: argparse.Namespace) -> int:
     from orchestrator.app import AppOptions, serve
     from orchestrator.config import ConfigError
     from orchestrator.controller import ControllerOptions
-    from orchestrator.placement import PlacementError
 
     try:
         config = config_from_args(args)
@@ -110,18 +127,7 @@ def run_serve(args: argparse.Namespace) -> int:
     options = AppOptions(ray_address=args.ray_address, metrics_port=args.metrics_port)
     worker_port = args.worker_metrics_port
     controller = ControllerOptions(worker_metrics_port=None if worker_port < 0 else worker_port)
-    try:
-        return asyncio.run(serve(config, options, controller))
-    except KeyboardInterrupt:
-        # Ctrl-C before serving began (after, `serve` drains on SIGINT and returns 0);
-        # `ServingApp.start` stopped what it had started.
-        print("interrupted", file=sys.stderr)
-        return 130
-    except (ConfigError, PlacementError, OSError, TimeoutError, RayError) as error:
-        # What a user can fix (TLS files, resources, a port in use, a worker that cannot
-        # start): the message, not a traceback. `serve` stopped what it had started.
-        print(error_line(error), file=sys.stderr)
-        return 2
+    return run_reporting(lambda: serve(config, options, controller))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

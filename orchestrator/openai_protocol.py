@@ -266,9 +266,7 @@ def usage(event: StreamEvent) -> dict[str, int]:
 
 
 def _logprobs(
-    request: ParsedRequest,
-    events: list[StreamEvent],
-    tokenizer: Tokenizer | None,
+    request: ParsedRequest, events: list[StreamEvent], tokenizer: Tokenizer | None
 ) -> dict[str, Any] | None:
     if not request.logprobs:
         return None

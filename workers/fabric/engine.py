@@ -649,7 +649,6 @@ class TransferEngine:
             on_done=on_done,
             on_error=on_error,
             arrays=arrays,
-            desc=src.desc,
             region=src,
             key=dst.key,
             imm=imm,

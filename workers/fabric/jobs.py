@@ -32,9 +32,9 @@ class Job:
     on_error: ErrorCallback | None
     # Writes: native arrays of local addresses, lengths, remote addresses (one row per op).
     arrays: Any = None
-    desc: Any = None
-    # Writes: the source region. Counted in by `ProgressLoop.enqueue` and out when the job is
-    # forgotten: a deregistered region's registration is closed only after its last job.
+    # Writes: the source region (its ``desc`` is posted with them). Counted in by
+    # `ProgressLoop.enqueue` and out when the job is forgotten: a deregistered region's
+    # registration is closed only after its last job.
     region: MemoryRegionHandle | None = None
     key: int = 0
     imm: int | None = None

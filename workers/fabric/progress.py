@@ -420,12 +420,13 @@ class ProgressLoop:
     def _post_writes(self, job: Job) -> bool:
         """Post what the provider accepts; True when the job must wait for progress."""
         laddr, lens, raddr = job.arrays
+        assert job.region is not None  # every write job has its source region
         start = job.posted
         imm = job.imm if job.imm is not None else 0
         self._native_peer = job.peer
         self._native_since = time.monotonic()
         posted = lib.pd_post_writes(
-            self.native, job.total - start, laddr + start, lens + start, job.desc,
+            self.native, job.total - start, laddr + start, lens + start, job.region.desc,
             job.peer.fi_addr, raddr + start, job.key, int(job.imm is not None), imm,
             job.job_id, self._rc,
         )  # fmt: skip
