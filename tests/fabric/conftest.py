@@ -5,8 +5,10 @@ from typing import Any
 
 import pytest
 
+from tests.fabric.fakes import BindingLog
 from tests.fabric.harness import RemoteTarget, close_engine
 from workers.fabric import TransferEngine
+from workers.fabric._lib import lib
 
 PROVIDERS = ["tcp;ofi_rxm", "shm"]
 
@@ -44,3 +46,11 @@ def make_target(provider: str) -> Iterator[Callable[[int], RemoteTarget]]:
     yield make
     codes = [(target.close(), target.killed) for target in targets]
     assert all(code == 0 or killed for code, killed in codes), f"child exit codes {codes}"
+
+
+@pytest.fixture
+def binding_log(monkeypatch: pytest.MonkeyPatch) -> BindingLog:
+    """The spy `BindingLog` in place of the binding, for this test."""
+    spy = BindingLog(lib)
+    spy.install(monkeypatch)
+    return spy

@@ -8,7 +8,6 @@ import multiprocessing
 import os
 import signal
 import threading
-import time
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from tests.fabric import remote
+from tests.waiting import wait_until
 from workers.fabric import MemoryRegionDescriptor, TransferEngine
 
 SPAWN = multiprocessing.get_context("spawn")
@@ -42,9 +42,11 @@ class RemoteTarget:
         """SIGSTOP the target once it is idle (`resume` continues it). On shm every
         post to it takes its region's lock, which its progress thread also takes on each poll:
         stopped inside, it would block the initiator's posts (the watchdog's case, not the one
-        these tests stop it for). Past its idle spin (2 ms after its last work) the target polls
-        every `remote.TARGET_IDLE_WAIT_US`, so a stop then rarely lands inside."""
-        time.sleep(0.05)
+        these tests stop it for). Idle (past its idle spin, 2 ms after its last work), the
+        target's progress thread sleeps in waits of `remote.TARGET_IDLE_WAIT_US` between polls,
+        so a stop once it has begun two of them rarely lands inside a poll."""
+        sleeps = self.progress()["sleeps"]
+        wait_until(lambda: self.progress()["sleeps"] >= sleeps + 2, what="an idle target")
         os.kill(self.process.pid or 0, signal.SIGSTOP)
 
     def resume(self) -> None:
@@ -77,7 +79,11 @@ class RemoteTarget:
         return self.next_event(timeout) if self.conn.poll(timeout) else None
 
     def wait_for(self, name: str) -> dict[str, Any]:
-        """Next event called `name`; earlier events of other names are kept in `events`."""
+        """Next event called `name`; events of other names that arrive first are kept in
+        `events`, where a later wait for their name finds them."""
+        for index, kept in enumerate(self.events):
+            if kept["event"] == name:
+                return self.events.pop(index)
         while True:
             event = self.next_event()
             if event["event"] == name:
@@ -95,6 +101,11 @@ class RemoteTarget:
     def stats(self) -> dict[str, Any]:
         self._send(op="stats")
         return self.wait_for("stats")
+
+    def progress(self) -> dict[str, Any]:
+        """The target engine's `ProgressStats`, as a dict."""
+        self._send(op="progress")
+        return self.wait_for("progress")
 
     def dump(self) -> bytes:
         self._send(op="dump")
@@ -159,10 +170,11 @@ __all__ = ["SPAWN", "Connection", "RemoteTarget", "Sender", "assert_rows_landed"
 
 
 class StuckPosts:
-    """NAMED TEST FAULT, in place of ``workers.fabric.progress.lib``: once ``armed``, a send or
-    write posted by ``thread`` (None: any thread) blocks until ``release``, then reports that
-    nothing was posted. A post that never returns (on shm, to a peer stopped or killed while
-    it held its region lock) cannot be produced on demand, and over tcp a post never blocks."""
+    """NAMED TEST FAULT, in place of ``workers.fabric.progress.lib`` (where the fabric posts):
+    once ``armed``, a send or write posted by ``thread`` (None: any thread) blocks until
+    ``release``, then reports that nothing was posted. A post that never returns (on shm, to a
+    peer stopped or killed while it held its region lock) cannot be produced on demand, and
+    over tcp a post never blocks."""
 
     def __init__(self, real: Any, thread: threading.Thread | None = None) -> None:
         self.real = real

@@ -76,6 +76,8 @@ def target_main(conn: Connection, provider: str, num_bytes: int) -> None:
         elif op == "stats":
             imm_stats = engine.stats().imm
             pipe.send({"event": "stats", **imm_stats.__dict__})
+        elif op == "progress":
+            pipe.send({"event": "progress", **engine.stats().progress.__dict__})
         elif op == "dump":
             pipe.send_bytes(buffer.tobytes())
         elif op == "close":

@@ -1,16 +1,25 @@
-"""Immediate counters fed by real remote writes (target in a spawned process)."""
+"""Immediate counters fed by real remote writes (target in a spawned process), and arming a
+counter on an engine its watchdog abandoned."""
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
 
-from tests.fabric.harness import RemoteTarget
-from workers.fabric import MemoryRegionHandle, PeerHandle, TransferEngine
+from tests.fabric.harness import RemoteTarget, StuckPosts
+from tests.waiting import wait_until
+from workers.fabric import (
+    EngineClosedError,
+    MemoryRegionHandle,
+    PeerHandle,
+    TransferEngine,
+    progress,
+    watchdog,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -37,14 +46,16 @@ class Writer:
         assert not self.errors
 
 
-def _settle(target: RemoteTarget, received: int) -> dict[str, int]:
+def _settle(target: RemoteTarget, received: int) -> dict[str, Any]:
     """Target stats once it has seen `received` writes (local completion != landed on tcp)."""
-    deadline = time.monotonic() + 30
-    while True:
-        stats = target.stats()
-        if stats["received"] >= received or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.01)
+    last: list[dict[str, Any]] = []
+
+    def landed() -> bool:
+        last[:] = [target.stats()]
+        return int(last[0]["received"]) >= received
+
+    wait_until(landed, what=f"{received} writes landed at the target")
+    return last[0]
 
 
 @pytest.fixture
@@ -111,3 +122,29 @@ def test_cancel_ignores_late_writes_until_rearmed(writer: Writer) -> None:
     writer.write(7)
     writer.drain(1)
     assert target.wait_for("reached")["imm"] == 7
+
+
+def test_expect_after_the_watchdog_abandoned_the_engine_raises(
+    make_engine: Callable[..., TransferEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The watchdog abandons the engine (NAMED TEST FAULT `StuckPosts`: a provider call that
+    never returns cannot be produced on demand). A counter armed afterwards would never fire
+    nor expire (only the stuck thread checks deadlines), so arming raises instead."""
+    monkeypatch.setattr(watchdog, "_STALL_S", 0.2)
+    monkeypatch.setattr(watchdog, "_WATCHDOG_PERIOD_S", 0.05)
+    stuck = StuckPosts(progress.lib)
+    monkeypatch.setattr(progress, "lib", stuck)
+    engine = make_engine(op_timeout=600.0)
+    handle, descriptor = engine.register(np.zeros(4096, dtype=np.uint8))
+    peer = engine.add_peer(engine.address)
+    ended = threading.Event()
+    stuck.armed.set()
+    engine.submit_write(handle, 0, peer, descriptor, 0, 64, imm=1, on_error=lambda _e: ended.set())
+    try:
+        assert stuck.entered.wait(30) and ended.wait(30)
+        with pytest.raises(EngineClosedError, match="stuck"):
+            engine.expect_imm(9, 1, lambda: None, lambda _e: None, timeout=0.2)
+        with pytest.raises(EngineClosedError):  # the counters themselves refuse too
+            engine.counters.expect(9, 1, lambda: None)
+    finally:
+        stuck.release.set()

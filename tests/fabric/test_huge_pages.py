@@ -1,7 +1,7 @@
 """shm registrations (and tcp ones when asked) move host regions to transparent huge pages,
-contents intact (engine.py).
+contents intact (registration.py).
 
-The speed-up itself (CMA copies from huge pages) is measured in bench/RESULTS.md, not here.
+The speed-up itself (CMA copies from huge pages) is measured in bench/history/RESULTS-notebook.md, not here.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 from tests.fabric.harness import RemoteTarget, close_engine
 from workers.fabric import FabricError, TransferEngine
-from workers.fabric.engine import advise_huge_pages
+from workers.fabric.registration import advise_huge_pages
 
 MIB = 1 << 20
 REGION = 8 * MIB

@@ -127,6 +127,35 @@ def test_out_of_range_writes_are_refused(make_engine: Callable[..., TransferEngi
     assert engine.stats().progress.ops_posted == 0
 
 
+def test_rows_whose_int64_end_wraps_are_refused(
+    make_engine: Callable[..., TransferEngine],
+) -> None:
+    """Range checks never form an int64 sum that could wrap (2**62 + 2**62 < 0) and so pass
+    a write outside the region; writes that end exactly at the end still go."""
+    target = make_engine()
+    engine = make_engine()
+    handle, _ = engine.register(np.ones(4096, dtype=np.uint8))
+    _, descriptor = target.register(np.zeros(4096, dtype=np.uint8))
+    peer = engine.add_peer(target.address)
+    huge = 1 << 62  # 2**62 + 2**62 wraps to -2**63 in int64
+    for row in ([huge, 0, huge], [0, huge, huge], [huge, huge, huge], [-1, 0, 16], [0, -16, 16],
+                [4096 - 16, 0, 17], [0, (1 << 63) - 1, 1]):  # fmt: skip
+        ops = np.array([row], dtype=np.int64)
+        with pytest.raises(OutOfRangeError):
+            engine.prepare_writes(handle, peer, descriptor, ops)
+        with pytest.raises(OutOfRangeError):
+            engine.submit_writes(handle, peer, descriptor, ops)
+    for kwargs in ({"src_stride": huge}, {"dst_stride": huge}, {"dst_offset": huge * 2 - 1},
+                   {"src_offset": -(1 << 64)}):  # fmt: skip
+        with pytest.raises(OutOfRangeError):
+            engine.submit_paged_writes(handle, [0, 2], peer, descriptor, [0, 2], 16, **kwargs)
+    # The edges still pass: a write that ends exactly at the end of both regions.
+    done = threading.Event()
+    ops = np.array([[4096 - 16, 4096 - 16, 16]], dtype=np.int64)
+    engine.submit_writes(handle, peer, descriptor, ops, on_done=done.set)
+    assert done.wait(30)
+
+
 def test_register_accepts_host_buffers(make_engine: Callable[..., TransferEngine]) -> None:
     torch = pytest.importorskip("torch")
     engine = make_engine()

@@ -21,7 +21,7 @@ from workers.fabric import (
 )
 from workers.fabric.callbacks import CallbackDispatcher, Inline
 from workers.fabric.counters import ImmCounters
-from workers.fabric.errors import EngineClosedError
+from workers.fabric.errors import EngineClosedError, FabricError
 from workers.fabric.providers import FabricInfo
 
 
@@ -164,3 +164,15 @@ def test_inline_reached_callbacks_run_where_the_count_completes() -> None:
     dispatcher.submit_all(counters.record({4: 1}))
     assert dispatcher.errors == 1
     dispatcher.close(5)
+
+
+def test_counters_refuse_arming_once_failed_all() -> None:
+    """Once the engine's counters were failed (closed, abandoned), arming one raises: nothing
+    would fire or expire it."""
+    counters = ImmCounters()
+    errors: list[FabricError] = []
+    assert counters.expect(1, 1, lambda: None, errors.append) == []
+    fires = counters.fail_all(EngineClosedError("engine closed"))
+    assert len(fires) == 1 and isinstance(fires[0][1][0], EngineClosedError)
+    with pytest.raises(EngineClosedError, match="engine closed"):
+        counters.expect(2, 1, lambda: None, errors.append)

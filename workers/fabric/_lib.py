@@ -1,12 +1,14 @@
-"""Loader of the compiled cffi module; the only place that imports it.
+"""Loader of the compiled cffi module; the only place that imports it at run time.
 
-The cffi objects are typed `Any`: the typed surface is `engine.py`, not the C boundary.
+`ffi` and `lib` are typed by the stub `_fabric_cffi.pyi`, so mypy checks every call into C.
+The opaque cdata types the stub names (`PdEngine`, `IntPointer`, ...) exist for the type
+checker only: other modules import them from `workers.fabric._fabric_cffi` under
+`TYPE_CHECKING`.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
 
 from workers.fabric.errors import FabricUnavailableError
 
@@ -18,7 +20,7 @@ os.environ.setdefault("IPATH_NO_BACKTRACE", "1")
 os.environ.setdefault("IPATH_NO_CPUAFFINITY", "1")
 
 try:
-    from workers.fabric import _fabric_cffi  # type: ignore[attr-defined]
+    from workers.fabric import _fabric_cffi
 except ImportError as exc:  # pragma: no cover - depends on the build
     raise FabricUnavailableError(
         "the libfabric binding workers.fabric._fabric_cffi is not built: run "
@@ -26,13 +28,13 @@ except ImportError as exc:  # pragma: no cover - depends on the build
         f"package libfabric-dev ({exc})"
     ) from exc
 
-ffi: Any = _fabric_cffi.ffi
-lib: Any = _fabric_cffi.lib
+ffi = _fabric_cffi.ffi
+lib = _fabric_cffi.lib
 
 
 def strerror(code: int) -> str:
     """Readable text of a libfabric error code (either sign)."""
-    return str(ffi.string(lib.fi_strerror(abs(code))).decode(errors="replace"))
+    return ffi.string(lib.fi_strerror(abs(code))).decode(errors="replace")
 
 
 def version() -> tuple[int, int]:

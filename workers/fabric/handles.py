@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from workers.fabric._lib import ffi
 from workers.fabric.errors import RegistrationError
+
+if TYPE_CHECKING:
+    from workers.fabric._fabric_cffi import CData, FidMr
 
 
 @dataclass(frozen=True)
@@ -31,8 +34,8 @@ class MemoryRegionHandle:
     length: int
     key: int
     engine_id: int
-    mr: Any = field(repr=False)
-    desc: Any = field(repr=False)
+    mr: FidMr = field(repr=False)
+    desc: CData = field(repr=False)  # fi_mr_desc: passed with every local buffer
     owner: object = field(repr=False)
 
 

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from workers.fabric.errors import FabricError
 from workers.fabric.handles import MemoryRegionHandle, PeerHandle
+
+if TYPE_CHECKING:
+    from workers.fabric._fabric_cffi import IntPointer
 
 ErrorCallback = Callable[[FabricError], None]
 # (writes of a failed write job that were never posted, their bytes, why): see `Job`.
@@ -31,7 +34,7 @@ class Job:
     on_done: Callable[[], None] | None
     on_error: ErrorCallback | None
     # Writes: native arrays of local addresses, lengths, remote addresses (one row per op).
-    arrays: Any = None
+    arrays: tuple[IntPointer, IntPointer, IntPointer] | None = None
     # Writes: the source region (its ``desc`` is posted with them). Counted in by
     # `ProgressLoop.enqueue` and out when the job is forgotten: a deregistered region's
     # registration is closed only after its last job.
@@ -45,9 +48,9 @@ class Job:
     completed: int = 0
     finished: bool = False
     byte_count: int = 0
-    keep_alive: Any = None
+    keep_alive: object = None  # what `arrays` point into
     # Writes: called before ``on_error`` with the ops the job never posted (they cannot land),
-    # when there are any and this count is exact (see `ProgressLoop._deliver`).
+    # when there are any and this count is exact (see `JobLedger.deliver`).
     on_unposted: UnpostedCallback | None = None
     # Finished with ops still posted that may never complete (`PeerTable.strand`).
     stranded: bool = False

@@ -16,7 +16,7 @@ import logging
 import queue
 import struct
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -24,11 +24,17 @@ from workers.fabric._lib import ffi, lib, strerror
 from workers.fabric.callbacks import CallbackDispatcher
 from workers.fabric.errors import EngineClosedError, FabricError, ProviderError
 
+if TYPE_CHECKING:
+    from workers.fabric._fabric_cffi import CData, PdEngine
+
 log = logging.getLogger(__name__)
 
 _LEN = struct.Struct("<H")
 MAX_ADDRESS_BYTES = 256
 RECEIVE_ID_BASE = 1 << 62
+# Context slots beyond the receive buffers' that `max_inflight_ops` must leave for writes and
+# sends: each posted receive holds one slot for the engine's life.
+MIN_FREE_OP_SLOTS = 64
 
 
 class Message(NamedTuple):
@@ -47,14 +53,14 @@ class MessagePools:
         self._free_sends = list(range(num_sends))
         self.num_sends = num_sends
         self._num_receives = num_receives
-        self.send_desc: Any = ffi.NULL
-        self._recv_desc: Any = ffi.NULL
+        self.send_desc: CData = ffi.NULL
+        self._recv_desc: CData = ffi.NULL
         self._send_base = int(self._send.ctypes.data)
         self._recv_base = int(self._recv.ctypes.data)
         self.handler: Callable[[Message], None] | None = None
         self.inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
 
-    def register(self, register: Callable[[np.ndarray], Any]) -> None:
+    def register(self, register: Callable[[np.ndarray], CData]) -> None:
         """Register both pools with `register(array) -> desc` (the engine's MR path)."""
         self.send_desc = register(self._send)
         self._recv_desc = register(self._recv)
@@ -72,7 +78,7 @@ class MessagePools:
         self._send_lengths[slot] = len(frame)
         return slot
 
-    def send_buffer(self, slot: int) -> tuple[Any, int]:
+    def send_buffer(self, slot: int) -> tuple[CData, int]:
         address = self._send_base + slot * self.frame_bytes
         return ffi.cast("void *", address), self._send_lengths[slot]
 
@@ -82,11 +88,11 @@ class MessagePools:
     def is_receive(self, job_id: int) -> bool:
         return RECEIVE_ID_BASE <= job_id < RECEIVE_ID_BASE + self._num_receives
 
-    def post_all_receives(self, native: Any) -> None:
+    def post_all_receives(self, native: PdEngine) -> None:
         for slot in range(self._num_receives):
             self.repost_receive(native, RECEIVE_ID_BASE + slot)
 
-    def repost_receive(self, native: Any, job_id: int) -> None:
+    def repost_receive(self, native: PdEngine, job_id: int) -> None:
         if not self.is_receive(job_id):  # any other id would post at a wild address
             raise FabricError(f"id {job_id:#x} is none of the {self._num_receives} receive buffers")
         slot = job_id - RECEIVE_ID_BASE
@@ -96,7 +102,7 @@ class MessagePools:
             raise ProviderError(f"fi_recv failed: {strerror(rc)}", -rc)
 
     def deliver(
-        self, native: Any, job_id: int, length: int, dispatcher: CallbackDispatcher
+        self, native: PdEngine, job_id: int, length: int, dispatcher: CallbackDispatcher
     ) -> bool:
         """Hand the message in receive buffer ``job_id`` on and repost the buffer; False when
         the frame was malformed and dropped."""
@@ -124,3 +130,14 @@ class MessagePools:
         else:
             self.inbox.put(message)
         return True
+
+
+def check_slots(max_inflight_ops: int, num_receive_buffers: int) -> None:
+    """Refuse a context-slot pool that the receive buffers would leave (almost) empty."""
+    if max_inflight_ops < num_receive_buffers + MIN_FREE_OP_SLOTS:
+        raise ValueError(
+            f"max_inflight_ops={max_inflight_ops} must exceed num_receive_buffers="
+            f"{num_receive_buffers} by at least {MIN_FREE_OP_SLOTS}: every posted "
+            f"receive buffer holds one of the max_inflight_ops operation contexts for good, "
+            f"and writes and sends share the rest"
+        )

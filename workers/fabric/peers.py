@@ -39,7 +39,7 @@ import re
 import select
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from workers.fabric._lib import lib, strerror
 from workers.fabric.errors import (
@@ -51,6 +51,7 @@ from workers.fabric.errors import (
 from workers.fabric.handles import PeerHandle
 
 if TYPE_CHECKING:
+    from workers.fabric._fabric_cffi import PdEngine
     from workers.fabric.jobs import Job, ProgressStats
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ class PeerTable:
 
     def __init__(
         self,
-        native: Any,
+        native: PdEngine,
         *,
         lock: threading.Condition,
         jobs: dict[int, Job],

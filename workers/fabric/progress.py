@@ -12,13 +12,10 @@ Life cycle of a submission (`Job`, keyed by `job_id`):
   A queue stopped by this engine's own shortage (no free context slot or send buffer: they
   may all be held by ops stranded at a failed peer) is "starved" (`starved`): its jobs that
   miss their deadline then end alone, without condemning their peer (`deadlines`).
-* A write job holds its source region (`Job.region`) until it is forgotten: `release_region`
-  (`deregister`) closes a region's registration at once when no job uses it, else when the
-  last one is forgotten (closing it under a queued or posted op is a use-after-free).
-* A job finishes exactly once: `on_done` after its last op completed, or `on_error` at its first
-  error completion, its deadline, its peer's failure, or engine close. Ops of a finished job that
-  are still posted stay in `jobs` so their late completions free their contexts quietly. Those
-  of a failed peer (or, on shm, held behind one) may never complete: they are "stranded"
+* A write job holds its source region from `enqueue` until it is forgotten, so that a
+  deregistered region is closed only after its last job (`registration.RegionUses`).
+* How a job ends (exactly once) and when it is forgotten: `ledger.JobLedger`. Ops of a failed
+  peer (or, on shm, held behind one) may never complete: they are "stranded"
   (`ProgressStats.ops_stranded`) and, unlike live ops, do not keep the thread spinning; it
   sleeps on the CQ as when idle and still frees them if they do complete.
 * Other threads reach the endpoint only through `call()` (register, add_peer, forget_peer),
@@ -28,15 +25,15 @@ Life cycle of a submission (`Job`, keyed by `job_id`):
   the current handle of an fi_addr. `forget_peer` retires the handle; its address-vector entry
   is removed (`fi_av_remove`) once no job addressed to it is left, since ops in progress on a
   removed address are undefined (fi_av(3)). A failed peer's jobs end with its failure.
-* Callbacks are queued in CQ order: imm arrivals are handed to the counters before any later
-  row of the same drain (a message, a local completion) is dispatched.
+* The CQ drain, with the order in which it queues callbacks: `completions.CompletionDrain`.
+  Waking this thread from its CQ wait: `wakeup.Waker`.
 * The loop's work ends in `_shutdown` (its thread) or `_abandon` (the watchdog's); `on_ended`
   then runs there, so the engine can complete a `close` that could not wait for the thread.
 
 Every accepted job ends in exactly one callback within its deadline plus a bounded slack:
 
-* `_finish` claims the job under `_finish_lock`, so the progress thread, the watchdog and
-  shutdown can race on a job and still deliver one outcome.
+* The ledger claims a job before delivering its outcome (`JobLedger.claim`), so the progress
+  thread, the watchdog and shutdown can race on a job and still deliver one outcome.
 * `jobs` is iterated only under `_lock` (submitters insert into it under that lock).
 * Every `deadlines.SWEEP_PERIOD_S` this thread runs the deadline sweep
   (`deadlines.DeadlineSweep`), which ends the jobs that missed their deadline and expires
@@ -57,9 +54,8 @@ Every accepted job ends in exactly one callback within its deadline plus a bound
   should it ever return, finds every job already finished. `_abandon` stays here, beside
   `_shutdown`: both end the loop's work and act on the state its lock guards.
 
-The job record and the loop's counters are in `workers.fabric.jobs`, the deadline sweep and the
-watchdog in modules of their own, so that this one is the loop: queues, posting, the CQ drain,
-job outcomes, and how the loop ends.
+So this module is the loop itself: queues, posting, the thread's passes, and how the loop ends.
+Posting stays here (tests replace this module's `lib` to make a post hang).
 """
 
 from __future__ import annotations
@@ -69,41 +65,42 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from workers.fabric._lib import ffi, lib, strerror
 from workers.fabric.callbacks import CallbackDispatcher, Fire
+from workers.fabric.completions import CompletionDrain
 from workers.fabric.counters import ImmCounters
 from workers.fabric.deadlines import SWEEP_PERIOD_S, DeadlineSweep
 from workers.fabric.errors import (
     EngineClosedError,
-    FabricError,
-    PeerFailedError,
     PeerStuckError,
-    RegistrationError,
     SubmitQueueFullError,
     TransferError,
 )
 from workers.fabric.handles import MemoryRegionHandle, PeerHandle
 from workers.fabric.jobs import SEND, WRITE, Job, ProgressStats
+from workers.fabric.ledger import JobLedger
 from workers.fabric.messages import MessagePools
 from workers.fabric.peers import PeerTable
+from workers.fabric.registration import RegionUses
+from workers.fabric.wakeup import Waker
 from workers.fabric.watchdog import Watchdog
+
+if TYPE_CHECKING:
+    from workers.fabric._fabric_cffi import PdEngine
 
 log = logging.getLogger(__name__)
 
-_POLL_ROWS = 256
 _BLOCKED_WAIT_US = 500
-# errno values that mean the connection to the peer is gone, not that one operation was bad.
-_CONNECTION_ERRORS = {32, 103, 104, 107, 110, 111, 112, 113}  # EPIPE ECONNABORTED ... EHOSTUNREACH
 
 
 class ProgressLoop:
     def __init__(
         self,
-        native: Any,
+        native: PdEngine,
         *,
         name: str,
         counters: ImmCounters,
@@ -123,18 +120,23 @@ class ProgressLoop:
         self.dispatcher = dispatcher
         self.pools = pools
         self.stats = ProgressStats()
-        self.jobs: dict[int, Job] = {}
         self.pending: dict[int, collections.deque[Job]] = {}
         self._num_queued = 0
         self._commands: collections.deque[tuple[Callable[[], Any], Future[Any]]] = (
             collections.deque()
         )
         self._lock = threading.Condition()
-        # The engine's registered regions by id (shared; removed from only here, under
-        # `_lock`), the jobs using each, and those deregistered while some job still did.
-        self.regions = regions
-        self._region_jobs: collections.Counter[int] = collections.Counter()
-        self._closing_regions: dict[int, MemoryRegionHandle] = {}
+        # The engine's registered regions (shared; removed from only here, under `_lock`) and
+        # the jobs writing from each.
+        self.regions = RegionUses(regions, self._lock)
+        self.ledger = JobLedger(
+            stats=self.stats,
+            dispatcher=dispatcher,
+            pools=pools,
+            region_uses=self.regions,
+            on_forgotten=lambda fi_addr: self.peers.job_forgotten(fi_addr),
+        )
+        self.jobs = self.ledger.jobs
         # fi_addr -> why its queue's head could not be posted, when that was this engine's
         # shortage rather than the provider refusing the peer (progress thread only).
         self.starved: dict[int, str] = {}
@@ -146,7 +148,7 @@ class ProgressLoop:
             lock=self._lock,
             jobs=self.jobs,
             stats=self.stats,
-            finish=self._finish,
+            finish=self.ledger.finish,
             watch_exits=provider_name == "shm",
         )
         # Ends jobs past their deadline, on this thread every `SWEEP_PERIOD_S`; shares `_lock`
@@ -158,24 +160,27 @@ class ProgressLoop:
             peers=self.peers,
             counters=counters,
             dispatcher=dispatcher,
-            finish=self._finish,
+            finish=self.ledger.finish,
             provider_name=provider_name,
             starved=self.starved,
         )
+        self._drain = CompletionDrain(
+            native,
+            ledger=self.ledger,
+            peers=self.peers,
+            counters=counters,
+            dispatcher=dispatcher,
+            pools=pools,
+            stats=self.stats,
+        )
+        self.waker = Waker(native)
         self._max_queued = max_queued_submits
         self._spin_us = spin_us
         self._idle_spin_s = idle_spin_us / 1e6
         self._idle_wait_us = idle_wait_us
-        self._inflight = 0
         self._stopping = False
         self._stopped = False
-        self._sleeping = False
-        # Held by a wake (from any thread) against `detach_native` freeing the engine under it.
-        self._native_lock = threading.Lock()
-        # Per submitting thread: inside `wakes_deferred`, and whether a wake is owed at its end.
-        self._local = threading.local()
         self._next_job_id = 1
-        self._finish_lock = threading.Lock()
         # Start of the post/poll call in progress (0.0: none) and the peer it posts to, for the
         # watchdog (`native_call`): the peer is stored before the start, the start cleared after.
         self._native_since = 0.0
@@ -184,9 +189,7 @@ class ProgressLoop:
         self._watchdog = Watchdog(
             name=f"{name}-watchdog", probe=self.native_call, on_stall=self._abandon
         )
-        self._rows = [ffi.new("uint64_t[]", _POLL_ROWS) for _ in range(4)]
-        self._error = ffi.new("pd_error_t *")
-        self._rc = ffi.new("int *")
+        self._rc = ffi.new("int *")  # where `pd_post_writes` reports why it stopped
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     # -- called from any thread ---------------------------------------------------------------
@@ -220,14 +223,12 @@ class ProgressLoop:
                 raise EngineClosedError(self._wedged or "engine is closed")
             self.peers.check_accepts(job.peer)
             if job.region is not None:
-                if self.regions.get(id(job.region)) is not job.region:
-                    raise RegistrationError("memory region handle was deregistered")
-                self._region_jobs[id(job.region)] += 1
+                self.regions.hold(job.region)
             self._deadlines.admit(job)  # before the insert: keeps `jobs` deadline-ordered
             self.jobs[job.job_id] = job
             self.pending.setdefault(job.peer.fi_addr, collections.deque()).append(job)
             self._num_queued += 1
-        self._wake(deferrable=True)
+        self.waker.wake(deferrable=True)
 
     def call(self, function: Callable[[], Any]) -> Any:
         """Run `function` on the progress thread (or inline before it starts) and return."""
@@ -240,7 +241,7 @@ class ProgressLoop:
             if self._stopping:
                 raise EngineClosedError(self._wedged or "engine is closed")
             self._commands.append((function, future))
-        self._wake()
+        self.waker.wake()
         return future.result()
 
     @property
@@ -269,62 +270,23 @@ class ProgressLoop:
         with self._lock:
             self._stopping = True
             self._lock.notify_all()
-        self._wake()
+        self.waker.wake()
 
     def detach_native(self) -> None:
         """The engine is about to free the native endpoint: later wakes do nothing."""
-        with self._native_lock:
-            self.native = None
+        self.waker.detach()
 
-    def release_region(self, handle: MemoryRegionHandle) -> None:
-        """Deregister ``handle`` (progress thread): new jobs from it are refused, and its
-        registration is closed now, or when the last job writing from it is forgotten."""
-        key = id(handle)
-        with self._lock:  # `enqueue` checks and counts regions under it
-            if self.regions.get(key) is not handle:
-                return
-            del self.regions[key]
-            if self._region_jobs[key]:
-                self._closing_regions[key] = handle
-                return
-        _close_region(handle)
-
-    def closing_regions(self) -> list[MemoryRegionHandle]:
-        """Regions deregistered while jobs still used them, not closed yet (engine teardown)."""
-        with self._lock:
-            handles = list(self._closing_regions.values())
-            self._closing_regions.clear()
-        return handles
-
-    @contextlib.contextmanager
-    def wakes_deferred(self) -> Iterator[None]:
+    def wakes_deferred(self) -> contextlib.AbstractContextManager[None]:
         """Submissions (`enqueue`) by this thread inside the block wake the thread once, at its
         end; `call` and `stop` still wake it at once (they wait for it or must not wait)."""
-        local = self._local
-        outer = getattr(local, "deferring", False)
-        local.deferring = True
-        try:
-            yield
-        finally:
-            local.deferring = outer
-            if not outer and getattr(local, "wake_due", False):
-                local.wake_due = False
-                self._wake()
-
-    def _wake(self, deferrable: bool = False) -> None:
-        if deferrable and getattr(self._local, "deferring", False):
-            self._local.wake_due = True
-            return
-        if self._sleeping:
-            with self._native_lock:
-                if self.native is not None:  # else released: nothing left to wake
-                    lib.pd_wake(self.native)
+        return self.waker.deferred()
 
     # -- the progress thread ----------------------------------------------------------------
 
     def _run(self) -> None:
         last_activity = time.monotonic()
         next_check = last_activity + SWEEP_PERIOD_S
+        waker = self.waker
         try:
             while not self._stopping:
                 self._run_commands()
@@ -332,7 +294,7 @@ class ProgressLoop:
                 spin, wait = self._spin_us, 0
                 # Stranded ops may never complete: polling (in the waits too) still frees
                 # their contexts if they do, but they are no reason to spin a core.
-                live = self._inflight - self.stats.ops_stranded
+                live = self.ledger.inflight - self.stats.ops_stranded
                 if self.pending and not (posted or live):
                     # Every queue is refused (EAGAIN): let the provider progress without
                     # spinning a core until the peers' deadlines.
@@ -343,9 +305,9 @@ class ProgressLoop:
                     spin, wait = 0, self._idle_wait_us
                     # Set before the final check: a submitter that queues after it sees the
                     # flag and wakes us through the eventfd.
-                    self._sleeping = True
+                    waker.sleeping = True
                     if self.pending or self._commands or self._stopping:
-                        self._sleeping = False
+                        waker.sleeping = False
                         continue
                 if wait:
                     self.stats.sleeps += 1
@@ -353,7 +315,7 @@ class ProgressLoop:
                     if self._poll(spin, wait):
                         last_activity = time.monotonic()
                 finally:
-                    self._sleeping = False  # a raise must not leave later wakes signalling
+                    waker.sleeping = False  # a raise must not leave later wakes signalling
                 now = time.monotonic()
                 if now >= next_check:
                     self._deadlines.sweep(now)
@@ -370,6 +332,13 @@ class ProgressLoop:
                 future.set_result(function())
             except BaseException as exc:
                 future.set_exception(exc)
+
+    def _poll(self, spin_us: int, wait_us: int) -> bool:
+        self._native_peer = None
+        self._native_since = time.monotonic()
+        n = self._drain.read(spin_us, wait_us)
+        self._native_since = 0.0
+        return self._drain.dispatch(n)
 
     def _post_pending(self) -> bool:
         """Post from every peer's queue; True if any operation was posted."""
@@ -389,7 +358,7 @@ class ProgressLoop:
                         shortage = self._shortage(job)
                         break
                 self._pop_pending(fi_addr, queue)
-                self._forget_if_idle(job)
+                self.ledger.forget_if_idle(job)
             if shortage is None:
                 self.starved.pop(fi_addr, None)
             else:
@@ -403,7 +372,7 @@ class ProgressLoop:
             return f"all {self.pools.num_sends} send buffers are held by messages in flight"
         if lib.pd_engine_free_slots(self.native) == 0:
             return (
-                f"no free operation slot ({self._inflight} operations posted, "
+                f"no free operation slot ({self.ledger.inflight} operations posted, "
                 f"{self.stats.ops_stranded} of them stranded at failed peers)"
             )
         return None
@@ -419,8 +388,8 @@ class ProgressLoop:
 
     def _post_writes(self, job: Job) -> bool:
         """Post what the provider accepts; True when the job must wait for progress."""
+        assert job.arrays is not None and job.region is not None  # every write job has both
         laddr, lens, raddr = job.arrays
-        assert job.region is not None  # every write job has its source region
         start = job.posted
         imm = job.imm if job.imm is not None else 0
         self._native_peer = job.peer
@@ -431,16 +400,16 @@ class ProgressLoop:
             job.job_id, self._rc,
         )  # fmt: skip
         self._native_since = 0.0
-        job.posted += posted
-        self._inflight += posted
-        self.stats.ops_posted += posted
+        self.ledger.posted(job, posted)
         if job.posted == job.total:
             return False
         rc = self._rc[0]
         if rc == -lib.FI_EAGAIN:
             self.stats.eagain_retries += 1
             return True
-        self._finish(job, TransferError(f"posting a write to {job.peer.name}: {strerror(rc)}", -rc))
+        self.ledger.finish(
+            job, TransferError(f"posting a write to {job.peer.name}: {strerror(rc)}", -rc)
+        )
         return False
 
     def _post_send(self, job: Job) -> bool:
@@ -459,157 +428,12 @@ class ProgressLoop:
             self.stats.eagain_retries += 1
             return True
         if rc != 0:
-            self._finish(
+            self.ledger.finish(
                 job, TransferError(f"posting a send to {job.peer.name}: {strerror(rc)}", -rc)
             )
             return False
-        job.posted = 1
-        self._inflight += 1
-        self.stats.ops_posted += 1
+        self.ledger.posted(job, 1)
         return False
-
-    def _poll(self, spin_us: int, wait_us: int) -> bool:
-        kinds, ids, data, lens = self._rows
-        self._native_peer = None
-        self._native_since = time.monotonic()
-        n = lib.pd_poll(
-            self.native, _POLL_ROWS, kinds, ids, data, lens, spin_us, wait_us, self._error
-        )
-        self._native_since = 0.0
-        error = n <= lib.PD_POLL_ERROR
-        rows = lib.PD_POLL_ERROR - n if error else n
-        if rows < 0:
-            raise FabricError(f"reading the completion queue failed: {strerror(rows)} ({rows})")
-        imm_counts: dict[int, int] = {}
-        for row in range(rows):
-            kind = kinds[row]
-            if kind == lib.PD_EV_LOCAL or kind == lib.PD_EV_RECV:
-                if imm_counts:
-                    # Callbacks follow the CQ's order: writes that landed before this row
-                    # fire their counters before its callback is queued.
-                    self.dispatcher.submit_all(self.counters.record(imm_counts))
-                    imm_counts = {}
-                if kind == lib.PD_EV_LOCAL:
-                    self._complete(ids[row], lens[row])
-                else:
-                    self._received(ids[row], lens[row])
-            else:
-                imm_counts[data[row]] = imm_counts.get(data[row], 0) + lens[row]
-                if kind == lib.PD_EV_IMM_RECV:
-                    self.pools.repost_receive(self.native, ids[row])
-        if imm_counts:
-            self.dispatcher.submit_all(self.counters.record(imm_counts))
-        if error:
-            self._error_completion()
-        return rows > 0 or error
-
-    def _complete(self, job_id: int, count: int) -> None:
-        self._inflight -= count
-        self.stats.ops_completed += count
-        job = self.jobs.get(job_id)
-        if job is None:
-            return
-        job.completed += count
-        if job.stranded:
-            self.stats.ops_stranded -= count
-        if job.completed < job.total:
-            self._forget_if_idle(job)
-            return
-        if job.kind == SEND:
-            self.stats.messages_sent += 1
-        else:
-            self.stats.bytes_written += job.byte_count
-        self._finish(job, None)
-
-    def _received(self, slot_id: int, length: int) -> None:
-        if self.pools.deliver(self.native, slot_id, length, self.dispatcher):
-            self.stats.messages_received += 1
-        else:
-            self.stats.messages_malformed += 1
-
-    def _error_completion(self) -> None:
-        error = self._error
-        self.stats.error_completions += 1
-        text = ffi.string(error.msg).decode(errors="replace")
-        job = self.jobs.get(error.id)
-        if job is None:
-            if self.pools.is_receive(error.id):
-                self.pools.repost_receive(self.native, error.id)
-            log.warning("error completion without a live operation: %s (err %d)", text, error.err)
-            return
-        self._inflight -= 1
-        job.completed += 1
-        if job.stranded:
-            self.stats.ops_stranded -= 1
-        what = "write" if job.kind == WRITE else "message"
-        exc: FabricError = TransferError(
-            f"{what} to {job.peer.name} failed: {text} "
-            f"(err {error.err}: {strerror(error.err)}, provider errno {error.prov_errno})",
-            error.err,
-            error.prov_errno,
-        )
-        # rxm/tcp reports a dropped connection as FI_ECANCELED with the socket errno as the
-        # provider errno; either side naming a connection error means the peer is gone.
-        if error.err in _CONNECTION_ERRORS or abs(error.prov_errno) in _CONNECTION_ERRORS:
-            self.peers.fail(job.peer, PeerFailedError(str(exc)))
-        self._finish(job, exc)
-
-    def _claim(self, job: Job) -> bool:
-        """True for exactly one caller per job: the one that delivers its outcome."""
-        with self._finish_lock:
-            if job.finished:
-                return False
-            job.finished = True
-            return True
-
-    def _deliver(self, job: Job, error: FabricError | None, *, exact: bool = True) -> None:
-        """Queue the job's outcome. A failed write job first reports the ops it never posted
-        (``on_unposted``): a peer failed, a deadline passed or the engine closed while they
-        waited in its queue. ``exact``: False where another thread may be posting right now
-        (the watchdog), so the number is not known and nothing is reported as unposted."""
-        if error is None:
-            if job.on_done is not None:
-                self.dispatcher.submit(job.on_done)
-            return
-        if exact and job.on_unposted is not None and job.kind == WRITE and job.posted < job.total:
-            lens = job.arrays[1]
-            num_bytes = sum(int(lens[i]) for i in range(job.posted, job.total))
-            self.dispatcher.submit(job.on_unposted, job.total - job.posted, num_bytes, error)
-        if job.on_error is not None:
-            self.dispatcher.submit(job.on_error, error)
-        else:
-            log.warning("unhandled fabric error: %s", error)
-
-    def _finish(self, job: Job, error: FabricError | None) -> None:
-        """Deliver the job's one outcome; forget it once no op of it is posted."""
-        if self._claim(job):
-            if job.send_slot >= 0 and job.completed == job.posted:
-                self.pools.release_send_slot(job.send_slot)
-                job.send_slot = -1
-            self._deliver(job, error)
-        self._forget_if_idle(job)
-
-    def _forget_if_idle(self, job: Job) -> None:
-        if job.finished and job.completed >= job.posted and job.job_id in self.jobs:
-            del self.jobs[job.job_id]
-            if job.send_slot >= 0:
-                self.pools.release_send_slot(job.send_slot)
-                job.send_slot = -1
-            if job.region is not None:
-                self._region_job_ended(id(job.region))
-            self.peers.job_forgotten(job.peer.fi_addr)
-
-    def _region_job_ended(self, key: int) -> None:
-        """A job writing from region ``key`` is forgotten: close the region if it was
-        deregistered and this was its last job."""
-        with self._lock:
-            self._region_jobs[key] -= 1
-            if self._region_jobs[key]:
-                return
-            del self._region_jobs[key]
-            handle = self._closing_regions.pop(key, None)
-        if handle is not None:
-            _close_region(handle)
 
     # -- ending: abandoned by the watchdog, or shut down --------------------------------------
 
@@ -637,13 +461,14 @@ class ProgressLoop:
         log.error("%s", reason)
         for _function, future in commands:
             future.set_exception(EngineClosedError(reason))
+        ledger = self.ledger
         for job in jobs:
-            if self._claim(job):  # send slots stay with the stuck thread
+            if ledger.claim(job):  # send slots stay with the stuck thread
                 # The stuck thread may be posting this job's ops: their count is not known.
                 if stuck is not None and job.peer.fi_addr == stuck[0]:
-                    self._deliver(job, stuck[1], exact=False)
+                    ledger.deliver(job, stuck[1], exact=False)
                 else:
-                    self._deliver(job, EngineClosedError(reason), exact=False)
+                    ledger.deliver(job, EngineClosedError(reason), exact=False)
         self.dispatcher.submit_all(self.counters.fail_all(EngineClosedError(reason)))
         self._end_work()
 
@@ -664,7 +489,7 @@ class ProgressLoop:
             with self._lock:
                 jobs = list(self.jobs.values())
             for job in jobs:
-                self._finish(job, closed)
+                self.ledger.finish(job, closed)
             fires: list[Fire] = self.counters.fail_all(EngineClosedError("engine closed"))
             self.dispatcher.submit_all(fires)
             self.peers.close_watches()
@@ -674,9 +499,3 @@ class ProgressLoop:
         finally:
             # Even after a raise above: else every `close` would wait for a thread that ended.
             self._end_work()
-
-
-def _close_region(handle: MemoryRegionHandle) -> None:
-    rc = lib.pd_mr_close(handle.mr)
-    if rc != 0:
-        log.error("fi_close of a memory region: %s (%d)", strerror(rc), rc)

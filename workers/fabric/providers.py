@@ -12,10 +12,13 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from workers.fabric._lib import ffi, lib, strerror
 from workers.fabric.errors import FabricUnavailableError
+
+if TYPE_CHECKING:
+    from workers.fabric._fabric_cffi import CharArray, FiInfo, PdInfo
 
 # Short names accepted for convenience; libfabric wants the layered name for RDM over MSG.
 PROVIDER_ALIASES = {"tcp": "tcp;ofi_rxm", "verbs": "verbs;ofi_rxm"}
@@ -56,7 +59,7 @@ def normalize_provider(provider: str) -> str:
 
 
 @contextlib.contextmanager
-def fi_info_list(provider: str, node: str | None, want_hmem: bool = False) -> Iterator[Any]:
+def fi_info_list(provider: str, node: str | None, want_hmem: bool = False) -> Iterator[FiInfo]:
     """The raw fi_info list for our hints; freed on exit."""
     out = ffi.new("struct fi_info **")
     node_arg = node.encode() if node else ffi.NULL
@@ -75,7 +78,7 @@ def fi_info_list(provider: str, node: str | None, want_hmem: bool = False) -> It
         lib.pd_freeinfo(out[0])
 
 
-def describe(info_list: Any) -> list[FabricInfo]:
+def describe(info_list: FiInfo) -> list[FabricInfo]:
     described: list[FabricInfo] = []
     raw = ffi.new("pd_info_t *")
     for index in range(lib.pd_info_count(info_list)):
@@ -89,11 +92,11 @@ def query_fabric(provider: str, node: str | None = None) -> list[FabricInfo]:
         return describe(info_list)
 
 
-def _text(chars: Any) -> str:
-    return str(ffi.string(chars).decode(errors="replace"))
+def _text(chars: CharArray) -> str:
+    return ffi.string(chars).decode(errors="replace")
 
 
-def _to_fabric_info(raw: Any) -> FabricInfo:
+def _to_fabric_info(raw: PdInfo) -> FabricInfo:
     pci = None
     if raw.has_nic and raw.bus_type == lib.FI_BUS_PCI:
         pci = f"{raw.pci_domain:04x}:{raw.pci_bus:02x}:{raw.pci_device:02x}.{raw.pci_function:x}"

@@ -26,6 +26,9 @@ from workers.fabric.handles import PeerHandle
 # A post or poll call that has not returned after this long is stuck inside the provider.
 _STALL_S = 3.0
 _WATCHDOG_PERIOD_S = 0.25
+# Longest single CQ wait or spin (`idle_wait_us`, `spin_us`): a third of the 3 s above, which
+# would take a longer one for a provider call stuck and abandon an idle engine.
+MAX_POLL_US = 1_000_000
 
 
 class Watchdog:
@@ -65,3 +68,13 @@ class Watchdog:
             else:
                 self._on_stall(peer, time.monotonic() - since)
                 return
+
+
+def check_poll_waits(spin_us: int, idle_wait_us: int | None) -> None:
+    """Refuse CQ spins and waits that this watchdog would take for a stuck call."""
+    for name, value in (("spin_us", spin_us), ("idle_wait_us", idle_wait_us)):
+        if value is not None and not 0 <= value <= MAX_POLL_US:
+            raise ValueError(
+                f"{name}={value} must be in [0, {MAX_POLL_US}]: one wait longer than that "
+                f"looks like a stuck provider call to the watchdog, which abandons the engine"
+            )
