@@ -1,4 +1,5 @@
-"""Multi-process plumbing for the messenger tests: a prefill worker in a spawned child."""
+"""Plumbing for the messenger tests: a prefill worker in a spawned child, and the checks that
+both sides are back to rest (waits use `tests.waiting.wait_until`)."""
 
 from __future__ import annotations
 
@@ -6,16 +7,15 @@ import json
 import multiprocessing
 import os
 import signal
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tests.waiting import wait_until
 from workers.kv.endpoint import PrefillEndpoint
-from workers.kv.worker_process import prefill_process_main
+from workers.service.prefill_process import prefill_process_main
 
 if TYPE_CHECKING:
-    from workers.kv.worker import DecodeWorker
+    from workers.service.kv_worker import DecodeWorker, PrefillWorker
 
 SPAWN = multiprocessing.get_context("spawn")
 START_TIMEOUT_S = 120.0
@@ -119,14 +119,6 @@ class RemotePrefill:
         return self.process.exitcode
 
 
-def wait_until(condition: Callable[[], bool], timeout: float = 20.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or condition}")
-        time.sleep(0.01)
-
-
 def decode_pool_full(decode: DecodeWorker, num_pages: int) -> bool:
     """A `DecodeWorker` is back to rest: every page free, none pinned, no transfer live."""
     state = decode.state()
@@ -135,3 +127,22 @@ def decode_pool_full(decode: DecodeWorker, num_pages: int) -> bool:
         and state["num_pinned_pages"] == 0
         and state["num_transfers"] == 0
     )
+
+
+def prefill_pool_full(prefill: PrefillWorker | RemotePrefill, num_pages: int) -> bool:
+    """A prefill worker is back to rest: every page free, no transfer live. Its `state` runs on
+    its step loop: it raises if the loop died."""
+    state = prefill.state()
+    return state["num_free_pages"] == num_pages and state["num_transfers"] == 0
+
+
+def wait_pools_full(
+    prefill: PrefillWorker | RemotePrefill,
+    decode: DecodeWorker,
+    *,
+    prefill_pages: int,
+    decode_pages: int,
+) -> None:
+    """Wait until both workers are back to rest (nothing leaked on either side)."""
+    wait_until(lambda: decode_pool_full(decode, decode_pages), what="decode pool full again")
+    wait_until(lambda: prefill_pool_full(prefill, prefill_pages), what="prefill pool full again")

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from multiprocessing import shared_memory
 from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
 
+from tests.waiting import wait_until
 from workers.engine.layer_progress import LayerProgress
 from workers.fabric import FabricError, MemoryRegionDescriptor, TransferEngine
 from workers.kv.pages import sendable_pages
@@ -164,15 +164,15 @@ def _push(
             progress.begin_pass()  # a model's forward pass, layer by layer
             for layer in range(geometry.num_layers):
                 progress.mark_layer_done(layer)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:  # every pass pushed and every write completed
+
+        def all_sent() -> bool:
             with lock:
-                if (
+                return (
                     push.num_passes == num_passes
                     and counts["done"] + counts["failed"] >= counts["submitted"]
-                ):
-                    break
-            time.sleep(0.001)
+                )
+
+        wait_until(all_sent, timeout=30, what="every pass pushed and every write completed")
     finally:
         push.close()
     return dict(counts)

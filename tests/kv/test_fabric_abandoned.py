@@ -6,7 +6,9 @@ fabric's watchdog then abandons the engine, and the peer it was posting to is fa
 into the pages it was offered. So the decoder keeps those pages for good (it can neither send
 an abort nor hear the answer any more), fails every request now rather than at its deadline,
 refuses new ones (UNAVAILABLE: the router sends them to another decoder) and reports itself
-unhealthy, so the control plane replaces it.
+unhealthy, so the control plane replaces it. A counter the abandoned fabric disarmed is no
+proof that its writes landed (the pages stay held), and a `PrefillAccepted` handled after the
+fabric closed fails its request, never the step loop.
 
 Real workers on the tiny preset over ``tcp`` (real engines, real libfabric). The stuck post is
 a NAMED TEST FAULT (`tests.fabric.harness.StuckPosts`): one fabric's posts block once armed.
@@ -14,6 +16,7 @@ a NAMED TEST FAULT (`tests.fabric.harness.StuckPosts`): one fabric's posts block
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -21,13 +24,13 @@ import pytest
 
 from tests.engine.engine_helpers import prompts_of_lengths
 from tests.fabric.harness import StuckPosts
-from tests.kv.harness import wait_until
+from tests.waiting import wait_until
 from workers.engine.config import EngineConfig
 from workers.engine.errors import EngineClosedError
 from workers.engine.sampling_params import SamplingParams
 from workers.fabric import PeerStuckError, progress, watchdog
 from workers.kv.decode_messenger import DecodeMessengerConfig
-from workers.kv.worker import DecodeWorker, PrefillWorker
+from workers.service.kv_worker import DecodeWorker, PrefillWorker
 
 PROVIDER = "tcp;ofi_rxm"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
@@ -41,9 +44,14 @@ pytestmark = pytest.mark.slow
 
 
 def _pair(
-    model_dir: Path, monkeypatch: pytest.MonkeyPatch, transfer_deadline_s: float
+    model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    transfer_deadline_s: float,
+    *,
+    coalesce_pages: bool = True,
 ) -> tuple[PrefillWorker, DecodeWorker]:
-    """A prefill and a decode worker, with a watchdog that abandons a fabric within ~0.5 s."""
+    """A prefill and a decode worker, with a watchdog that abandons a fabric within ~0.5 s;
+    ``coalesce_pages=False``: the decoder knows the write count and arms at once."""
     monkeypatch.setattr(watchdog, "_STALL_S", 0.5)
     monkeypatch.setattr(watchdog, "_WATCHDOG_PERIOD_S", 0.05)
     # One page per pass: a long prompt takes ~100 passes, so its transfer is mid-way when
@@ -53,14 +61,20 @@ def _pair(
         EngineConfig(num_pages=PREFILL_PAGES, max_num_batched_tokens=16),
         provider=PROVIDER,
     )
-    decode = DecodeWorker(
-        model_dir,
-        EngineConfig(num_pages=DECODE_PAGES),
-        provider=PROVIDER,
-        messenger_config=DecodeMessengerConfig(
-            transfer_timeout_s=transfer_deadline_s, drain_interval_s=DRAIN_S
-        ),
-    )
+    try:
+        decode = DecodeWorker(
+            model_dir,
+            EngineConfig(num_pages=DECODE_PAGES),
+            provider=PROVIDER,
+            messenger_config=DecodeMessengerConfig(
+                transfer_timeout_s=transfer_deadline_s,
+                drain_interval_s=DRAIN_S,
+                coalesce_pages=coalesce_pages,
+            ),
+        )
+    except BaseException:
+        prefill.close()
+        raise
     return prefill, decode
 
 
@@ -159,3 +173,100 @@ def test_a_prefill_worker_whose_fabric_was_abandoned_reports_itself_unhealthy(
         stuck.release.set()
         decode.close()
         prefill.close(drain_timeout_s=1.0)
+
+
+def test_an_armed_transfer_keeps_its_pages_when_the_decoder_fabric_is_abandoned(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without coalescing the decoder arms at once; with writes landed, the fabric is
+    abandoned and `fail_all` disarms the counter. That is no fire: the pages stay held."""
+    prefill, decode = _pair(tiny_model_dir, monkeypatch, TRANSFER_DEADLINE_S, coalesce_pages=False)
+    prefill.fabric.op_timeout = 2.0  # its writes into the abandoned decoder end
+    stuck = StuckPosts(progress.lib, decode.fabric.threads[0])
+    monkeypatch.setattr(progress, "lib", stuck)
+    try:
+        armed_prompt, trigger_prompt = prompts_of_lengths([1600, 40], seed=11)
+        armed = decode.submit("armed", armed_prompt, GREEDY, prefill.endpoint())
+
+        def landed() -> bool:
+            now = decode.transfer_progress("armed")
+            assert now is not None, "the transfer ended before the fault"
+            return now[0] > 0 and now[1] is not None  # armed: the decoder knows the count
+
+        wait_until(landed, what="first write of the armed transfer")
+        # The next PrefillRequest is the post that never returns: the fabric is abandoned.
+        stuck.armed.set()
+        trigger = decode.submit("trigger", trigger_prompt, GREEDY, prefill.endpoint())
+        assert stuck.entered.wait(WAIT_S)
+        wait_until(lambda: decode.fabric.closed_reason() is not None, what="fabric abandoned")
+
+        held: set[int] = set()
+        for request_id, stream in (("armed", armed), ("trigger", trigger)):
+            tokens, final = stream.result(WAIT_S)
+            assert tokens == [] and final.error is not None
+            assert "KV fabric unusable" in final.error
+            record = decode.transfer_stats(request_id) or {}
+            assert record.get("state") == "failed", record
+            held |= set(record["page_ids"])
+        time.sleep(10 * DRAIN_S)  # several re-send intervals: time alone frees nothing
+        for request_id in ("armed", "trigger"):
+            assert "quarantine_release" not in (decode.transfer_stats(request_id) or {})
+        assert decode.engine.block_manager.num_pinned_pages == len(held) > 0
+    finally:
+        stuck.release.set()
+        decode.close()
+        prefill.close(drain_timeout_s=2.0)
+
+
+def test_a_prefill_accepted_handled_after_the_fabric_closed_fails_its_request(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The `PrefillAccepted` is in the decoder's inbox when its fabric is abandoned (the step
+    thread is held meanwhile); arming then raises, which must fail the request, not the step
+    loop."""
+    prefill, decode = _pair(tiny_model_dir, monkeypatch, TRANSFER_DEADLINE_S)
+    prefill.fabric.op_timeout = 2.0
+    stuck = StuckPosts(progress.lib, decode.fabric.threads[0])
+    monkeypatch.setattr(progress, "lib", stuck)
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        held.set()
+        release.wait(WAIT_S)
+
+    holder = threading.Thread(target=decode._loop.call, args=(hold,))
+    try:
+        (prompt,) = prompts_of_lengths([400], seed=12)
+        stream = decode.submit("r", prompt, GREEDY, prefill.endpoint())
+        wait_until(lambda: (decode.transfer_progress("r") or (0, 0))[0] > 0, what="a write")
+        holder.start()
+        assert held.wait(WAIT_S)
+        inbox = decode.messenger._inbox
+        wait_until(lambda: inbox.qsize() >= 1, timeout=WAIT_S, what="PrefillAccepted queued")
+        stuck.armed.set()  # a send from here is the post that never returns
+        decode.fabric.submit_send(decode.fabric.add_peer(prefill.endpoint().address), b"x")
+        assert stuck.entered.wait(WAIT_S)
+        wait_until(lambda: decode.fabric.closed_reason() is not None, what="fabric abandoned")
+        release.set()
+        holder.join(WAIT_S)
+
+        tokens, final = stream.result(WAIT_S)
+        assert tokens == [] and final.error is not None
+        assert final.error.startswith("KV fabric unusable"), final.error  # not a dead loop
+        record = decode.transfer_stats("r") or {}  # the step loop still answers
+        assert record.get("state") == "failed", record
+        pinned = decode.engine.block_manager.num_pinned_pages
+        if "quarantine_release" in record:  # every write had landed: nothing can come
+            assert record["num_writes_landed"] == record["num_writes_expected"], record
+            assert pinned == 0
+        else:
+            assert pinned == len(record["page_ids"]) > 0
+        with pytest.raises(EngineClosedError, match="KV fabric unusable"):
+            decode.state()
+    finally:
+        release.set()
+        if holder.is_alive():
+            holder.join(WAIT_S)
+        stuck.release.set()
+        decode.close()
+        prefill.close(drain_timeout_s=2.0)

@@ -9,12 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.kv_backends import DecodeBackend
-from orchestrator.worker_backend import Sink, TokenDelta
 from tests.engine.engine_helpers import make_engine, prompts_of_lengths, run_engine
-from tests.kv.harness import decode_pool_full, wait_until
+from tests.kv.harness import decode_pool_full
+from tests.waiting import wait_until
 from workers.engine.config import EngineConfig
 from workers.engine.sampling_params import SamplingParams
+from workers.service.backend import Sink
+from workers.service.kv_backends import DecodeBackend
+from workers.wire import TokenDelta
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
 DECODE_PAGES = 200

@@ -19,7 +19,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import random
 import signal
@@ -31,11 +30,10 @@ import msgpack
 import numpy as np
 import pytest
 
-from orchestrator.config_sections import TransferConfig
-from orchestrator.kv_backends import DecodeBackend
-from orchestrator.worker_metrics import WorkerMetricsExporter
+from orchestrator.config.sections import TransferConfig
 from tests.engine.engine_helpers import make_engine, prompts_of_lengths, run_engine
-from tests.kv.harness import RemotePrefill, wait_until
+from tests.kv.harness import RemotePrefill
+from tests.waiting import wait_until
 from workers.engine.config import EngineConfig
 from workers.engine.sampling_params import SamplingParams
 from workers.kv.checksum import ChecksumAccumulator, area_bytes, max_shards, verify
@@ -45,8 +43,10 @@ from workers.kv.pages import sendable_pages
 from workers.kv.protocol import PrefillRequest, decode_message, encode_message
 from workers.kv.push import build_push_item, checksum_layer
 from workers.kv.sharding import GroupSharding, PageGeometry, make_transfer_plan
-from workers.kv.worker import DecodeWorker
 from workers.kv.writes import PoolLayout, expected_write_count
+from workers.service.kv_backends import DecodeBackend
+from workers.service.kv_worker import DecodeWorker
+from workers.service.metrics import WorkerMetricsExporter
 
 # -- the sums, on synthetic pools -----------------------------------------------------------------
 
@@ -166,7 +166,7 @@ def test_fault_hook_flips_a_summed_byte() -> None:
     item = build_push_item(
         "r",
         1,
-        None,
+        None,  # type: ignore[arg-type]
         (),
         plan,
         [2, 3],
@@ -174,7 +174,7 @@ def test_fault_hook_flips_a_summed_byte() -> None:
         layout,
         layout,
         0,
-        sums,  # type: ignore[arg-type]
+        sums,
     )
     for layer in range(LAYERS):
         layer_ops = item.layer_ops(layer)
@@ -222,8 +222,13 @@ def test_checksum_field_is_optional_on_the_wire() -> None:
     raw_on = msgpack.unpackb(encode_message(on))
     assert len(raw_off) == 2 + 17  # what a peer without the field sends and expects
     assert raw_on[: len(raw_off)] == raw_off and raw_on[len(raw_off)] is True
-    assert decode_message(encode_message(off)).checksum is False
-    assert decode_message(encode_message(on)).checksum is True
+    decoded_off, decoded_on = (
+        decode_message(encode_message(off)),
+        decode_message(encode_message(on)),
+    )
+    assert isinstance(decoded_off, PrefillRequest) and isinstance(decoded_on, PrefillRequest)
+    assert decoded_off.checksum is False
+    assert decoded_on.checksum is True
     with pytest.raises(ProtocolError, match="context descriptor"):
         _request(checksum=True, context_descriptor=b"")
     with pytest.raises(ProtocolError):
@@ -305,7 +310,7 @@ class Cluster:
             EngineConfig(num_pages=DECODE_PAGES),
             PROVIDER,
             "127.0.0.1",
-            {**dataclasses.asdict(TransferConfig(checksum=True)), "drain_interval_seconds": 60.0},
+            {**TransferConfig(checksum=True).model_dump(), "drain_interval_seconds": 60.0},
         )
         self.checked = self.backend.worker
         self.exporter = WorkerMetricsExporter(self.backend, "decode", str(model_dir))

@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 
 from tests.engine.engine_helpers import make_engine, prompts_of_lengths, run_engine
-from tests.kv.harness import RemotePrefill, decode_pool_full, wait_until
+from tests.kv.harness import RemotePrefill, decode_pool_full
+from tests.waiting import wait_until
 from workers.engine.config import EngineConfig
 from workers.engine.sampling_params import SamplingParams
 from workers.fabric import OperationTimeoutError
 from workers.kv.decode_messenger import DecodeMessengerConfig
-from workers.kv.worker import DecodeWorker
+from workers.service.kv_worker import DecodeWorker
 
 PROVIDERS = ["tcp;ofi_rxm", "shm"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)

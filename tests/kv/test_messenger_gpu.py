@@ -1,7 +1,7 @@
 """Disaggregated serving with both KV pools in GPU memory (needs CUDA; skips without it).
 
 The prefill worker (a spawned process) and the decode worker open their transfer engines with
-FI_HMEM (`workers.kv.worker.open_fabric`) and register their CUDA pools; shm moves the pages
+FI_HMEM (`workers.service.kv_worker.open_fabric`) and register their CUDA pools; shm moves the pages
 GPU to GPU (CUDA IPC). Greedy output must match the colocated engine on the same GPU, and both
 pools must be full again. A libfabric built without CUDA refuses the registration with a typed
 error, and the test skips saying so.
@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 
 from tests.engine.engine_helpers import make_engine, prompts_of_lengths, run_engine
-from tests.kv.harness import RemotePrefill, wait_until
+from tests.kv.harness import RemotePrefill
+from tests.waiting import wait_until
 from workers.engine.config import EngineConfig
 from workers.engine.sampling_params import SamplingParams
 from workers.fabric import RegistrationError
-from workers.kv.worker import DecodeWorker
+from workers.service.kv_worker import DecodeWorker
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)

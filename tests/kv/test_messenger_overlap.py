@@ -16,7 +16,7 @@ from tests.engine.engine_helpers import prompts_of_lengths
 from tests.kv.harness import RemotePrefill
 from workers.engine.config import EngineConfig
 from workers.engine.sampling_params import SamplingParams
-from workers.kv.worker import DecodeWorker
+from workers.service.kv_worker import DecodeWorker
 
 log = logging.getLogger(__name__)
 

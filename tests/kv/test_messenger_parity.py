@@ -15,12 +15,13 @@ import pytest
 import torch
 
 from tests.engine.engine_helpers import hf_greedy, make_engine, prompts_of_lengths, run_engine
-from tests.kv.harness import RemotePrefill, wait_until
+from tests.kv.harness import RemotePrefill
+from tests.waiting import wait_until
 from workers.engine.config import EngineConfig
 from workers.engine.sampling_params import SamplingParams
 from workers.kv.sharding import GroupSharding, PageGeometry, make_transfer_plan
-from workers.kv.worker import DecodeWorker
 from workers.kv.writes import expected_write_count
+from workers.service.kv_worker import DecodeWorker
 
 PROVIDERS = ["tcp;ofi_rxm", "shm"]
 PAGE = 16

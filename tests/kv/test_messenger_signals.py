@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from tests.engine.engine_helpers import prompts_of_lengths
-from tests.kv.harness import RemotePrefill, wait_until
+from tests.kv.harness import RemotePrefill
+from tests.waiting import wait_until
 from workers.engine.config import EngineConfig
 from workers.engine.sampling_params import SamplingParams
 from workers.fabric import Message, TransferEngine
@@ -28,7 +29,7 @@ from workers.kv.protocol import (
     encode_message,
 )
 from workers.kv.protocol import Message as ProtocolMessage
-from workers.kv.worker import DecodeWorker, WorkerOutput
+from workers.service.kv_worker import DecodeWorker, WorkerOutput
 
 PROVIDER = "tcp;ofi_rxm"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)

@@ -1,4 +1,4 @@
-"""A transfer that stalls (issue #8, item 3): the prefill process is stopped mid-transfer with
+"""A transfer that stalls: the prefill process is stopped mid-transfer with
 SIGSTOP (it neither polls nor pushes, its sockets stay open: a network cut as the decoder sees
 it), then resumed with SIGCONT.
 
@@ -20,13 +20,14 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.kv_backends import DecodeBackend
-from orchestrator.worker_metrics import WorkerMetricsExporter
 from tests.engine.engine_helpers import make_engine, prompts_of_lengths, run_engine
-from tests.kv.harness import RemotePrefill, wait_until
+from tests.kv.harness import RemotePrefill
+from tests.waiting import wait_until
 from workers.engine.config import EngineConfig
 from workers.engine.errors import EngineClosedError
 from workers.engine.sampling_params import SamplingParams
+from workers.service.kv_backends import DecodeBackend
+from workers.service.metrics import WorkerMetricsExporter
 
 PROVIDERS = ["tcp;ofi_rxm", "shm"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)

@@ -1,4 +1,4 @@
-"""Disaggregated serving with tensor-parallel engines on both sides (DESIGN.md §4).
+"""Disaggregated serving with tensor-parallel engines on both sides (docs/design.md §4).
 
 Each case runs a real prefill worker process of TP ``p`` (its follower ranks spawned by the
 engine, their pools in shared memory mapped into the leader and registered with its one
@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,12 +42,13 @@ from tests.engine.engine_helpers import (
     prompts_of_lengths,
     run_engine,
 )
-from tests.kv.harness import RemotePrefill, wait_until
+from tests.kv.harness import RemotePrefill
+from tests.waiting import wait_until
 from workers.engine.config import EngineConfig
 from workers.engine.model_config import ModelConfig
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.shared_kv import POOL_FILE_PREFIX, SHM_DIR
-from workers.kv.worker import DecodeWorker
+from workers.service.kv_worker import DecodeWorker
 
 pytestmark = pytest.mark.slow
 
@@ -261,10 +261,10 @@ def test_tp_greedy_parity_and_write_count(
         _check_case(pair, reference, prompts, p, d, config)
     finally:
         pair.close()
-    deadline = time.monotonic() + 10
-    while pair.alive_ranks() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not pair.alive_ranks(), "a TP rank outlived its worker"
+    # A TP rank that outlives its worker fails this wait.
+    wait_until(
+        lambda: not pair.alive_ranks(), timeout=10, what="every TP rank gone with its worker"
+    )
 
 
 def _check_case(

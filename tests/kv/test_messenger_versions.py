@@ -1,4 +1,4 @@
-"""Versioned endpoints (issue #8, item 5): a restarted worker is a new peer, never written with
+"""Versioned endpoints: a restarted worker is a new peer, never written with
 (or asked for) state of its predecessor; every remote id and descriptor is checked on receipt.
 
 - A prefill process restarted at the *same* fabric address (libfabric's tcp port pinned with
@@ -6,13 +6,17 @@
   the old endpoint is rejected as stale, one from the new endpoint is served, and the decoder's
   peer cache holds the new incarnation.
 - A decoder incarnation new at an address stops the prefill worker's transfers into the old one.
+- An endpoint naming another incarnation (unversioned, or one the live worker rejects as stale)
+  frees no quarantined page of a live (stopped) prefill worker.
 - `check_request` range-checks what a `PrefillRequest` names of the decoder's memory.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
+import signal
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +26,8 @@ import msgpack
 import pytest
 
 from tests.engine.engine_helpers import make_engine, prompts_of_lengths, run_engine
-from tests.kv.harness import RemotePrefill, wait_until
+from tests.kv.harness import RemotePrefill, decode_pool_full, prefill_pool_full
+from tests.waiting import wait_until
 from workers.engine.config import EngineConfig
 from workers.engine.sampling_params import SamplingParams
 from workers.fabric import MemoryRegionDescriptor
@@ -31,7 +36,7 @@ from workers.kv.endpoint import PrefillEndpoint
 from workers.kv.errors import ProtocolError
 from workers.kv.prefill_checks import RequestRejected, check_request
 from workers.kv.protocol import PrefillRequest, RejectReason
-from workers.kv.worker import DecodeWorker, PrefillWorker
+from workers.service.kv_worker import DecodeWorker, PrefillWorker
 
 PROVIDER = "tcp;ofi_rxm"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
@@ -49,7 +54,7 @@ def free_port() -> int:
         return port
 
 
-def decode_pool_full(decode: DecodeWorker) -> bool:
+def decode_pages_free(decode: DecodeWorker) -> bool:
     state = decode.state()
     return state["num_free_pages"] == DECODE_PAGES and state["num_pinned_pages"] == 0
 
@@ -115,7 +120,7 @@ def test_a_prefill_restarted_at_the_same_address_is_a_new_peer(
         assert tokens == [] and final.finish_reason == "error"
         assert final.error is not None, final
         assert "stale prefill endpoint" in final.error or "has failed" in final.error, final.error
-        wait_until(lambda: decode_pool_full(decode), timeout=10, what="decode pool full")
+        wait_until(lambda: decode_pages_free(decode), timeout=10, what="decode pool full")
 
         # The current endpoint is served: the decoder re-resolved the peer under it (whatever
         # it had cached of the old incarnation, a failed state included, is dropped).
@@ -128,7 +133,7 @@ def test_a_prefill_restarted_at_the_same_address_is_a_new_peer(
         assert tokens == [] and final.error is not None
         assert "stale prefill endpoint" in final.error, final.error
         assert decode.submit("v2-again", short, GREEDY, new).result(60)[0] == expected
-        wait_until(lambda: decode_pool_full(decode), what="decode pool full")
+        wait_until(lambda: decode_pages_free(decode), what="decode pool full")
         assert second.state()["num_transfers"] == 0
     finally:
         if not first.killed:
@@ -169,8 +174,74 @@ def test_a_new_decoder_incarnation_stops_transfers_into_the_old_one(
             lambda: prefill.state()["num_free_pages"] == PREFILL_PAGES, what="prefill pool full"
         )
         assert prefill.state()["num_transfers"] == 0
-        wait_until(lambda: decode_pool_full(decode), what="decode pool full")
+        wait_until(lambda: decode_pages_free(decode), what="decode pool full")
     finally:
+        assert prefill.close() == 0
+
+
+def test_a_stale_endpoint_frees_no_quarantined_page_of_a_live_prefill(tiny_model_dir: Path) -> None:
+    prefill = RemotePrefill(tiny_model_dir, PROVIDER, engine=SLOW_PREFILL)
+    decode = DecodeWorker(
+        tiny_model_dir,
+        EngineConfig(num_pages=DECODE_PAGES),
+        provider=PROVIDER,
+        messenger_config=DecodeMessengerConfig(transfer_timeout_s=2.0, drain_interval_s=0.5),
+    )
+    pid = prefill.process.pid or 0
+    stopped = False
+    try:
+        warm, long_prompt, unversioned, forged, after = prompts_of_lengths(
+            [40, 1600, 20, 21, 40], seed=13
+        )
+        expected_warm, expected_after = run_engine(
+            make_engine(tiny_model_dir), [warm, after], GREEDY
+        )
+        endpoint = prefill.endpoint
+        assert decode.submit("warm", warm, GREEDY, endpoint).result(60)[0] == expected_warm
+        assert decode.peer_incarnation(endpoint.address) == endpoint.incarnation
+
+        # A live prefill process stops mid-transfer: the decoder gives up at its deadline and
+        # quarantines the pages, which the stopped process can still write into once resumed.
+        stream = decode.submit("A", long_prompt, GREEDY, endpoint)
+        wait_until(
+            lambda: (decode.transfer_progress("A") or (0, None))[0] > 0, what="first write of A"
+        )
+        os.kill(pid, signal.SIGSTOP)
+        stopped = True
+        assert stream.result(30)[1].finish_reason == "error"
+        num_held = decode.state()["num_quarantined_pages"]
+        assert num_held > 0
+
+        # Requests built from an unversioned endpoint and from one naming an incarnation the
+        # live worker does not have, at the same address: neither proves the process gone.
+        others = [
+            ("unversioned", unversioned, dataclasses.replace(endpoint, incarnation=0)),
+            ("forged", forged, dataclasses.replace(endpoint, incarnation=endpoint.incarnation ^ 1)),
+        ]
+        streams = [decode.submit(rid, prompt, GREEDY, stale) for rid, prompt, stale in others]
+        for other in streams:  # both fail at the decoder's deadline (the prefill is stopped)
+            assert other.result(30)[1].finish_reason == "error"
+        record = dict(decode.transfer_stats("A") or {})
+        assert record.get("quarantine_release") is None, record
+        assert decode.state()["num_quarantined_pages"] >= num_held
+        assert decode.peer_incarnation(endpoint.address) == endpoint.incarnation
+
+        # Resumed, the worker answers the re-sent aborts: pages come back once its writes
+        # landed, and the incarnation it rejected as stale was never taken for its own.
+        os.kill(pid, signal.SIGCONT)
+        stopped = False
+        wait_until(lambda: decode_pool_full(decode, DECODE_PAGES), what="decode pool full again")
+        assert (decode.transfer_stats("A") or {}).get("quarantine_release") == "drained"
+        assert decode.peer_incarnation(endpoint.address) == endpoint.incarnation
+        assert decode.submit("after", after, GREEDY, endpoint).result(60)[0] == expected_after
+        wait_until(
+            lambda: prefill_pool_full(prefill, PREFILL_PAGES), what="prefill pool full again"
+        )
+        assert decode_pool_full(decode, DECODE_PAGES)
+    finally:
+        if stopped:
+            os.kill(pid, signal.SIGCONT)
+        decode.close()
         assert prefill.close() == 0
 
 
@@ -219,13 +290,13 @@ def valid_request(worker: PrefillWorker, **changes: Any) -> PrefillRequest:
 
 def rejected(worker: PrefillWorker, request: PrefillRequest) -> RequestRejected:
     with pytest.raises(RequestRejected) as info:
-        check_request(request, worker.messenger, random.Random(0))
+        check_request(request, worker.messenger.side, random.Random(0))
     return info.value
 
 
 def test_every_remote_id_and_descriptor_is_range_checked(prefill_worker: PrefillWorker) -> None:
     worker = prefill_worker
-    checked = check_request(valid_request(worker), worker.messenger, random.Random(0))
+    checked = check_request(valid_request(worker), worker.messenger.side, random.Random(0))
     assert checked.dst_layout.num_pages == 16 and checked.dst_pages == [3, 9, 4]
 
     row_bytes = worker.engine.model_config.hidden_size * worker.engine.kv_cache.element_size()

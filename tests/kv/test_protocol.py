@@ -9,6 +9,8 @@ import pytest
 
 from workers.kv.errors import ProtocolError
 from workers.kv.protocol import (
+    MAX_DETAIL_BYTES,
+    MAX_ID_CHARS,
     MAX_RANKS,
     PROTOCOL_VERSION,
     AbortAcknowledged,
@@ -23,7 +25,10 @@ from workers.kv.protocol import (
     RejectReason,
     decode_message,
     encode_message,
+    truncate_detail,
 )
+
+EURO = "\u20ac"  # 3 UTF-8 bytes
 
 
 def make_request(**overrides: object) -> PrefillRequest:
@@ -232,3 +237,51 @@ def test_message_types_are_stable() -> None:
     assert PROTOCOL_VERSION == 1
     assert [int(t) for t in MessageType] == [1, 2, 3, 4, 5, 6]
     assert wire(AbortPrefill("r", 9)) == [1, 4, "r", 9]
+
+
+# -- a detail is bounded in UTF-8 bytes, as the receiver's msgpack limit counts ------------------
+
+
+@pytest.mark.parametrize("make", ["failed", "rejected"])
+def test_a_multi_byte_detail_at_the_byte_limit_round_trips(make: str) -> None:
+    detail = "x" + EURO * ((MAX_DETAIL_BYTES - 1) // 3)  # 342 chars, exactly the byte limit
+    assert len(detail.encode()) == MAX_DETAIL_BYTES
+    message = (
+        PrefillFailed("r\u00e9", 7, FailReason.WRITE_ERROR, 12, detail)
+        if make == "failed"
+        else PrefillRejected("r\u00e9", 7, RejectReason.INTERNAL, detail)
+    )
+    assert decode_message(encode_message(message)) == message
+
+
+@pytest.mark.parametrize("make", ["failed", "rejected"])
+def test_a_detail_over_the_byte_limit_is_refused_at_encode_time(make: str) -> None:
+    detail = "\ufffd" * 400  # 400 chars (well under 1024) but 1200 bytes
+    with pytest.raises(ProtocolError, match="UTF-8 bytes"):
+        if make == "failed":
+            PrefillFailed("r1", 7, FailReason.WRITE_ERROR, 12, detail)
+        else:
+            PrefillRejected("r1", 7, RejectReason.INTERNAL, detail)
+
+
+def test_a_detail_that_utf8_cannot_carry_is_a_protocol_error() -> None:
+    with pytest.raises(ProtocolError, match="UTF-8"):
+        PrefillFailed("r1", 7, FailReason.INTERNAL, 0, "lone \udc80 surrogate")
+
+
+def test_the_longest_request_id_fits_the_wire() -> None:
+    longest = "\U0001f600" * MAX_ID_CHARS  # 4 bytes each: the most bytes an id can have
+    message = PrefillFailed(longest, 1, FailReason.DEADLINE, 0)
+    assert decode_message(encode_message(message)) == message
+
+
+def test_truncate_detail_cuts_at_a_character_boundary() -> None:
+    for prefix in ("", "x", "xy"):  # the cut falls after, inside, inside a 3-byte character
+        cut = truncate_detail(prefix + EURO * 1000)
+        assert len(cut.encode()) <= MAX_DETAIL_BYTES
+        assert len(cut.encode()) > MAX_DETAIL_BYTES - 3
+        assert cut == prefix + EURO * (len(cut) - len(prefix))
+        message = PrefillFailed("r1", 1, FailReason.ENGINE_ERROR, 0, cut)
+        assert decode_message(encode_message(message)) == message
+    assert truncate_detail("short") == "short"
+    assert truncate_detail("a \udc80 b") == "a ? b"

@@ -10,11 +10,12 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
 
+from tests.waiting import wait_until
 from workers.engine.layer_progress import LayerProgress
 from workers.fabric import FabricError, TransferEngine
 from workers.kv.push import PassPlan, PushItem, PushThread, RankOps
@@ -108,13 +109,6 @@ def _expected(src: np.ndarray) -> np.ndarray:
     return expected
 
 
-def _wait(predicate: object, what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not predicate():  # type: ignore[operator]
-        assert time.monotonic() < deadline, what
-        time.sleep(0.001)
-
-
 def test_pass_end_sends_every_layer_in_one_call(
     fabric: tuple[TransferEngine, TransferEngine],
 ) -> None:
@@ -122,18 +116,24 @@ def test_pass_end_sends_every_layer_in_one_call(
     push, gated, src, dst, reached = _run_pass(fabric, False, progress)
     try:
         # The push thread holds the plan (white-box: otherwise it, not pass_ended, sends).
-        _wait(lambda: push._current is not None, "the push thread never took the plan")
+        wait_until(
+            lambda: push._current is not None,
+            timeout=WAIT_S,
+            what="the push thread to take the plan",
+        )
         progress.begin_pass()
         for layer in range(LAYERS):
             progress.mark_layer_done(layer)
-        time.sleep(0.05)
+        time.sleep(0.05)  # a window for a wrong early send: none may happen in it
         assert gated == []  # deferred: nothing before the pass ended
         assert push.pass_ended(1)  # sent from this thread, at once
         assert gated == list(range(LAYERS))
         assert push.num_submit_calls == 1
         assert reached.wait(WAIT_S), "the target's counter never reached 2 writes x 4 layers"
         np.testing.assert_array_equal(dst, _expected(src))
-        _wait(lambda: push.num_passes == 1, "the push thread never finished the pass")
+        wait_until(
+            lambda: push.num_passes == 1, timeout=WAIT_S, what="the push thread to finish the pass"
+        )
     finally:
         push.close()
 
@@ -145,11 +145,15 @@ def test_each_layer_goes_when_done(
     """Woken by the counter (or, for one that cannot notify, polling it)."""
     progress = progress_type(LAYERS)
     push, gated, src, dst, reached = _run_pass(fabric, True, progress)
+
+    def num_gated(count: int) -> Callable[[], bool]:
+        return lambda: len(gated) == count
+
     try:
         progress.begin_pass()
         for layer in range(LAYERS):
             progress.mark_layer_done(layer)
-            _wait(lambda layer=layer: len(gated) == layer + 1, f"layer {layer} never gated")
+            wait_until(num_gated(layer + 1), timeout=WAIT_S, what=f"layer {layer} gated")
         assert gated == list(range(LAYERS))
         assert push.num_submit_calls == LAYERS
         assert reached.wait(WAIT_S), "the target's counter never reached 2 writes x 4 layers"
@@ -199,15 +203,21 @@ def test_writes_the_fabric_never_posted_go_to_on_not_posted_and_never_land() -> 
             lambda _r, count: tally("done", count), lambda _r, count, _e: tally("error", count),
             layerwise=False, on_not_posted=not_posted,
         )  # fmt: skip
-        os.kill(target.process.pid, signal.SIGSTOP)
+        pid = target.process.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
         try:
             push.submit_pass(PassPlan(1, plan))
             progress.begin_pass()
             push.pass_ended(1)
             total = items * LAYERS * pages
-            _wait(lambda: sum(counts.values()) == total, "every write accounted for")
+            wait_until(
+                lambda: sum(counts.values()) == total,
+                timeout=WAIT_S,
+                what="every write accounted for",
+            )
         finally:
-            os.kill(target.process.pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGCONT)
         assert counts["not_posted"] > 0  # the scenario left writes in the queue
         push.close()
         for item in plan:

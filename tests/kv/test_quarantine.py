@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from workers.kv.peer_liveness import listener_refuses, tcp_address
 from workers.kv.quarantine import PageQuarantine, QuarantinedPages
 
 PEER = b"prefill-a"
@@ -93,18 +92,3 @@ def test_rejects_bad_input_and_double_hold_and_releases_complete_transfers_at_on
     assert 3 not in q
     with pytest.raises(ValueError):
         PageQuarantine(-1)
-
-
-def test_tcp_names_parse_and_a_closed_port_is_refused() -> None:
-    import socket
-
-    assert tcp_address("fi_sockaddr_in://127.0.0.1:4242") == ("127.0.0.1", 4242)
-    assert tcp_address("fi_sockaddr_in6://[::1]:4242") == ("::1", 4242)
-    assert tcp_address("fi_shm://1234:0:0") is None
-    assert not listener_refuses("fi_shm://1234:0:0")  # not tcp: never judged gone
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen()
-        port = listener.getsockname()[1]
-        assert not listener_refuses(f"fi_sockaddr_in://127.0.0.1:{port}")
-    assert listener_refuses(f"fi_sockaddr_in://127.0.0.1:{port}")  # closed with its owner

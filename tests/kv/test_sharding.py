@@ -276,12 +276,6 @@ def test_decoder_side_count_needs_no_source_pages_only_without_coalescing() -> N
         expected_write_count_from_dst(whole, [3, 4], 2, 0)
 
 
-@pytest.mark.parametrize(("tp", "heads"), [(4, 6), (2, 3), (3, 2), (0, 2)])
-def test_indivisible_head_counts_are_rejected(tp: int, heads: int) -> None:
-    with pytest.raises(ShardingError):
-        GroupSharding(tp, heads)
-
-
 def test_mismatched_inputs_are_rejected() -> None:
     rng = random.Random(0)
     with pytest.raises(ShardingError, match="disagree"):

@@ -12,7 +12,13 @@ class KvTransferError(Exception):
 
 
 class ShardingError(KvTransferError, ValueError):
-    """A prefill/decode group pair whose KV sharding cannot be mapped onto each other."""
+    """A prefill/decode group pair whose KV sharding cannot be mapped onto each other, or a
+    page, pool or plan that does not fit the mapping.
+
+    A single group whose heads cannot be placed at all is the engine's `HeadPlacementError`
+    (`workers.engine.head_placement`): callers that build a group from a peer's message turn
+    it into their own error.
+    """
 
 
 class ImmError(KvTransferError, ValueError):

@@ -21,6 +21,10 @@ from workers.kv.push import PushItem, build_push_item
 from workers.kv.transfer_state import PrefillState, PrefillTransfer
 from workers.kv.writes import PoolLayout, expected_write_count
 
+# A transfer that may still submit writes (or is waiting to): deadlines, aborts and giving up
+# stop it; any other one is draining or ended.
+ACTIVE = (PrefillState.QUEUED, PrefillState.PREFILLING, PrefillState.WRITING)
+
 
 @dataclass
 class Outgoing:
@@ -46,6 +50,10 @@ class Outgoing:
     @property
     def request_id(self) -> str:
         return self.checked.request.request_id
+
+    @property
+    def active(self) -> bool:
+        return self.transfer.state in ACTIVE
 
     def plan_chunk(
         self, chunk: ScheduledChunk, src_layout: PoolLayout

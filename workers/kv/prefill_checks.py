@@ -4,25 +4,26 @@ A request is refused (`RequestRejected` with a `RejectReason`) when it names ano
 of this worker (a stale endpoint: `workers.kv.endpoint`), when the two groups cannot be
 mapped (page size, heads, MLA, TP sizes), the decoder's descriptors are not for this provider or
 are too small for the page ids it names, the context buffer cannot hold a hidden state, the
-prompt can never fit, or the decoder's own write count disagrees with the plan. Nothing is
-allocated before every check passed.
+prompt can never fit, or the decoder's own write count disagrees with the plan; in checksum
+mode also when the pools are device memory or the sums do not fit (`check_checksums`). Nothing
+is allocated before every check passed.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Collection
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from workers.fabric import FabricError, MemoryRegionDescriptor
+from workers.kv.checksum import ChecksumAccumulator, area_bytes, shard_order
 from workers.kv.errors import KvTransferError
+from workers.kv.pages import num_pages_for_tokens
 from workers.kv.pools import layout_from_descriptor
+from workers.kv.prefill_side import PrefillSide
 from workers.kv.protocol import PrefillRequest, RejectReason
 from workers.kv.sharding import TransferPlan, make_transfer_plan
 from workers.kv.writes import PageIds, PoolLayout, expected_write_count_from_dst
-
-if TYPE_CHECKING:
-    from workers.kv.prefill_messenger import PrefillMessenger
 
 
 class RequestRejected(KvTransferError):
@@ -47,19 +48,17 @@ class CheckedRequest:
         return self.dst_pages[pages.start : pages.stop]
 
 
-def check_request(
-    request: PrefillRequest, messenger: PrefillMessenger, rng: random.Random
-) -> CheckedRequest:
-    mine = messenger.sharding
-    geometry = messenger.geometry
-    engine = messenger.engine
+def check_request(request: PrefillRequest, side: PrefillSide, rng: random.Random) -> CheckedRequest:
+    mine = side.sharding
+    geometry = side.geometry
+    engine = side.engine
     incompatible = RejectReason.INCOMPATIBLE
     meant_for = request.prefill_incarnation
-    if meant_for and meant_for != messenger.incarnation:
+    if meant_for and meant_for != side.incarnation:
         raise RequestRejected(
             incompatible,
             f"stale prefill endpoint: the request is for incarnation {meant_for:#x}, this worker "
-            f"is {messenger.incarnation:#x} (it restarted; use its current endpoint)",
+            f"is {side.incarnation:#x} (it restarted; use its current endpoint)",
         )
     if request.page_size != geometry.page_size:
         raise RequestRejected(
@@ -81,8 +80,8 @@ def check_request(
         )
     if max(request.token_ids) >= engine.model_config.vocab_size:
         raise RequestRejected(incompatible, "token id outside the vocabulary")
-    page_bytes = messenger.pools.layout.page_bytes
-    my_limit = messenger.fabric.max_pages_per_run(page_bytes)
+    page_bytes = side.pools.layout.page_bytes
+    my_limit = side.fabric.max_pages_per_run(page_bytes)
     if my_limit is not None and not 0 < request.max_pages_per_run <= my_limit:
         raise RequestRejected(incompatible, f"runs longer than {my_limit} pages do not fit")
     try:
@@ -107,7 +106,7 @@ def check_request(
         )
     except (KvTransferError, FabricError) as error:
         raise RequestRejected(incompatible, str(error)) from error
-    if any(d.provider != messenger.fabric.provider for d in descriptors):
+    if any(d.provider != side.fabric.provider for d in descriptors):
         raise RequestRejected(incompatible, "descriptors are for another provider")
     if len(layouts) != 1:
         raise RequestRejected(incompatible, "decode ranks' pools differ in size")
@@ -138,3 +137,41 @@ def check_request(
                 f"decoder expects {request.expected_write_count} writes, plan has {mine_count}",
             )
     return CheckedRequest(request, plan, descriptors, dst_layout, dst_pages, context)
+
+
+def check_checksums(
+    checked: CheckedRequest,
+    side: PrefillSide,
+    max_checksum_shards: int,
+    fault_flip_after_checksum: Collection[str] = (),
+) -> ChecksumAccumulator | None:
+    """Checksum mode's accumulator for an accepted request, None when it did not ask.
+
+    ``max_checksum_shards``: the sums a context staging row has room for;
+    ``fault_flip_after_checksum``: the named test fault of `PrefillMessengerConfig`."""
+    request = checked.request
+    if not request.checksum:
+        return None
+    incompatible = RejectReason.INCOMPATIBLE
+    if not side.checksum_capable:
+        raise RequestRejected(incompatible, "checksum mode needs host-memory KV pools")
+    num_shards = len(checked.plan.shards)
+    if num_shards > max_checksum_shards:
+        raise RequestRejected(
+            incompatible, f"checksums of {num_shards} shards exceed the staging row"
+        )
+    try:
+        shard_order(checked.plan)
+    except KvTransferError as error:
+        raise RequestRejected(incompatible, str(error)) from error
+    context = checked.context
+    needed = side.hidden_bytes + area_bytes(num_shards)
+    if context is None or request.context_offset + needed > context.length:
+        raise RequestRejected(incompatible, "context buffer too small for the checksums")
+    checksums = ChecksumAccumulator(
+        side.geometry.num_layers,
+        num_shards,
+        num_pages_for_tokens(len(request.token_ids), side.geometry.page_size),
+    )
+    checksums.flip_pending = request.request_id in fault_flip_after_checksum
+    return checksums

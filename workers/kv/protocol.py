@@ -32,6 +32,7 @@ from typing import ClassVar
 import msgpack
 import numpy as np
 
+from workers.engine.errors import HeadPlacementError
 from workers.kv.errors import ProtocolError, ShardingError
 from workers.kv.pages import num_pages_for_tokens
 from workers.kv.sharding import GroupSharding
@@ -295,7 +296,7 @@ class PrefillRequest(_Message):
     def _validate(self) -> None:
         try:
             sharding = GroupSharding(self.decode_tp_size, self.num_kv_heads, self.is_mla)
-        except ShardingError as e:
+        except (ShardingError, HeadPlacementError) as e:
             raise ProtocolError(f"decode group layout: {e}") from e
         num_picks = 1 if self.is_mla else sharding.num_replica_sets
         if len(self.source_sets) not in (0, num_picks):

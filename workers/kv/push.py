@@ -33,7 +33,7 @@ were checked and laid out before the pass (`TransferEngine.prepare_writes`, rows
 order, so layers ``[a, b)`` are one row range): at the moment a layer may go only the queueing
 is left. Right after a pass every line of Python runs several times slower than warm, and
 preparing ahead took ~0.45 ms off the deferred baseline's 256-token transfer
-(bench/RESULTS.md, "Prepared writes").
+(bench/history/RESULTS-notebook.md, "Prepared writes").
 
 `gate(item, layer)` (the messenger's, under its lock) decides whether the item's writes of that
 layer may still go (transfer not aborted, deadline not passed) and records them as submitted

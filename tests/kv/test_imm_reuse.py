@@ -1,22 +1,17 @@
-"""Review fixes of the decoder's KV messenger and the fabric counters it relies on.
+"""An imm value handed out again (a slot's generation wrapped) counts only its own writes.
 
-1. A counter that the fabric's close disarmed (`fail_all`: watchdog abandon, shutdown) is no
-   proof that its writes landed: the transfer's pages stay held.
-2. An imm handed out again after its generation wrapped starts from zero in the fabric
-   (`TransferEngine.reset_imm`): its writes landing before the arming count, not dropped as
-   late ones of the old transfer's tombstone; the messenger keeps the quarantine's counts itself
-   (`TransferEngine.take_imm_arrivals`), so an evicted tombstone loses nothing it had taken.
-3. A `PrefillAccepted` handled after the fabric closed fails its request; the step loop lives.
+The fabric's counter of a reused imm starts from zero (`TransferEngine.reset_imm`): its writes
+landing before the arming count, and are not dropped as late ones of the old transfer's
+tombstone. The decoder keeps the quarantine's counts itself (`TransferEngine.take_imm_arrivals`),
+so an evicted tombstone loses nothing it had taken.
 
 Unit tests of the counters and the slot table, two real engines over ``tcp;ofi_rxm``, and real
-workers on the tiny preset (the abandoned fabric as in `test_fabric_abandoned.py`: the NAMED
-TEST FAULT `tests.fabric.harness.StuckPosts`).
+workers on the tiny preset.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
@@ -25,17 +20,17 @@ import numpy as np
 import pytest
 
 from tests.engine.engine_helpers import prompts_of_lengths
-from tests.fabric.harness import StuckPosts, close_engine
-from tests.kv.harness import decode_pool_full, wait_until
+from tests.fabric.harness import close_engine
+from tests.kv.harness import decode_pool_full
+from tests.waiting import wait_until
 from workers.engine.config import EngineConfig
-from workers.engine.errors import EngineClosedError
 from workers.engine.sampling_params import SamplingParams
-from workers.fabric import ImmError, TransferEngine, progress, watchdog
+from workers.fabric import ImmError, TransferEngine
 from workers.fabric.counters import ImmCounters
 from workers.kv import decode_messenger
 from workers.kv.decode_messenger import DecodeMessengerConfig
 from workers.kv.imm import ImmLayout, SlotTable
-from workers.kv.worker import DecodeWorker, PrefillWorker
+from workers.service.kv_worker import DecodeWorker, PrefillWorker
 
 PROVIDER = "tcp;ofi_rxm"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
@@ -179,15 +174,9 @@ def test_reset_and_take_on_a_real_engine(engines: tuple[TransferEngine, Transfer
 # -- real workers ------------------------------------------------------------------------------
 
 
-def _pair(
-    model_dir: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    config: DecodeMessengerConfig,
-) -> tuple[PrefillWorker, DecodeWorker]:
-    """Workers on the tiny preset; a watchdog that abandons a fabric within ~0.5 s; one page
-    per prefill pass, so a long prompt's transfer is mid-way when the tests act."""
-    monkeypatch.setattr(watchdog, "_STALL_S", 0.5)
-    monkeypatch.setattr(watchdog, "_WATCHDOG_PERIOD_S", 0.05)
+def _pair(model_dir: Path, config: DecodeMessengerConfig) -> tuple[PrefillWorker, DecodeWorker]:
+    """Workers on the tiny preset; one page per prefill pass, so a long prompt's transfer is
+    mid-way when the test acts."""
     prefill = PrefillWorker(
         model_dir,
         EngineConfig(num_pages=PREFILL_PAGES, max_num_batched_tokens=16),
@@ -207,122 +196,19 @@ def _pair(
 
 
 @pytest.mark.slow
-def test_an_armed_transfer_keeps_its_pages_when_the_decoder_fabric_is_abandoned(
-    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Finding 1: without coalescing the decoder arms at once; with writes landed, the fabric
-    is abandoned and `fail_all` disarms the counter. That is no fire: the pages stay held."""
-    config = DecodeMessengerConfig(
-        transfer_timeout_s=3600.0, drain_interval_s=DRAIN_S, coalesce_pages=False
-    )
-    prefill, decode = _pair(tiny_model_dir, monkeypatch, config)
-    prefill.fabric.op_timeout = 2.0  # its writes into the abandoned decoder end
-    stuck = StuckPosts(progress.lib, decode.fabric.threads[0])
-    monkeypatch.setattr(progress, "lib", stuck)
-    try:
-        armed_prompt, trigger_prompt = prompts_of_lengths([1600, 40], seed=11)
-        armed = decode.submit("armed", armed_prompt, GREEDY, prefill.endpoint())
-
-        def landed() -> bool:
-            now = decode.transfer_progress("armed")
-            assert now is not None, "the transfer ended before the fault"
-            return now[0] > 0 and now[1] is not None  # armed: the decoder knows the count
-
-        wait_until(landed, what="first write of the armed transfer")
-        # The next PrefillRequest is the post that never returns: the fabric is abandoned.
-        stuck.armed.set()
-        trigger = decode.submit("trigger", trigger_prompt, GREEDY, prefill.endpoint())
-        assert stuck.entered.wait(WAIT_S)
-        wait_until(lambda: decode.fabric.closed_reason() is not None, what="fabric abandoned")
-
-        held: set[int] = set()
-        for request_id, stream in (("armed", armed), ("trigger", trigger)):
-            tokens, final = stream.result(WAIT_S)
-            assert tokens == [] and final.error is not None
-            assert "KV fabric unusable" in final.error
-            record = decode.transfer_stats(request_id) or {}
-            assert record.get("state") == "failed", record
-            held |= set(record["page_ids"])
-        time.sleep(10 * DRAIN_S)
-        for request_id in ("armed", "trigger"):
-            assert "quarantine_release" not in (decode.transfer_stats(request_id) or {})
-        assert decode.engine.block_manager.num_pinned_pages == len(held) > 0
-    finally:
-        stuck.release.set()
-        decode.close()
-        prefill.close(drain_timeout_s=2.0)
-
-
-@pytest.mark.slow
-def test_a_prefill_accepted_handled_after_the_fabric_closed_fails_its_request(
-    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Finding 3: the `PrefillAccepted` is in the decoder's inbox when its fabric is
-    abandoned (the step thread is held meanwhile); arming then raises, which must fail the
-    request, not the step loop."""
-    config = DecodeMessengerConfig(transfer_timeout_s=3600.0, drain_interval_s=DRAIN_S)
-    prefill, decode = _pair(tiny_model_dir, monkeypatch, config)
-    prefill.fabric.op_timeout = 2.0
-    stuck = StuckPosts(progress.lib, decode.fabric.threads[0])
-    monkeypatch.setattr(progress, "lib", stuck)
-    held, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        held.set()
-        release.wait(WAIT_S)
-
-    holder = threading.Thread(target=decode._loop.call, args=(hold,))
-    try:
-        (prompt,) = prompts_of_lengths([400], seed=12)
-        stream = decode.submit("r", prompt, GREEDY, prefill.endpoint())
-        wait_until(lambda: (decode.transfer_progress("r") or (0, 0))[0] > 0, what="a write")
-        holder.start()
-        assert held.wait(WAIT_S)
-        inbox = decode.messenger._inbox
-        wait_until(lambda: inbox.qsize() >= 1, timeout=WAIT_S, what="PrefillAccepted queued")
-        stuck.armed.set()  # a send from here is the post that never returns
-        decode.fabric.submit_send(decode.fabric.add_peer(prefill.endpoint().address), b"x")
-        assert stuck.entered.wait(WAIT_S)
-        wait_until(lambda: decode.fabric.closed_reason() is not None, what="fabric abandoned")
-        release.set()
-        holder.join(WAIT_S)
-
-        tokens, final = stream.result(WAIT_S)
-        assert tokens == [] and final.error is not None
-        assert final.error.startswith("KV fabric unusable"), final.error  # not a dead loop
-        record = decode.transfer_stats("r") or {}  # the step loop still answers
-        assert record.get("state") == "failed", record
-        pinned = decode.engine.block_manager.num_pinned_pages
-        if "quarantine_release" in record:  # every write had landed: nothing can come
-            assert record["num_writes_landed"] == record["num_writes_expected"], record
-            assert pinned == 0
-        else:
-            assert pinned == len(record["page_ids"]) > 0
-        with pytest.raises(EngineClosedError, match="KV fabric unusable"):
-            decode.state()
-    finally:
-        release.set()
-        if holder.is_alive():
-            holder.join(WAIT_S)
-        stuck.release.set()
-        decode.close()
-        prefill.close(drain_timeout_s=2.0)
-
-
-@pytest.mark.slow
 def test_a_reissued_imm_counts_the_writes_that_land_before_its_arming(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Finding 2 end to end: one slot and one generation bit, so the imm of an aborted
-    transfer comes back two transfers later, with its tombstone still in the fabric. The new
-    transfer's early writes (coalescing: before `PrefillAccepted`) must count."""
+    """End to end: one slot and one generation bit, so the imm of an aborted transfer comes
+    back two transfers later, with its tombstone still in the fabric. The new transfer's early
+    writes (coalescing: before `PrefillAccepted`) must count."""
     monkeypatch.setattr(
         decode_messenger, "ImmLayout", partial(ImmLayout, slot_bits=1, generation_bits=1)
     )
     config = DecodeMessengerConfig(
         transfer_timeout_s=20.0, drain_interval_s=DRAIN_S, max_transfers=1
     )
-    prefill, decode = _pair(tiny_model_dir, monkeypatch, config)
+    prefill, decode = _pair(tiny_model_dir, config)
     try:
         aborted_prompt, short_prompt, reissued_prompt = prompts_of_lengths([800, 40, 400], seed=13)
         endpoint = prefill.endpoint()
