@@ -15,6 +15,8 @@ from workers.engine.engine_core import EngineCore
 from workers.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+# Exactly three greedy tokens per request, EOS or not: finish reasons are always ``length``.
+THREE_TOKENS = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
 
 
 @functools.cache
@@ -65,6 +67,24 @@ def run_engine(
     engine.check_invariants()
     assert engine.block_manager.num_free_pages == engine.num_pages
     return list(tokens.values())
+
+
+def drain(engine: EngineCore, max_steps: int = 500) -> dict[str, str | None]:
+    """Step until nothing is unfinished; the finish reason of every request that finished.
+
+    Fails if the engine is still busy after ``max_steps`` steps (it made no progress), and
+    checks the pool's invariants at the end.
+    """
+    reasons: dict[str, str | None] = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            break
+        for output in engine.step():
+            if output.finished:
+                reasons[output.request_id] = output.finish_reason
+    assert not engine.has_unfinished(), "engine made no progress"
+    engine.check_invariants()
+    return reasons
 
 
 def make_engine(model_dir: Path | str, **options: Any) -> EngineCore:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -122,6 +123,22 @@ def hf_logits(
 def random_tokens(n: int, seed: int, high: int = 256) -> list[int]:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, high, (n,), generator=generator).tolist()
+
+
+def checkpoint_with_config(
+    src: Path, dst: Path, changes: Mapping[str, Any] | None = None, drop: Sequence[str] = ()
+) -> Path:
+    """A copy of checkpoint ``src`` at ``dst`` (weights and tokenizer linked, not copied) whose
+    config.json has ``changes`` and lacks the keys in ``drop``."""
+    dst.mkdir()
+    for item in src.iterdir():
+        if item.name != "config.json":
+            (dst / item.name).symlink_to(item)
+    raw = {**json.loads((src / "config.json").read_text()), **(changes or {})}
+    for key in drop:
+        raw.pop(key, None)
+    (dst / "config.json").write_text(json.dumps(raw))
+    return dst
 
 
 def write_variant_checkpoint(

@@ -90,6 +90,38 @@ def test_pinned_pages_cannot_be_freed_until_unpinned() -> None:
         bm.unpin(pinned[:1])
 
 
+def test_refused_page_transitions_change_nothing() -> None:
+    manager = BlockManager(8, 4)
+    (pinned,) = manager.allocate_pinned(1)
+    (allocated,) = manager.allocate(1)
+
+    def unchanged() -> None:
+        manager.check_invariants()
+        assert manager.is_pinned(pinned) and manager.ref_count(pinned) == 1
+        assert not manager.is_pinned(allocated) and manager.ref_count(allocated) == 1
+        assert manager.num_free_pages == 6
+
+    with pytest.raises(PageAllocationError, match="not pinned"):
+        manager.free_pinned([pinned, allocated])
+    unchanged()
+    with pytest.raises(PageAllocationError, match="not pinned"):
+        manager.unpin([pinned, allocated])
+    unchanged()
+    with pytest.raises(PageAllocationError, match="repeat"):
+        manager.free_pinned([pinned, pinned])
+    unchanged()
+    with pytest.raises(PageAllocationError, match="pinned"):
+        manager.free([allocated, pinned])
+    unchanged()
+    with pytest.raises(PageAllocationError, match="freed twice"):
+        manager.free([allocated, allocated])
+    unchanged()
+    manager.free_pinned([pinned])
+    manager.free([allocated])
+    manager.check_invariants()
+    assert manager.num_free_pages == 8
+
+
 def test_check_invariants_detects_a_leak() -> None:
     bm = BlockManager(num_pages=4, page_size=4)
     page = bm.allocate(1)[0]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.engine_helpers import GREEDY, make_engine
+from tests.engine.engine_helpers import GREEDY, THREE_TOKENS, drain, make_engine
 from workers.engine.config import EngineConfig
 from workers.engine.engine_core import EngineCore
 from workers.engine.errors import CapacityError, InvalidRequestError, UnsupportedCheckpointError
@@ -65,6 +65,42 @@ def test_duplicate_active_request_id(engine: EngineCore) -> None:
     while engine.has_unfinished():
         engine.step()
     assert engine.block_manager.num_free_pages == engine.num_pages
+
+
+def test_id_is_refused_until_its_abort_output_is_out(tiny_model_dir: Path) -> None:
+    engine = make_engine(tiny_model_dir, num_pages=64, page_size=4)
+    engine.add_request("X", [1, 2, 3, 4, 5], THREE_TOKENS)
+    engine.step()
+    assert engine.abort("X")
+    with pytest.raises(InvalidRequestError, match="still ending; its final output comes"):
+        engine.add_request("X", [9, 9, 9], THREE_TOKENS)
+    engine.check_invariants()
+    assert engine.block_manager.num_free_pages == 64  # nothing allocated for the refused one
+
+    outputs = engine.step()
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("X", "abort")]
+    engine.add_request("X", [9, 9, 9], THREE_TOKENS)  # the old X is gone: the id is free again
+    assert drain(engine) == {"X": "length"}
+
+
+def test_decode_role_id_is_refused_while_its_abort_output_is_pending(
+    tiny_model_dir: Path,
+) -> None:
+    engine = make_engine(tiny_model_dir, role="decode", num_pages=16, page_size=4)
+    prompt = list(range(1, 10))
+    engine.add_request_awaiting_kv("X", prompt, GREEDY)
+    assert engine.abort("X")
+    pinned = engine.allocate_pinned(engine.num_prefill_pages(len(prompt)))
+    with pytest.raises(InvalidRequestError, match="still ending"):
+        engine.add_request_awaiting_kv("X", prompt, GREEDY)
+    with pytest.raises(InvalidRequestError, match="still ending"):
+        engine.add_prefilled_request("X", prompt, GREEDY, pinned)
+    assert all(engine.block_manager.is_pinned(p) for p in pinned)  # not handed over
+    assert engine.block_manager.num_pinned_pages == len(pinned)
+    engine.check_invariants()
+    assert drain(engine) == {"X": "abort"}
+    engine.add_prefilled_request("X", prompt, THREE_TOKENS, pinned)
+    assert drain(engine) == {"X": "length"}
 
 
 def test_prompt_larger_than_the_pool_is_a_capacity_error(tiny_model_dir: Path) -> None:

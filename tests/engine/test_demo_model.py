@@ -10,7 +10,7 @@ import torch
 
 from tests.engine.model_helpers import PagedRunner, hf_logits
 from workers.engine.demo_model import fetch_demo_model, is_complete
-from workers.engine.model import load_model
+from workers.engine.loader import load_model
 from workers.engine.tokenizer import HFTokenizer, IncrementalDetokenizer, load_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

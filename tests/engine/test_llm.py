@@ -50,6 +50,20 @@ def test_stop_string_truncates_text(llm: LLM) -> None:
     assert len(stopped.token_ids) < len(full.token_ids)
 
 
+def test_request_outgrowing_the_pool_keeps_its_held_back_text(tiny_model_dir: Path) -> None:
+    """8 pages of 4 tokens: the request ends ``length`` at 32 tokens. A stop string that never
+    matches holds back its last 9 characters; they must still reach the text."""
+    with LLM(tiny_model_dir, num_pages=8, page_size=4, max_model_len=256) as small:
+        params = SamplingParams(
+            temperature=0.0, max_tokens=100, ignore_eos=True, stop=["zzzzzzzzzz"]
+        )
+        (result,) = small.generate([[65, 66, 67, 68]], params)
+        assert result.finish_reason == "length" and len(result.token_ids) < 100
+        assert result.text == small.tokenizer.decode(result.token_ids)
+        assert len(result.text) >= 9  # long enough that the held-back tail matters
+        small.engine.check_invariants()
+
+
 def _printable_run(token_ids: list[int], length: int) -> int:
     """Index of the first ``length`` consecutive printable ASCII tokens (byte vocabulary)."""
     return next(

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from tests.engine.model_helpers import PagedRunner, random_tokens
 from workers.engine.errors import UnsupportedCheckpointError
 from workers.engine.layers import DecoderLayer
-from workers.engine.model import load_model
+from workers.engine.loader import load_model
 
 
 def _copy_dir(src: Path, dst: Path) -> Path:

@@ -19,7 +19,7 @@ from tests.engine.model_helpers import (
 from workers.engine.config import EngineConfig
 from workers.engine.engine_core import EngineCore
 from workers.engine.errors import InvalidRequestError, UnsupportedCheckpointError
-from workers.engine.model import load_model
+from workers.engine.loader import load_model
 from workers.engine.model_config import ModelConfig
 from workers.engine.presets import preset_config
 

@@ -10,8 +10,9 @@ import torch
 
 from tests.engine.model_helpers import PagedRunner, random_tokens
 from workers.engine.attention import AttentionBackend, AttentionBatch
-from workers.engine.layer_progress import LayerProgress, create_layer_progress
-from workers.engine.model import load_model
+from workers.engine.engine_core import create_layer_progress
+from workers.engine.layer_progress import LayerProgress
+from workers.engine.loader import load_model
 
 WAIT_S = 30.0  # generous bound so a broken handshake fails instead of hanging
 

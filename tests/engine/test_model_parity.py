@@ -13,7 +13,7 @@ from tests.engine.model_helpers import (
     random_tokens,
     write_attention_bias_checkpoint,
 )
-from workers.engine.model import load_model
+from workers.engine.loader import load_model
 
 ATOL = 1e-4
 

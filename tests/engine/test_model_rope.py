@@ -11,9 +11,14 @@ from typing import Any
 import pytest
 import torch
 
-from tests.engine.model_helpers import PagedRunner, hf_logits, random_tokens
+from tests.engine.model_helpers import (
+    PagedRunner,
+    checkpoint_with_config,
+    hf_logits,
+    random_tokens,
+)
 from workers.engine.errors import UnsupportedCheckpointError
-from workers.engine.model import load_model
+from workers.engine.loader import load_model
 from workers.engine.model_config import ModelConfig
 from workers.engine.rope import RotaryEmbedding
 
@@ -88,17 +93,6 @@ def test_unsupported_rope_type_is_rejected() -> None:
         RotaryEmbedding(ModelConfig.from_dict(raw))
 
 
-def _with_config(src: Path, dst: Path, **changes: Any) -> Path:
-    dst.mkdir()
-    for item in src.iterdir():
-        if item.name != "config.json":
-            (dst / item.name).symlink_to(item)
-    raw = json.loads((src / "config.json").read_text())
-    raw.update(changes)
-    (dst / "config.json").write_text(json.dumps(raw))
-    return dst
-
-
 @pytest.mark.parametrize(
     ("case", "changes", "prompt_len"),
     [
@@ -111,7 +105,7 @@ def _with_config(src: Path, dst: Path, **changes: Any) -> Path:
 def test_scaled_rope_model_matches_hf(
     tiny_model_dir: Path, tmp_path: Path, case: str, changes: dict[str, Any], prompt_len: int
 ) -> None:
-    model_dir = _with_config(tiny_model_dir, tmp_path / case, **changes)
+    model_dir = checkpoint_with_config(tiny_model_dir, tmp_path / case, changes)
     tokens = random_tokens(prompt_len, seed=4)
     model, config = load_model(model_dir)
     assert config.rope_scaling is not None
@@ -119,7 +113,7 @@ def test_scaled_rope_model_matches_hf(
     expected = hf_logits(model_dir, tokens)
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
     # The scaling matters: plain RoPE gives different logits.
-    plain_dir = _with_config(tiny_model_dir, tmp_path / f"{case}-plain")
+    plain_dir = checkpoint_with_config(tiny_model_dir, tmp_path / f"{case}-plain")
     plain, _ = load_model(plain_dir)
     [unscaled] = PagedRunner(plain, config).step([(0, tokens)])
     assert (unscaled - expected).abs().max().item() > 1e-2
@@ -157,7 +151,7 @@ def test_dynamic_rope_generate_matches_hf_under_chunked_prefill(
     from workers.engine import LLM, SamplingParams
 
     changes = {"rope_scaling": ROPE_CASES["dynamic"], "max_position_embeddings": 32}
-    model_dir = _with_config(tiny_model_dir, tmp_path / "dynamic", **changes)
+    model_dir = checkpoint_with_config(tiny_model_dir, tmp_path / "dynamic", changes)
     prompts = [random_tokens(40, seed=4), random_tokens(24, seed=5)]
     expected = [_hf_greedy_fresh(model_dir, p, 16) for p in prompts]
     with LLM(

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.engine.model_helpers import PagedRunner
-from workers.engine.model import load_model
+from workers.engine.loader import load_model
 from workers.engine.presets import write_random_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -76,7 +76,7 @@ def test_make_model_cli(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "orchestrator.cli",
+            "orchestrator.cli.main",
             "make-model",
             "--preset",
             "qwen3-tiny",

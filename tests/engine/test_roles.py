@@ -1,6 +1,8 @@
 """Prefill and decode roles in one process, KV pages copied between their pools.
 
-Also: aborts at every stage leave no page behind, and pinned pages survive preemption.
+Also: aborts at every stage leave no page behind, pinned pages survive preemption, a decoder
+drops the KV of waiting requests only when that makes room, and pages pinned for one request
+cannot be handed to another.
 """
 
 from __future__ import annotations
@@ -9,11 +11,20 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.engine_helpers import GREEDY, make_engine, prompts_of_lengths, run_engine
+from tests.engine.engine_helpers import (
+    GREEDY,
+    THREE_TOKENS,
+    drain,
+    make_engine,
+    prompts_of_lengths,
+    run_engine,
+)
 from workers.engine.engine_core import EngineCore
+from workers.engine.errors import InvalidRequestError
 from workers.engine.kv_cache import copy_pages, read_pages
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import ScheduledChunk
+from workers.engine.sequence import SequenceStatus
 
 LENGTHS = [1, 2, 15, 16, 17, 40, 100]
 PAGE = 16
@@ -214,3 +225,64 @@ def test_pages_pinned_for_incoming_kv_delay_a_decode_but_never_end_it(
     assert reasons == {"a": "length", "b": "length"}
     decode.check_invariants()
     assert decode.block_manager.num_free_pages == 8
+
+
+def test_waiting_kv_is_kept_when_dropping_it_cannot_make_room(tiny_model_dir: Path) -> None:
+    """A (5 pages, no KV) heads the queue; B and C hold 1 page each; 8 pages are pinned for
+    transfers, 2 free. Dropping B's and C's KV leaves A 4 pages short: drop nothing."""
+    engine = make_engine(tiny_model_dir, role="decode", num_pages=12, page_size=4)
+    in_flight = engine.allocate_pinned(8)
+    engine.add_request("A", list(range(1, 18)), THREE_TOKENS)  # 17 tokens: 5 pages
+    for request_id in "BC":
+        pages = engine.allocate_pinned(1)
+        engine.add_prefilled_request(request_id, [1, 2, 3, 4, 5], THREE_TOKENS, pages)
+    assert engine.block_manager.num_free_pages == 2
+
+    assert engine.step() == []
+    assert engine.stats.num_preemptions == 0
+    for request_id in "BC":
+        seq = engine._requests[request_id]
+        assert len(seq.page_ids) == 1 and seq.num_computed_tokens == 4
+
+    engine.free_pinned(in_flight)  # the transfers failed
+    assert drain(engine) == {"A": "length", "B": "length", "C": "length"}
+    assert engine.stats.num_preemptions == 0
+    assert engine.block_manager.num_free_pages == 12
+
+
+def test_waiting_kv_is_dropped_newest_first_and_only_as_far_as_needed(
+    tiny_model_dir: Path,
+) -> None:
+    """A needs 3 pages, 2 are free: dropping D's 1 page (the newest) is enough; B, C keep KV."""
+    engine = make_engine(tiny_model_dir, role="decode", num_pages=12, page_size=4)
+    in_flight = engine.allocate_pinned(7)
+    engine.add_request("A", list(range(1, 10)), THREE_TOKENS)  # 9 tokens: 3 pages
+    for request_id in "BCD":
+        pages = engine.allocate_pinned(1)
+        engine.add_prefilled_request(request_id, [1, 2, 3, 4, 5], THREE_TOKENS, pages)
+
+    engine.step()
+    assert engine.stats.num_preemptions == 1
+    seqs = engine._requests
+    assert seqs["A"].status is SequenceStatus.RUNNING
+    assert seqs["D"].page_ids == [] and seqs["D"].num_computed_tokens == 0
+    assert all(seqs[r].num_computed_tokens == 4 and len(seqs[r].page_ids) == 1 for r in "BC")
+    engine.free_pinned(in_flight)
+    assert set(drain(engine)) == {"A", "B", "C", "D"}
+
+
+def test_pages_of_a_request_waiting_for_kv_cannot_be_handed_over_or_freed(
+    tiny_model_dir: Path,
+) -> None:
+    engine = make_engine(tiny_model_dir, role="decode", num_pages=16, page_size=4)
+    prompt = list(range(1, 10))
+    pages = engine.add_request_awaiting_kv("a", prompt, GREEDY)
+    with pytest.raises(InvalidRequestError, match="held by another request"):
+        engine.add_prefilled_request("b", prompt, GREEDY, pages)
+    with pytest.raises(InvalidRequestError, match="held by another request"):
+        engine.free_pinned(pages)
+    assert all(engine.block_manager.is_pinned(p) for p in pages)
+    engine.check_invariants()
+    assert engine.abort("a")
+    assert drain(engine) == {"a": "abort"}
+    assert engine.block_manager.num_free_pages == 16

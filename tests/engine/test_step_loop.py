@@ -1,27 +1,20 @@
-"""The engine step loop: closing (stop, death), the error hook, and waiting when blocked."""
+"""The engine step loop: closing (stop, death), the error hook, waiting when blocked, and calls
+that time out (cancelled before they start, or reported as still running)."""
 
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from tests.engine.engine_helpers import GREEDY, make_engine, prompts_of_lengths
-from workers.engine.errors import EngineClosedError
+from tests.waiting import wait_until
+from workers.engine.errors import EngineCallTimeoutError, EngineClosedError
 from workers.engine.outputs import RequestOutput
 from workers.engine.step_loop import StepLoop
 
 DEADLINE_S = 30.0  # bounds a wait for something that should happen within milliseconds
-
-
-def _wait_for(condition: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not condition():
-        assert time.monotonic() < deadline, "condition never met"
-        time.sleep(0.005)
 
 
 def test_call_after_stop_raises_at_once(tiny_model_dir: Path) -> None:
@@ -46,7 +39,7 @@ def test_stop_before_start_fails_queued_calls(tiny_model_dir: Path) -> None:
 
     caller = threading.Thread(target=call)
     caller.start()
-    _wait_for(lambda: loop._calls.qsize() == 1)
+    wait_until(lambda: loop._calls.qsize() == 1, DEADLINE_S, "the call to be queued")
     loop.stop()
     caller.join(DEADLINE_S)
     assert len(results) == 1 and isinstance(results[0], EngineClosedError)
@@ -97,7 +90,7 @@ def test_blocked_step_waits_for_a_wake_up_instead_of_spinning(tiny_model_dir: Pa
     loop = StepLoop("test-step", engine, on_outputs)
     loop.thread.start()
     try:
-        _wait_for(lambda: loop.num_waits >= 10)
+        wait_until(lambda: loop.num_waits >= 10, DEADLINE_S, "the blocked loop to wait 10 times")
         # Every wait follows at most one step that scheduled nothing.
         assert num_steps[0] <= loop.num_waits + 1
         assert engine.stats.num_steps == 1 and not prefilled.is_set()
@@ -106,3 +99,104 @@ def test_blocked_step_waits_for_a_wake_up_instead_of_spinning(tiny_model_dir: Pa
     finally:
         loop.stop()
     assert loop.error is None
+
+
+def test_timed_out_call_that_never_started_never_runs(tiny_model_dir: Path) -> None:
+    engine = make_engine(tiny_model_dir)
+    loop = StepLoop("test-step", engine, lambda outputs: None)
+    # Not started yet: nothing can run the call before it times out.
+    with pytest.raises(EngineCallTimeoutError, match="will not run") as info:
+        loop.call(lambda: engine.add_request("late", [1, 2, 3], GREEDY), timeout=0.01)
+    assert info.value.started is False and isinstance(info.value, TimeoutError)
+    loop.thread.start()
+    try:
+        assert loop.call(engine.has_unfinished, timeout=DEADLINE_S) is False
+    finally:
+        loop.stop()
+    assert loop.error is None
+
+
+def test_timed_out_call_is_not_failed_again_when_the_loop_stops(tiny_model_dir: Path) -> None:
+    loop = StepLoop("test-step", make_engine(tiny_model_dir), lambda outputs: None)
+    with pytest.raises(EngineCallTimeoutError):
+        loop.call(lambda: 1, timeout=0.01)
+    loop.stop()  # fails what is queued; the cancelled call takes no exception
+    assert loop.is_closed
+
+
+def test_timed_out_call_already_running_says_so(tiny_model_dir: Path) -> None:
+    loop = StepLoop("test-step", make_engine(tiny_model_dir), lambda outputs: None)
+    loop.thread.start()
+    release = threading.Event()
+    ran: list[int] = []
+    undone: list[int] = []  # calls that ran when the undo did
+
+    def slow() -> int:
+        release.wait(DEADLINE_S)
+        ran.append(1)
+        return 1
+
+    try:
+        # The loop normally starts the call at once; should it not within the timeout, the
+        # call is cancelled instead (never run, nothing to undo): try again with a longer one.
+        for timeout in (0.2, 1.0, 5.0):
+            try:
+                loop.call(slow, timeout=timeout, undo=lambda: undone.append(len(ran)))
+            except EngineCallTimeoutError as error:
+                if error.started:
+                    assert "still running" in str(error)
+                    break
+                assert ran == []
+        else:
+            pytest.fail("the loop never started the call")
+        release.set()
+        loop.call(lambda: None, timeout=DEADLINE_S)  # after the slow call, on the same thread
+        assert ran == [1]  # it completed, unseen by its caller
+        assert undone == [1]  # and its undo ran once, after it
+    finally:
+        release.set()
+        loop.stop()
+
+
+def test_timed_out_call_that_then_fails_is_not_undone(tiny_model_dir: Path) -> None:
+    """A started call that ends by raising (e.g. a submit refusing an id a live request
+    holds) did nothing: its undo (aborting that id) must not run."""
+    loop = StepLoop("test-step", make_engine(tiny_model_dir), lambda outputs: None)
+    loop.thread.start()
+    release = threading.Event()
+    undone: list[int] = []
+
+    def slow_refusal() -> None:
+        release.wait(DEADLINE_S)
+        raise ValueError("request id 'r' is already active")
+
+    try:
+        for timeout in (0.2, 1.0, 5.0):
+            try:
+                loop.call(slow_refusal, timeout=timeout, undo=lambda: undone.append(1))
+            except EngineCallTimeoutError as error:
+                if error.started:
+                    break
+        else:
+            pytest.fail("the loop never started the call")
+        release.set()
+        loop.call(lambda: None, timeout=DEADLINE_S)  # after the refusal and the posted undo
+        assert undone == []
+    finally:
+        release.set()
+        loop.stop()
+
+
+def test_call_whose_function_raises_timeout_error_passes_it_on(tiny_model_dir: Path) -> None:
+    loop = StepLoop("test-step", make_engine(tiny_model_dir), lambda outputs: None)
+    loop.thread.start()
+
+    def times_out() -> None:
+        raise TimeoutError("the function's own")
+
+    try:
+        with pytest.raises(TimeoutError, match="the function's own") as info:
+            loop.call(times_out, timeout=DEADLINE_S)
+        assert not isinstance(info.value, EngineCallTimeoutError)
+    finally:
+        loop.stop()

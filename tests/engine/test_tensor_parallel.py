@@ -13,7 +13,6 @@ import multiprocessing
 import os
 import signal
 import subprocess
-import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch
 
 from tests.engine.engine_helpers import GREEDY, hf_greedy, make_engine, prompts_of_lengths
 from tests.engine.model_helpers import write_attention_bias_checkpoint
+from tests.waiting import wait_until
 from workers.engine.engine_core import EngineCore
 from workers.engine.errors import (
     TensorParallelConfigError,
@@ -31,7 +31,7 @@ from workers.engine.errors import (
 )
 from workers.engine.layer_progress import LayerProgress
 from workers.engine.llm import LLM
-from workers.engine.model import load_model
+from workers.engine.loader import load_model
 from workers.engine.model_config import ModelConfig
 from workers.engine.parallel import check_tensor_parallel, shard_spec
 from workers.engine.scheduler import ScheduledChunk
@@ -333,7 +333,8 @@ def test_followers_exit_when_the_leader_dies(tiny_model_dir: Path) -> None:
         os.kill(leader.pid, signal.SIGKILL)
         leader.join()
     # A generous bound, not a latency check: the follower sees its leader's socket close.
-    deadline = time.monotonic() + 60
-    while any(_is_running(pid) for pid in follower_pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(_is_running(pid) for pid in follower_pids)
+    wait_until(
+        lambda: not any(_is_running(pid) for pid in follower_pids),
+        timeout=60,
+        what="the followers of a dead leader to exit",
+    )

@@ -136,6 +136,41 @@ def test_chat_template_features_match_hf(tiny_model_dir: Path, name: str) -> Non
     assert render_chat_template(template, messages, False, special_tokens) == expected
 
 
+# Variables HF passes to every chat template: tools / documents (None unless given) and the
+# named special tokens of tokenizer_config.json.
+VARIABLE_TEMPLATES = {
+    "tools": "{% if tools is not none %}TOOLS:{{ tools | length }}{% endif %}{{ messages[0].content }}",
+    "documents": "{{ bos_token }}{% if documents is not none %}DOCS{% endif %}{{ messages[0].content }}",
+    "named-specials": (
+        "{{ bos_token }}|{{ eos_token }}|{{ unk_token }}|{{ sep_token }}|{{ pad_token }}|"
+        "{{ cls_token }}|{{ mask_token }}|{{ messages[0].content }}"
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(VARIABLE_TEMPLATES))
+def test_chat_template_variables_match_hf(tiny_model_dir: Path, tmp_path: Path, name: str) -> None:
+    from transformers import AutoTokenizer
+
+    from workers.engine.tokenizer import render_chat_template
+
+    model_dir = tmp_path / "tokenizer"
+    shutil.copytree(tiny_model_dir, model_dir)
+    settings_path = model_dir / "tokenizer_config.json"
+    settings = json.loads(settings_path.read_text())
+    settings.update(sep_token="</s>", cls_token="<s>", mask_token="<pad>")
+    settings_path.write_text(json.dumps(settings))
+
+    template = VARIABLE_TEMPLATES[name]
+    messages = [{"role": "user", "content": "hi"}]
+    hf = AutoTokenizer.from_pretrained(model_dir)
+    expected = hf.apply_chat_template(
+        messages, chat_template=template, tokenize=False, add_generation_prompt=True
+    )
+    special_tokens = load_tokenizer(model_dir).special_tokens
+    assert render_chat_template(template, messages, True, special_tokens) == expected
+
+
 def test_chat_template_sources_and_helpers(tiny_model_dir: Path, tmp_path: Path) -> None:
     model_dir = tmp_path / "templated"
     shutil.copytree(tiny_model_dir, model_dir)

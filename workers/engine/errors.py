@@ -29,6 +29,11 @@ class TensorParallelConfigError(EngineError, ValueError):
     """
 
 
+class HeadPlacementError(EngineError, ValueError):
+    """KV heads that cannot be placed on a tensor-parallel group (`head_placement`): a head
+    count the group size neither divides nor is a multiple of, or a rank outside the group."""
+
+
 class TensorParallelError(EngineError):
     """A tensor-parallel rank failed (died, did not start, or a collective broke).
 

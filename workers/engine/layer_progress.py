@@ -2,7 +2,7 @@
 
 The prefill engine's forward pass calls `LayerProgress.begin_pass` before layer 0 and
 `LayerProgress.mark_layer_done(layer)` right after each layer's attention output projection
-(DESIGN.md §3.4). The KV messenger's push thread calls `LayerProgress.read` and starts the RDMA
+(docs/design.md §3.4). The KV messenger's push thread calls `LayerProgress.read` and starts the RDMA
 writes of every layer that has finished since it last looked.
 
 Wake-ups. Readers need not poll: `add_listener(callback)` makes the writer call ``callback()``
@@ -22,10 +22,11 @@ a single atomic store under the GIL (and under free-threaded CPython's per-objec
 the KV writes of layer ``l`` happen-before the store that publishes ``l + 1`` because they are
 ordinary writes by the same thread that precede it.
 
-GPU variant (`CudaLayerProgress`, created only when CUDA is in use, never imported on CPU). The
-word lives in host-mapped pinned memory. ``begin_pass`` increments a device-side pass counter;
-``mark_layer_done`` launches, on the compute stream, a tiny device op that computes the packed
-word from that counter and copies it (8 bytes, one aligned store, so atomic) to the pinned word.
+GPU variant (`layer_progress_cuda.CudaLayerProgress`, imported by the engine only when it runs
+on CUDA: `engine_core.create_layer_progress`). The word lives in host-mapped pinned memory.
+``begin_pass`` increments a device-side pass counter; ``mark_layer_done`` launches, on the
+compute stream, a tiny device op that computes the packed word from that counter and copies it
+(8 bytes, one aligned store, so atomic) to the pinned word.
 Being ordinary stream work, it runs after the layer's kernels and is captured by CUDA graphs
 (the pass id is read from device memory at replay time, not baked into the graph). The poller
 thread reads the pinned word with a plain load; it never synchronises the stream.
@@ -35,18 +36,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
 
-_LAYER_BITS = 32
-_LAYER_MASK = (1 << _LAYER_BITS) - 1
+LAYER_BITS = 32  # low bits of the word: layers_done; the high bits: pass_id
+_LAYER_MASK = (1 << LAYER_BITS) - 1
 
 
 def pack(pass_id: int, layers_done: int) -> int:
-    return (pass_id << _LAYER_BITS) | layers_done
+    return (pass_id << LAYER_BITS) | layers_done
 
 
 def unpack(word: int) -> tuple[int, int]:
-    return word >> _LAYER_BITS, word & _LAYER_MASK
+    return word >> LAYER_BITS, word & _LAYER_MASK
 
 
 class LayerProgress:
@@ -109,12 +109,3 @@ class LayerProgress:
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.0002)
-
-
-def create_layer_progress(num_layers: int, device: Any = "cpu") -> LayerProgress:
-    """The CPU counter, or the CUDA one (imported lazily) for a CUDA device."""
-    if str(device).startswith("cuda"):
-        from workers.engine.layer_progress_cuda import CudaLayerProgress
-
-        return CudaLayerProgress(num_layers, device)
-    return LayerProgress(num_layers)

@@ -1,6 +1,7 @@
 """CUDA `LayerProgress`: the packed progress word is published by stream-ordered device work.
 
-Imported only by `create_layer_progress` for CUDA devices. See `layer_progress` for the protocol.
+Imported only by `engine_core.create_layer_progress`, for CUDA devices, so CPU hosts never load
+it. See `layer_progress` for the protocol.
 Untested on CPU-only machines.
 """
 
@@ -10,7 +11,7 @@ from typing import Any
 
 import torch
 
-from workers.engine.layer_progress import _LAYER_BITS, LayerProgress, unpack
+from workers.engine.layer_progress import LAYER_BITS, LayerProgress, unpack
 
 
 class CudaLayerProgress(LayerProgress):
@@ -32,7 +33,7 @@ class CudaLayerProgress(LayerProgress):
 
     def begin_pass(self) -> int:
         self._pass_id += 1
-        self._device_base.add_(1 << _LAYER_BITS)
+        self._device_base.add_(1 << LAYER_BITS)
         self._publish(0)
         return self._pass_id
 

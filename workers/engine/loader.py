@@ -223,7 +223,7 @@ def _column_major_projections(model: CausalLM) -> None:
         parameter.data = parameter.data.t().contiguous().t()
 
 
-def load_checkpoint(
+def load_model(
     model_dir: str | Path,
     dtype: str | torch.dtype | None = None,
     *,
@@ -231,11 +231,12 @@ def load_checkpoint(
     reduce: Reduce | None = None,
     device: torch.device | str = "cpu",
 ) -> tuple[CausalLM, ModelConfig]:
-    """Read config and weights of ``model_dir``; returns the model in inference mode (eval).
+    """Build a `CausalLM` from an HF checkpoint directory; returns it in inference mode (eval).
 
-    With ``shard`` the model has that rank's shapes and only its slices are read; the returned
-    config is the full model's either way. The weights are read on the host, then moved to
-    ``device``.
+    ``dtype``: None or "auto" keeps the checkpoint's ``torch_dtype``; otherwise "float32",
+    "bfloat16", "float16" or a torch dtype. With ``shard`` the model has that rank's shapes and
+    only its slices are read; the returned config is the full model's either way. The weights
+    are read on the host, then moved to ``device``.
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():

@@ -3,13 +3,10 @@
 One forward pass takes the flattened batch of the step (prefill chunks and decode tokens
 together, see `attention.base`) and returns the final-norm hidden states of every token;
 `CausalLM.compute_logits` projects only the rows the caller needs (usually the last token of
-each sequence). Weights come from `load_model` (see `loader`).
+each sequence). Weights come from `workers.engine.loader.load_model`.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -20,9 +17,6 @@ from workers.engine.layer_progress import LayerProgress
 from workers.engine.layers import DecoderLayer, Reduce, RMSNorm
 from workers.engine.model_config import ModelConfig
 from workers.engine.rope import RotaryEmbedding
-
-if TYPE_CHECKING:
-    from workers.engine.parallel import ShardSpec
 
 
 class CausalLM(nn.Module):
@@ -104,22 +98,3 @@ def dynamic_rope_seq_lens(positions: torch.Tensor, batch: AttentionBatch) -> tor
     query_lens = torch.tensor(batch.query_lens_list, device=lens.device)
     per_token = torch.repeat_interleave(lens.to(positions.device), query_lens.to(positions.device))
     return torch.maximum(per_token, positions + 1)
-
-
-def load_model(
-    model_dir: str | Path,
-    dtype: str | torch.dtype | None = None,
-    *,
-    shard: ShardSpec | None = None,
-    reduce: Reduce | None = None,
-    device: torch.device | str = "cpu",
-) -> tuple[CausalLM, ModelConfig]:
-    """Build a `CausalLM` from an HF checkpoint directory, its weights on ``device``.
-
-    ``dtype``: None or "auto" keeps the checkpoint's ``torch_dtype``; otherwise "float32",
-    "bfloat16", "float16" or a torch dtype. With ``shard`` only that rank's slices are read and
-    the returned config is the full model's.
-    """
-    from workers.engine.loader import load_checkpoint
-
-    return load_checkpoint(model_dir, dtype, shard=shard, reduce=reduce, device=device)

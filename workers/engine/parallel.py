@@ -1,6 +1,6 @@
 """Tensor parallelism: how one model is split over ``tp`` ranks, and how the ranks talk.
 
-Sharding (Megatron-style, vLLM's head placement; see ``workers.kv.sharding``):
+Sharding (Megatron-style, vLLM's head placement; see `workers.engine.head_placement`):
 
 - q/k/v and gate/up are column-parallel: rank ``r`` computes query heads
   ``[r * Hq/tp, (r+1) * Hq/tp)``, the KV heads `GroupSharding` assigns it (a range of ``H/tp``
@@ -41,10 +41,9 @@ import torch
 import torch.distributed as dist
 
 from workers.engine.attention.base import AttentionBatch
-from workers.engine.errors import TensorParallelConfigError
+from workers.engine.errors import HeadPlacementError, TensorParallelConfigError
+from workers.engine.head_placement import GroupSharding
 from workers.engine.model_config import ModelConfig
-from workers.kv.errors import ShardingError
-from workers.kv.sharding import GroupSharding
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +100,7 @@ def check_tensor_parallel(config: ModelConfig, tp_size: int) -> GroupSharding:
         )
     try:
         sharding = GroupSharding(tp_size, config.num_kv_heads)
-    except ShardingError as exc:
+    except HeadPlacementError as exc:
         problems.append(str(exc))
     if problems:
         raise TensorParallelConfigError(

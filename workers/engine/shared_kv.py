@@ -1,6 +1,6 @@
 """KV pools of tensor-parallel ranks in shared memory, mapped into the leader.
 
-One messenger and one transfer engine serve a whole TP group from the leader (DESIGN.md §4), so
+One messenger and one transfer engine serve a whole TP group from the leader (docs/design.md §4), so
 the leader must be able to address every rank's KV pool. On CPU each follower's pool
 ``[L, N, 2, H_local, P, D]`` is a file in ``/dev/shm`` that the follower and the leader both map
 (``MAP_SHARED``): the follower's attention writes land directly in memory the leader can

@@ -2,7 +2,7 @@
 
 Why: the cluster simulator prices engine steps with a cost model, and a calibration run on
 its own does not reproduce what a step costs inside a serving cluster on shared cores (other
-workers stepping, CPU priorities, the messenger's and gRPC threads: bench/RESULTS.md,
+workers stepping, CPU priorities, the messenger's and gRPC threads: bench/history/RESULTS-notebook.md,
 "Simulator validation"). `pdserve bench compare` saves every worker's trace with its result,
 and `pdserve calibrate --from-trace` fits the step costs to them
 (`orchestrator.sim.trace_fit`).

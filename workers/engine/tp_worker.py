@@ -29,10 +29,12 @@ import torch.distributed as dist
 
 from workers.engine.attention import create_attention_backend
 from workers.engine.attention.base import AttentionBackend
-from workers.engine.model import CausalLM, load_model
+from workers.engine.loader import load_model
+from workers.engine.model import CausalLM
 from workers.engine.model_config import ModelConfig
 from workers.engine.parallel import TPGroup, shard_spec
 from workers.engine.shared_kv import dtype_from_name, map_pool
+from workers.log import configure_logging
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +93,7 @@ def follower_main(spec_json: str) -> None:
     """Entry point of a spawned follower process."""
     # Ctrl-C reaches the whole process group; only the leader decides when followers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s tp-%(process)d %(message)s")
+    configure_logging()  # its pid tells the followers apart
     spec = FollowerSpec.from_json(spec_json)
     torch.set_num_threads(spec.num_threads)
     device = torch.device(spec.device)

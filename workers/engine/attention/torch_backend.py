@@ -45,7 +45,7 @@ _BUCKET_SLACK_PAGES = 4
 _BUCKET_SLACK_FRACTION = 8
 # A bucket is split into groups of at most this many bytes of gathered K/V (at least one
 # sequence each), so attention reads a group's pages while they are still in the CPU cache. On
-# the 2-vCPU Xeon VM of bench/RESULTS.md, batch 32 x 800 tokens: one 52 MB gather per layer was
+# the 2-vCPU Xeon VM of bench/history/RESULTS-notebook.md, batch 32 x 800 tokens: one 52 MB gather per layer was
 # ~25 % slower than 2-16 MB groups (which measured within noise of each other).
 _GATHER_GROUP_BYTES = 8 << 20
 

@@ -1,26 +1,27 @@
-"""config.json and chat-template readings that must match HF transformers: where RoPE's theta
-and pretraining length come from when a config has them twice, each family's defaults for
-missing keys, Qwen2's fixed biases, and the variables a chat template sees."""
+"""config.json read as HF transformers reads it: where RoPE's theta and pretraining length come
+from when a config has them twice, each family's defaults for missing keys, Qwen2's fixed
+biases, and Mistral's default sliding window."""
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.engine.model_helpers import PagedRunner, hf_logits, random_tokens
+from tests.engine.model_helpers import (
+    PagedRunner,
+    checkpoint_with_config,
+    hf_logits,
+    random_tokens,
+)
 from workers.engine.config import EngineConfig
 from workers.engine.engine_core import EngineCore
 from workers.engine.errors import UnsupportedCheckpointError
-from workers.engine.model import load_model
+from workers.engine.loader import load_model
 from workers.engine.model_config import ModelConfig
-from workers.engine.tokenizer import load_tokenizer, render_chat_template
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -36,21 +37,7 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
 MISTRAL = {"architectures": ["MistralForCausalLM"], "model_type": "mistral"}
 
 
-def _with_config(src: Path, dst: Path, changes: dict[str, Any], drop: Sequence[str] = ()) -> Path:
-    """A copy of checkpoint ``src`` (weights linked) whose config.json has ``changes`` and
-    lacks the keys in ``drop``."""
-    dst.mkdir()
-    for item in src.iterdir():
-        if item.name != "config.json":
-            (dst / item.name).symlink_to(item)
-    raw = {**json.loads((src / "config.json").read_text()), **changes}
-    for key in drop:
-        raw.pop(key, None)
-    (dst / "config.json").write_text(json.dumps(raw))
-    return dst
-
-
-def _assert_logits_match_hf(model_dir: Path, num_tokens: int = 40) -> None:
+def assert_logits_match_hf(model_dir: Path, num_tokens: int = 40) -> None:
     tokens = random_tokens(num_tokens, seed=4)
     model, config = load_model(model_dir)
     [ours] = PagedRunner(model, config).step([(0, tokens)])
@@ -89,17 +76,19 @@ def test_rope_values_given_twice_are_read_as_hf_reads_them(
 ) -> None:
     preset, changes = TWICE_CASES[case]
     src = qwen3_model_dir if preset == "qwen3" else tiny_model_dir
-    _assert_logits_match_hf(_with_config(src, tmp_path / case, changes))
+    assert_logits_match_hf(checkpoint_with_config(src, tmp_path / case, changes))
 
 
 def test_qwen2_keeps_its_biases_whatever_attention_bias_says(
     qwen2_model_dir: Path, tmp_path: Path
 ) -> None:
     # transformers' Qwen2 attention always has q/k/v biases and ignores the key.
-    model_dir = _with_config(qwen2_model_dir, tmp_path / "qwen2", {"attention_bias": False})
+    model_dir = checkpoint_with_config(
+        qwen2_model_dir, tmp_path / "qwen2", {"attention_bias": False}
+    )
     config = ModelConfig.from_dir(model_dir)
     assert (config.attention_bias, config.o_proj_bias) == (True, False)
-    _assert_logits_match_hf(model_dir)
+    assert_logits_match_hf(model_dir)
 
 
 # Configs that leave keys out, and the HF config class whose defaults fill them.
@@ -126,7 +115,7 @@ def test_missing_keys_take_the_hf_family_default(
 
     preset, changes, drop = DEFAULT_CASES[case]
     src = {"tiny": tiny_model_dir, "qwen2": qwen2_model_dir, "qwen3": qwen3_model_dir}[preset]
-    model_dir = _with_config(src, tmp_path / case, changes, drop)
+    model_dir = checkpoint_with_config(src, tmp_path / case, changes, drop)
     ours = ModelConfig.from_dir(model_dir)
     hf = AutoConfig.from_pretrained(model_dir)
     assert ours.max_position_embeddings == hf.max_position_embeddings
@@ -139,39 +128,8 @@ def test_mistral_without_a_window_key_is_bounded_by_hf_default_window(
     # MistralConfig's 4096-token window applies when the key is absent; full attention past it
     # would not be HF's model.
     drop = ("sliding_window", "max_position_embeddings")  # the latter defaults to 131072
-    model_dir = _with_config(tiny_model_dir, tmp_path / "mistral", MISTRAL, drop)
+    model_dir = checkpoint_with_config(tiny_model_dir, tmp_path / "mistral", MISTRAL, drop)
     assert ModelConfig.from_dir(model_dir).max_len == 4096
-    _assert_logits_match_hf(model_dir)
+    assert_logits_match_hf(model_dir)
     with pytest.raises(UnsupportedCheckpointError, match="sliding window"):
         EngineCore(model_dir, EngineConfig(num_pages=16, max_model_len=4097))
-
-
-TOOLS_TEMPLATES = {
-    "tools": "{% if tools is not none %}TOOLS:{{ tools | length }}{% endif %}{{ messages[0].content }}",
-    "documents": "{{ bos_token }}{% if documents is not none %}DOCS{% endif %}{{ messages[0].content }}",
-    "named-specials": (
-        "{{ bos_token }}|{{ eos_token }}|{{ unk_token }}|{{ sep_token }}|{{ pad_token }}|"
-        "{{ cls_token }}|{{ mask_token }}|{{ messages[0].content }}"
-    ),
-}
-
-
-@pytest.mark.parametrize("name", list(TOOLS_TEMPLATES))
-def test_chat_template_variables_match_hf(tiny_model_dir: Path, tmp_path: Path, name: str) -> None:
-    from transformers import AutoTokenizer
-
-    model_dir = tmp_path / "tokenizer"
-    shutil.copytree(tiny_model_dir, model_dir)
-    settings_path = model_dir / "tokenizer_config.json"
-    settings = json.loads(settings_path.read_text())
-    settings.update(sep_token="</s>", cls_token="<s>", mask_token="<pad>")
-    settings_path.write_text(json.dumps(settings))
-
-    template = TOOLS_TEMPLATES[name]
-    messages = [{"role": "user", "content": "hi"}]
-    hf = AutoTokenizer.from_pretrained(model_dir)
-    expected = hf.apply_chat_template(
-        messages, chat_template=template, tokenize=False, add_generation_prompt=True
-    )
-    special_tokens = load_tokenizer(model_dir).special_tokens
-    assert render_chat_template(template, messages, True, special_tokens) == expected
