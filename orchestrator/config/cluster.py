@@ -1,4 +1,4 @@
-"""The cluster configuration: one YAML file, parsed into frozen dataclasses validated once.
+"""The cluster configuration: one YAML file, parsed into frozen pydantic models validated once.
 
 Layout (every key optional unless marked; `configs/*.yaml` are complete examples)::
 
@@ -39,24 +39,28 @@ exists on this host and are skipped, with a warning, when it does not.
 
 from __future__ import annotations
 
-import contextlib
-import difflib
 import logging
-import re
-from collections.abc import Hashable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field, fields, replace
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
-import yaml
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from orchestrator.config_sections import (
+from orchestrator.config.base import (
+    ConfigError,
+    ConfigPath,
+    OneOf,
+    Section,
+    mapping,
+    reject_unknown,
+    resolve_path,
+)
+from orchestrator.config.sections import (
     FABRIC_PROVIDER_ALIASES,
     FABRIC_PROVIDERS,
     GROUP_ROLES,
     ROUTING_POLICIES,
     AuthConfig,
-    ConfigError,
     FabricConfig,
     GroupConfig,
     Limits,
@@ -64,11 +68,8 @@ from orchestrator.config_sections import (
     RouterConfig,
     TLSConfig,
     TransferConfig,
-    check_choice,
-    check_host,
-    check_int,
-    join_path,
 )
+from orchestrator.config.yaml_file import read_yaml
 from workers.engine.config import DTYPES, EngineConfig
 from workers.engine.device import DeviceError, check_device_name
 from workers.engine.errors import UnsupportedCheckpointError
@@ -95,6 +96,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+_S = TypeVar("_S", bound=Section)
 
 # Limits a group may override: the engine's batch shape and KV pool. max_model_len is not among
 # them: it is a per-request contract that every worker on a request's path must honour.
@@ -110,18 +112,20 @@ GROUP_LIMIT_KEYS: tuple[str, ...] = (
 MAX_GROUP_RATIO = 16
 # Command-line words for "no address" (`--http-address none`).
 NO_ADDRESS_WORDS: tuple[str, ...] = ("none", "null", "off")
-
-_T = TypeVar("_T")
+# The spellings `workers.engine.device.check_device_name` accepts, for JSON schemas.
+DEVICE_PATTERN = r"^(cpu|auto|cuda(:[0-9]+)?)$"
+# A JSON schema cannot say "a power of two": these are the page sizes it offers.
+PAGE_SIZES = [2**k for k in range(13)]
 
 
 # --- the whole cluster ----------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ClusterConfig:
+class ClusterConfig(Section):
     """One cluster: the model, its worker groups, KV transfers and the router.
 
-    ``groups`` holds prefill then decode (disaggregated), or mixed alone (colocated baseline).
+    ``groups`` holds prefill then decode (disaggregated), or mixed alone (colocated baseline);
+    the YAML gives them as a mapping of role to group (`_from_document`).
     ``device``: where the workers' engines run (`workers.engine.device`). On ``cuda`` every
     group reserves a GPU per rank (``resources_per_rank.gpu``: Ray then sets each worker's
     ``CUDA_VISIBLE_DEVICES``; a TP worker's ranks share one bundle, `worker_bundles`, so its
@@ -132,33 +136,105 @@ class ClusterConfig:
     ``worker_host``: the address every worker's token service (gRPC, which the router dials) and
     ``/metrics`` bind. The default, loopback, suits one machine; a cluster over several hosts
     (the Helm chart) gives ``0.0.0.0`` (or ``::``), and each worker then advertises its Ray
-    node's IP in the registry (`orchestrator.worker_actor.advertised_address`).
-    Cross-field rules run here, so that `dataclasses.replace` (and `with_overrides`)
+    node's IP in the registry (`workers.service.actor.advertised_address`).
+    Cross-field rules run as a model validator, so that `replace` (and `with_overrides`)
     revalidate the result.
     """
 
-    model: Path
+    model: ConfigPath
+    """The model's checkpoint directory (a Hugging Face checkpoint)."""
     groups: tuple[GroupConfig, ...]
-    dtype: str = "auto"
-    device: str = "cpu"
-    page_size: int = 16
+    """prefill and decode (disaggregated), or mixed alone (colocated)."""
+    dtype: Annotated[str, OneOf(DTYPES)] = "auto"
+    """Model dtype; auto takes the checkpoint's own."""
+    device: str = Field(default="cpu", json_schema_extra={"pattern": DEVICE_PATTERN})
+    """Where every worker's engine runs: cpu, cuda, cuda:N or auto."""
+    page_size: int = Field(default=16, ge=1, json_schema_extra={"enum": PAGE_SIZES})
+    """Tokens per KV page, a power of two."""
     worker_host: str = "127.0.0.1"
-    limits: Limits = field(default_factory=Limits)
-    transfer: TransferConfig = field(default_factory=TransferConfig)
-    router: RouterConfig = field(default_factory=RouterConfig)
+    """Where workers' gRPC and /metrics listen (a host, no port)."""
+    limits: Limits = Field(default_factory=Limits)
+    """Engine limits of every worker; a group may override some (`GROUP_LIMIT_KEYS`)."""
+    transfer: TransferConfig = Field(default_factory=TransferConfig)
+    """KV transfers between prefill and decode workers."""
+    router: RouterConfig = Field(default_factory=RouterConfig)
+    """The router's front doors."""
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.model, Path) or not str(self.model):
-            raise ConfigError("model", f"must be a checkpoint directory, got {self.model!r}")
-        check_choice("dtype", self.dtype, DTYPES)
+    # --- the YAML document -> the model -----------------------------------------------------
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_document(cls, data: Any, info: ValidationInfo) -> Any:
+        """Groups given as the YAML's mapping of role to group become `GroupConfig`s, each with
+        the top-level limits under its own overrides. The top-level limits are checked before
+        any group's, so a group that fails on its limits does so because of its own override:
+        the path names where to fix it."""
+        if isinstance(data, cls):
+            return data
+        data = mapping(data)
+        reject_unknown(data, cls.model_fields)
+        if data.get("model") is None:
+            raise ConfigError("model", "required: the model's checkpoint directory")
+        if data.get("groups") is None:
+            raise ConfigError("groups", "required: prefill and decode, or mixed")
+        if isinstance(data["groups"], tuple):
+            return data  # already the model's tuple of groups
+        limits = data.get("limits")
+        top_limits = mapping(limits, "limits") if not isinstance(limits, Limits) else dict(limits)
+        groups = mapping(data["groups"], "groups")
+        reject_unknown(groups, GROUP_ROLES, "groups")
+        return {
+            **data,
+            "limits": _validated(Limits, top_limits, "limits", info),
+            "groups": tuple(
+                _group(role, groups[role], top_limits, info)
+                for role in GROUP_ROLES
+                if role in groups
+            ),
+        }
+
+    # --- one key at a time ----------------------------------------------------------------
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _model_path(cls, value: object, info: ValidationInfo) -> Path:
+        return resolve_path(value, info)
+
+    @field_validator("device", mode="before")
+    @classmethod
+    def _device(cls, value: Any) -> Any:
         try:
-            check_device_name(self.device)
+            check_device_name(value)
         except DeviceError as exc:
-            raise ConfigError("device", str(exc)) from None
-        check_int("page_size", self.page_size, 1)
-        check_host("worker_host", self.worker_host)
-        if self.page_size & (self.page_size - 1):
-            raise ConfigError("page_size", f"must be a power of two, got {self.page_size}")
+            raise ConfigError("", str(exc)) from None
+        return value
+
+    @field_validator("page_size")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value & (value - 1):
+            raise ConfigError("", f"must be a power of two, got {value}")
+        return value
+
+    @field_validator("worker_host", mode="before")
+    @classmethod
+    def _host(cls, value: object) -> object:
+        """A host to bind (a name or an IP address, no port): ``127.0.0.1``, ``0.0.0.0``, ``::``."""
+        if (
+            not isinstance(value, str)
+            or not value
+            or any(ch.isspace() or ch in "[]/" for ch in value)
+            or (value.count(":") == 1)  # IPv6 has two or more; one means host:port
+        ):
+            raise ConfigError(
+                "", f"must be a host name or IP address without a port, got {value!r}"
+            )
+        return value
+
+    # --- rules across sections ------------------------------------------------------------
+
+    @model_validator(mode="after")
+    def _cross_rules(self) -> ClusterConfig:
         self._check_groups()
         self._check_limits(self.limits, "limits")
         for group in self.groups:
@@ -168,6 +244,7 @@ class ClusterConfig:
             except ValueError as exc:  # the engine's own rules, should ours miss one
                 raise ConfigError(f"groups.{group.role}", f"the engine rejects it: {exc}") from None
         self._check_model()
+        return self
 
     def _check_groups(self) -> None:
         roles = [group.role for group in self.groups]
@@ -336,16 +413,13 @@ class ClusterConfig:
         which a command line cannot write."""
         result = self
         if model is not None:
-            result = replace(result, model=Path(model).expanduser().resolve())
+            result = result.replace(model=Path(model).expanduser().resolve())
         if address is not None:
-            with _errors_under("router"):
-                router = replace(result.router, address=address)
-            result = replace(result, router=router)
+            result = result.replace(router=_router_with(result.router, address=address))
         if http_address is not None:
             off = http_address.strip().lower() in NO_ADDRESS_WORDS
-            with _errors_under("router"):
-                router = replace(result.router, http_address=None if off else http_address)
-            result = replace(result, router=router)
+            router = _router_with(result.router, http_address=None if off else http_address)
+            result = result.replace(router=router)
         return result
 
     # --- loading --------------------------------------------------------------------------
@@ -353,12 +427,7 @@ class ClusterConfig:
     @classmethod
     def from_yaml(cls, path: str | Path) -> ClusterConfig:
         path = Path(path)
-        try:
-            raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # a SafeLoader
-        except OSError as exc:
-            raise ConfigError("", f"cannot read it: {exc.strerror or exc}", path) from None
-        except yaml.YAMLError as exc:
-            raise ConfigError("", f"not valid YAML: {_yaml_problem(exc)}", path) from None
+        raw = read_yaml(path)
         try:
             return cls.from_dict(raw, base_dir=path.parent)
         except ConfigError as exc:
@@ -368,36 +437,7 @@ class ClusterConfig:
     def from_dict(cls, raw: object, *, base_dir: str | Path | None = None) -> ClusterConfig:
         """Parse a loaded YAML document. Relative paths resolve against ``base_dir`` (default:
         the working directory)."""
-        base = Path.cwd() if base_dir is None else Path(base_dir)
-        data = _section(raw, "")
-        _reject_unknown(data, [f.name for f in fields(cls)], "")
-        if data.get("model") is None:
-            raise ConfigError("model", "required: the model's checkpoint directory")
-        if data.get("groups") is None:
-            raise ConfigError("groups", "required: prefill and decode, or mixed")
-        model = _path(data["model"], "model", base)
-        limits_data = _with_bytes(
-            _section(data.get("limits"), "limits"), "kv_memory_bytes", "limits"
-        )
-        limits = _build(Limits, limits_data, "limits")
-        groups_raw = _section(data["groups"], "groups")
-        _reject_unknown(groups_raw, GROUP_ROLES, "groups")
-        groups = tuple(
-            _parse_group(role, groups_raw[role], limits_data)
-            for role in GROUP_ROLES
-            if role in groups_raw
-        )
-        return cls(
-            model=model,
-            groups=groups,
-            dtype=data.get("dtype", "auto"),
-            device=data.get("device", "cpu"),
-            page_size=data.get("page_size", 16),
-            worker_host=data.get("worker_host", "127.0.0.1"),
-            limits=limits,
-            transfer=_build(TransferConfig, data.get("transfer"), "transfer"),
-            router=_parse_router(data.get("router"), base),
-        )
+        return cls.model_validate(raw, context={"base_dir": base_dir})
 
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -419,178 +459,34 @@ def _check_tp(group: GroupConfig, model: ModelConfig) -> None:
         )
 
 
-# --- parsing helpers ------------------------------------------------------------------------
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that rejects a key given twice in one mapping (PyYAML keeps the last one
-    silently: two ``decode:`` blocks would lose the first without a word)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Hashable, Any]:
-        seen: set[object] = set()
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` may be overridden
-                continue
-            key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, Hashable) and key in seen:
-                raise yaml.constructor.ConstructorError(
-                    "while constructing a mapping",
-                    node.start_mark,
-                    f"found duplicate key {key!r}",
-                    key_node.start_mark,
-                )
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
-def _yaml_problem(exc: yaml.YAMLError) -> str:
-    """One line: what is wrong and where (PyYAML's own text spans several)."""
-    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem and exc.problem_mark:
-        mark = exc.problem_mark
-        return f"{exc.problem} at line {mark.line + 1}, column {mark.column + 1}"
-    return str(exc)
-
-
-@contextlib.contextmanager
-def _errors_under(path: str) -> Iterator[None]:
+def _router_with(router: RouterConfig, **changes: Any) -> RouterConfig:
     try:
-        yield
+        return router.replace(**changes)
+    except ConfigError as exc:
+        raise exc.under("router") from None
+
+
+def _validated(cls: type[_S], raw: object, path: str, info: ValidationInfo) -> _S:
+    """``raw`` as the section ``cls``, its errors placed under ``path``."""
+    try:
+        return cls.model_validate(raw, context=info.context)
     except ConfigError as exc:
         raise exc.under(path) from None
 
 
-def _section(raw: object, path: str) -> dict[str, Any]:
-    """A mapping section; an empty one (``router:`` with nothing under it) is {}."""
-    if raw is None:
-        return {}
-    if not isinstance(raw, Mapping):
-        raise ConfigError(path, f"must be a mapping, got {type(raw).__name__}: {raw!r}")
-    for key in raw:
-        if not isinstance(key, str):
-            raise ConfigError(path, f"keys must be strings, got {key!r}")
-    return dict(raw)
-
-
-def _reject_unknown(data: Mapping[str, Any], allowed: Iterable[str], path: str) -> None:
-    allowed = tuple(allowed)
-    for key in data:
-        if key not in allowed:
-            close = difflib.get_close_matches(key, allowed, n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            raise ConfigError(
-                join_path(path, key), f"unknown key; {hint}expected one of {', '.join(allowed)}"
-            )
-
-
-def _build(
-    cls: type[_T],
-    raw: object,
-    path: str,
-    *,
-    hidden: tuple[str, ...] = (),
-    given: Mapping[str, Any] | None = None,
-) -> _T:
-    """``cls(**raw, **given)`` for a section whose keys are the dataclass's fields (less
-    ``hidden``); ``given`` holds values the caller parsed itself (nested sections)."""
-    data = _section(raw, path)
-    names = [f.name for f in fields(cls) if f.name not in hidden]  # type: ignore[arg-type]
-    _reject_unknown(data, names, path)
-    with _errors_under(path):
-        return cls(**{**data, **(given or {})})
-
-
-_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-_BYTE_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
-_BYTE_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def _with_bytes(data: dict[str, Any], key: str, path: str) -> dict[str, Any]:
-    """``data`` with ``data[key]`` turned from ``"4GiB"`` into bytes (ints pass as they are)."""
-    value = data.get(key)
-    if not isinstance(value, str):
-        return data
-    match = _BYTE_SIZE.match(value)
-    unit = _BYTE_UNITS.get(match.group(2).lower()) if match else None
-    if match is None or unit is None:
-        raise ConfigError(
-            join_path(path, key), f"must be bytes or a size such as 512MiB or 4GiB, got {value!r}"
-        )
-    return {**data, key: int(float(match.group(1)) * unit)}
-
-
-def _path(value: object, path: str, base: Path) -> Path:
-    if not isinstance(value, str) or not value:
-        raise ConfigError(path, f"must be a path, got {value!r}")
-    return (base / Path(value).expanduser()).resolve()
-
-
-def _parse_group(role: str, raw: object, top_limits: dict[str, Any]) -> GroupConfig:
+def _group(role: str, raw: object, top_limits: dict[str, Any], info: ValidationInfo) -> GroupConfig:
     path = f"groups.{role}"
-    data = _section(raw, path)
-    override = _section(data.get("limits"), f"{path}.limits")
-    _reject_unknown(override, GROUP_LIMIT_KEYS, f"{path}.limits")
-    merged = dict(top_limits)
+    data = mapping(raw, path)
+    reject_unknown(data, [name for name in GroupConfig.model_fields if name != "role"], path)
+    override = mapping(data.get("limits"), f"{path}.limits")
+    reject_unknown(override, GROUP_LIMIT_KEYS, f"{path}.limits")
+    limits = dict(top_limits)
     if "num_pages" in override or "kv_memory_bytes" in override:
         # Either key sizes the KV pool: a group giving one replaces the top-level choice.
-        merged.pop("num_pages", None)
-        merged.pop("kv_memory_bytes", None)
-    merged.update(_with_bytes(override, "kv_memory_bytes", f"{path}.limits"))
-    # The top-level limits passed on their own, so an error here comes from this override.
-    limits = _build(Limits, merged, f"{path}.limits")
-    fabric = None
+        limits.pop("num_pages", None)
+        limits.pop("kv_memory_bytes", None)
+    limits.update(override)
+    data = {**data, "role": role, "limits": limits}
     if role != "mixed" or "fabric" in data:  # GroupConfig rejects a mixed group's fabric
-        fabric = _build(FabricConfig, data.get("fabric"), f"{path}.fabric")
-    resources_path = f"{path}.resources_per_rank"
-    resources = _with_bytes(
-        _section(data.get("resources_per_rank"), resources_path), "memory", resources_path
-    )
-    # Sorted pairs rather than a dict: the config stays hashable and immutable.
-    custom = tuple(sorted(_section(resources.get("custom"), f"{resources_path}.custom").items()))
-    resources_per_rank = _build(Resources, resources, resources_path, given={"custom": custom})
-    given = {
-        "role": role,
-        "resources_per_rank": resources_per_rank,
-        "fabric": fabric,
-        "limits": limits,
-    }
-    return _build(GroupConfig, data, path, hidden=("role",), given=given)
-
-
-def _parse_router(raw: object, base: Path) -> RouterConfig:
-    data = _with_bytes(_section(raw, "router"), "max_request_bytes", "router")
-    tls = _section(data.get("tls"), "router.tls")
-    _reject_unknown(tls, [f.name for f in fields(TLSConfig)], "router.tls")
-    tls_paths = {
-        key: _path(value, f"router.tls.{key}", base)
-        for key, value in tls.items()
-        if value is not None
-    }
-    return _build(
-        RouterConfig,
-        data,
-        "router",
-        given={
-            "auth": _build(AuthConfig, _with_token_file(data.get("auth"), base), "router.auth"),
-            "tls": _build(TLSConfig, None, "router.tls", given=tls_paths),
-        },
-    )
-
-
-def _with_token_file(raw: object, base: Path) -> dict[str, Any]:
-    """``router.auth`` with ``token_file`` replaced by the token the file holds (surrounding
-    whitespace, a trailing newline say, is not part of it)."""
-    data = _section(raw, "router.auth")
-    if data.get("token_file") is None:
-        data.pop("token_file", None)
-        return data
-    path = _path(data.pop("token_file"), "router.auth.token_file", base)
-    if data.get("token") is not None:
-        raise ConfigError("router.auth.token_file", "give token or token_file, not both")
-    try:
-        token = path.read_text().strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
-        raise ConfigError("router.auth.token_file", f"cannot read {path}: {reason}") from None
-    if not token:
-        raise ConfigError("router.auth.token_file", f"{path} is empty")
-    return {**data, "token": token}
+        data["fabric"] = {} if data.get("fabric") is None else data["fabric"]
+    return _validated(GroupConfig, data, path, info)

@@ -40,8 +40,8 @@ def family_of(series_name: str, contract: dict[str, ContractEntry]) -> str | Non
 
 # Which roles update each metric family (every process registers every family, so a selector
 # on another role finds only flat zeros or nothing). The router's share is what
-# `orchestrator/router.py` records (role "router", `orchestrator/app.py`); the workers' is
-# `orchestrator/worker_metrics.py`'s `WorkerMetricsExporter.refresh`, which `test_metrics.py`
+# `orchestrator/router/core.py` records (role "router", `orchestrator/control/app.py`); the workers' is
+# `workers/service/metrics.py`'s `WorkerMetricsExporter.refresh`, which `test_metrics.py`
 # and `test_worker_token_metrics.py` check against this table. The token counters mean the
 # requests' tokens on the router and the engine's work on a worker; a prefill worker never
 # samples, so it does not export generation tokens.

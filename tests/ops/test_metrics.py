@@ -14,11 +14,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from orchestrator.worker_metrics import WorkerMetricsExporter
 from tests.ops.metrics_contract import EXPORTED_BY, WORKER_ROLES, family_of, load_contract
 from workers.engine.sequence import FinishReason
 from workers.kv.transfer_state import DecodeState, PrefillState
 from workers.metrics import BASE_LABELS, LABEL_VALUES, METRIC_SPECS, Metrics, serve_metrics
+from workers.service.metrics import WorkerMetricsExporter
 
 # prometheus_client adds a `<name>_created` timestamp series to counters and histograms; it is
 # the library's bookkeeping, not part of our contract.
@@ -204,7 +204,7 @@ def test_promtool_does_lint() -> None:
 
 
 class _FakeKVWorker:
-    """`workers.kv.worker` as the exporter reads it: state and finished transfers."""
+    """`workers.service.kv_worker` as the exporter reads it: state and finished transfers."""
 
     def state(self) -> dict[str, object]:
         return {"num_pinned_pages": 3, "transfers_by_state": {"writing": 2}}

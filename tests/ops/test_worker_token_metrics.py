@@ -1,4 +1,4 @@
-"""Workers' token counters (`orchestrator.worker_metrics`) on real backends: a scrape of
+"""Workers' token counters (`workers.service.metrics`) on real backends: a scrape of
 ``/metrics`` over HTTP shows exactly the prompt tokens each worker's engine ran through the model
 and the tokens it sampled, on every worker role, and a counter never goes down."""
 
@@ -13,19 +13,14 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from orchestrator.kv_backends import DecodeBackend, PrefillBackend
-from orchestrator.worker_backend import (
-    MixedBackend,
-    Sink,
-    TokenDelta,
-    WorkerBackend,
-    WorkerLoad,
-)
-from orchestrator.worker_metrics import WorkerMetricsExporter
 from tests.engine.engine_helpers import prompts_of_lengths
 from tests.ops.metrics_contract import EXPORTED_BY
 from workers.engine.config import EngineConfig
 from workers.engine.sampling_params import SamplingParams
+from workers.service.backend import MixedBackend, Sink, WorkerBackend
+from workers.service.kv_backends import DecodeBackend, PrefillBackend
+from workers.service.metrics import WorkerMetricsExporter
+from workers.wire import TokenDelta, WorkerLoad
 
 PROVIDER = "tcp;ofi_rxm"
 DEADLINE_S = 60.0

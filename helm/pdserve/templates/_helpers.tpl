@@ -66,7 +66,7 @@ authOptions wires it ("ray" = true); the launcher always needs it to submit its 
 {{- define "pdserve.routerAuthDir" -}}/etc/pdserve-router/auth{{- end }}
 
 {{/*
-The cluster config (orchestrator/config.py's schema) built from values. Each worker group
+The cluster config (orchestrator/config/cluster.py's schema) built from values. Each worker group
 advertises a Ray custom resource pdserve_<role> and each rank asks for one unit of it, so that
 Ray places prefill ranks only on prefill pods and decode ranks only on decode pods. Each rank
 runs as many torch threads as the CPUs it requests (cpuPerRank). Workers bind every interface
@@ -102,7 +102,7 @@ The router's TLS files and token file are those of the Secrets the head pod moun
 {{- end }}
 
 {{/*
-Bytes of a size as orchestrator/config.py reads it ("4MiB", "1 GB", 4194304), as a float:
+Bytes of a size as orchestrator/config/cluster.py reads it ("4MiB", "1 GB", 4194304), as a float:
 its int() truncates, so compare the floor. The schema has checked the spelling.
 */}}
 {{- define "pdserve.bytes" -}}
@@ -163,7 +163,7 @@ defaults for metrics export and the dashboard agent, which are on every pod.
 {{- end }}
 {{- end }}
 {{- end }}
-{{- /* auto runs a rank on the GPU it reserves (orchestrator/config.py): cuda's rules there. */}}
+{{- /* auto runs a rank on the GPU it reserves (orchestrator/config/cluster.py): cuda's rules there. */}}
 {{- $device := .Values.clusterConfig.device | default "cpu" }}
 {{- range $role, $group := .Values.workerGroups }}
 {{- $gpus := $group.gpuPerRank | int }}
