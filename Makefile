@@ -4,7 +4,7 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pdserve-installed
-INSTALL_INPUTS := pyproject.toml setup.py scripts/install.sh $(wildcard workers/fabric/_build.py)
+INSTALL_INPUTS := pyproject.toml setup.py scripts/install.sh $(wildcard workers/fabric/_build.py workers/fabric/csrc/*)
 PROTO_SRCS := $(wildcard protos/pdserve/v1/*.proto)
 PROTO_STUBS := $(PROTO_SRCS:.proto=_pb2.py)
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
@@ -20,7 +20,8 @@ $(STAMP): $(INSTALL_INPUTS)
 	@bash scripts/install.sh
 	@touch $(STAMP)
 
-$(PROTO_STUBS) &: $(PROTO_SRCS) scripts/gen_protos.sh | $(STAMP)
+# The install's build generates the stubs; this regenerates them when a .proto changed since.
+$(PROTO_STUBS) &: $(PROTO_SRCS) protos/_build.py scripts/gen_protos.sh | $(STAMP)
 	@bash scripts/gen_protos.sh
 
 lint: install
@@ -47,7 +48,7 @@ bench: install
 	$(PY) bench/router.py
 	$(PY) bench/transfer.py
 
-# The long soak (issue #8): 10 minutes of mixed traffic, random cancels, 4 worker kills.
+# The long soak: 10 minutes of mixed traffic, random cancels, 4 worker kills.
 soak: install
 	$(PY) bench/soak.py --duration 600 --kills 4 --json .cache/soak.json
 

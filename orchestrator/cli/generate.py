@@ -13,8 +13,8 @@ from pathlib import Path
 
 import grpc
 
-from orchestrator.client import channel, pb, pb_grpc
-from orchestrator.security import TLSFileError
+from orchestrator.api.client import channel, pb, pb_grpc
+from orchestrator.api.security import TLSFileError
 
 TOKEN_ENV = "PDSERVE_TOKEN"
 

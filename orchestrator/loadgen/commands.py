@@ -207,12 +207,15 @@ def _compare(args: argparse.Namespace) -> int:
             return 2
     import grpc
 
+    from workers.log import echo, progress
+
     runs = []
     try:
-        for name, config in configs:
+        # One step per cluster (start, run, stop); the run draws its own bar of requests.
+        for name, config in progress(configs, desc="bench compare", unit="cluster", leave=True):
             run = asyncio.run(run_cluster(name, config, options, args.num_cpus))
-            print(format_summary(name, run.summary))
-            print(f"   machine load: before {run.load_before} | after {run.load_after}")
+            echo(format_summary(name, run.summary))
+            echo(f"   machine load: before {run.load_before} | after {run.load_after}")
             runs.append(run)
     except ValueError as error:  # the workload does not fit the served model
         print(f"pdserve bench compare: {error}", file=sys.stderr)
@@ -253,13 +256,14 @@ def _simulate_runs(
 ) -> dict[str, Any]:
     from orchestrator.loadgen.requests import kept_specs
     from orchestrator.loadgen.validate import compare_to_measured, format_validation, predict
+    from workers.log import echo, progress
 
     specs = kept_specs(options.workload, options.duration_s, options.num_warmup)
     validation: dict[str, Any] = {}
-    for run in runs:
+    for run in progress(runs, desc="simulating", unit="config"):
         prediction = predict(cost, run.config, specs, args.warmup)
         validation[run.name] = compare_to_measured(prediction, run.summary)
-        print(format_validation(run.name, validation[run.name]))
+        echo(format_validation(run.name, validation[run.name]))
     validation["calibration"] = args.simulate
     return validation
 
@@ -308,6 +312,7 @@ def _run_validate(args: argparse.Namespace) -> int:
         median_of,
         predict,
     )
+    from workers.log import echo, progress
 
     documents = [json.loads(Path(result).read_text()) for result in args.result]
     for path, document in zip(args.result, documents, strict=True):
@@ -347,7 +352,8 @@ def _run_validate(args: argparse.Namespace) -> int:
     # closing count judges a set of repeats on the median, a single result on itself.
     checks: dict[str, dict[str, Any]] = {}
     judged: list[dict[str, Any]] = []
-    for run in document["runs"]:
+    # One step per config: len(seeds) simulations of the whole workload.
+    for run in progress(document["runs"], desc="simulating", unit="config"):
         name = run["name"]
         config = load_config(document["configs"][name], None)
         prediction = predict(cost, config, specs, options.num_warmup, seeds)
@@ -357,12 +363,12 @@ def _run_validate(args: argparse.Namespace) -> int:
             summaries.append(summary)
             per_result[path] = compare_to_measured(prediction, summary)
             label = name if len(documents) == 1 else f"{name}, {Path(path).name}"
-            print(format_validation(label, per_result[path]))
+            echo(format_validation(label, per_result[path]))
         checks[name] = {"results": per_result}
         if len(documents) > 1:
             label = f"{name}, median of {len(documents)} runs"
             checks[name]["median"] = compare_to_measured(prediction, median_of(summaries))
-            print(format_validation(label, checks[name]["median"]))
+            echo(format_validation(label, checks[name]["median"]))
         judged.extend((checks[name].get("median") or per_result[args.result[0]]).values())
     within = sum(row["within_tolerance"] for row in judged)
     against = "the median of the results" if len(documents) > 1 else "the result"

@@ -1,5 +1,5 @@
 """``pdserve bench compare``: the same workload against a disaggregated and a colocated cluster,
-one after the other in this process (`orchestrator.app.ServingApp` on embedded Ray; the first
+one after the other in this process (`orchestrator.control.app.ServingApp` on embedded Ray; the first
 is stopped, Ray included, before the second starts), then the ratios against the issue's
 targets: disaggregated p99 ITL <= 0.5x colocated, per-request decode tok/s >= 1.8x. TTFT p50
 and throughput ratios are reported without a target (disaggregation is expected to cost TTFT).
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from orchestrator.config import ClusterConfig
+from orchestrator.config.cluster import ClusterConfig
 from orchestrator.loadgen.report import machine_load
 from orchestrator.loadgen.runner import RunOutcome
 from orchestrator.loadgen.session import BenchOptions, measure
@@ -51,7 +51,7 @@ def load_config(path: str | Path, model: str | Path | None) -> ClusterConfig:
 async def run_cluster(
     name: str, config: ClusterConfig, options: BenchOptions, num_cpus: int | None = None
 ) -> ClusterRun:
-    from orchestrator.app import AppOptions, ServingApp
+    from orchestrator.control.app import AppOptions, ServingApp
 
     app = ServingApp(config, AppOptions(num_cpus=num_cpus))
     load_before = machine_load()

@@ -16,7 +16,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.config import ClusterConfig
+from orchestrator.config.cluster import ClusterConfig
 from orchestrator.sim.cost import CostModel
 from orchestrator.sim.workload import RequestSpec
 

@@ -3,8 +3,9 @@ have finished (the arrival loop never awaits a completion).
 
 ``max_concurrency`` is a safety cap on streams in flight, not a load shape: a request that
 arrives while the cap is full waits for a slot, and each such wait is counted (``cap_hits``)
-and reported, since it means the run was no longer open-loop. Progress goes to stderr as one
-rewritten line (a new line every 10 s when stderr is not a terminal): done/total, errors, elapsed.
+and reported, since it means the run was no longer open-loop. Progress goes to stderr: a bar of
+finished requests on a terminal; elsewhere (a log file) a line every 10 s and one at the end:
+done/total, errors, elapsed. ``pdserve --quiet`` silences both.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from typing import TextIO
 from orchestrator.loadgen.clients import Client, Clock
 from orchestrator.loadgen.records import RequestResult
 from orchestrator.loadgen.requests import TimedRequest
+from workers.log import progress as progress_bar
+from workers.log import progress_enabled, progress_shown
 
 
 @dataclass
@@ -54,8 +57,23 @@ async def run_open_loop(
     # has taken a slot yet, and `slots.locked()` would miss exactly those waits.
     in_flight = 0
 
+    if progress is not None and not progress_enabled():
+        progress = None
+    bar = None
+    if progress is not None and progress_shown(progress):
+        # Left on screen when done: the run's count of requests and errors.
+        bar = progress_bar(
+            desc=f"bench {client.name}",
+            total=len(requests),
+            unit="req",
+            leave=True,
+            stream=progress,
+        )
+
+    failed = 0  # for the bar
+
     async def one(request: TimedRequest, result: RequestResult) -> None:
-        nonlocal in_flight
+        nonlocal in_flight, failed
         try:
             async with slots:
                 await client.send(request, result, now)
@@ -66,10 +84,15 @@ async def run_open_loop(
             result.finish_s = None
         finally:
             in_flight -= 1
+            if bar is not None:
+                failed += result.error is not None
+                bar.set_postfix_str(f"{failed} errors", refresh=False)
+                bar.update()
 
+    # Not on a terminal: a line now and then for a log file.
     reporter = (
         asyncio.create_task(_report(progress, client.name, results, len(requests), now))
-        if progress is not None
+        if progress is not None and bar is None
         else None
     )
     try:
@@ -93,11 +116,13 @@ async def run_open_loop(
     finally:
         for task in tasks:
             task.cancel()
+        if bar is not None:
+            bar.close()
         if reporter is not None:
             reporter.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reporter
-            _line(progress, client.name, results, len(requests), now(), final=True)
+            _line(progress, client.name, results, len(requests), now())
     return RunOutcome(client.name, results, cap_hits, max_concurrency, now())
 
 
@@ -109,24 +134,16 @@ def _done(results: list[RequestResult]) -> tuple[int, int]:
 async def _report(
     out: TextIO | None, name: str, results: list[RequestResult], total: int, now: Clock
 ) -> None:
-    # A terminal gets one line rewritten every second; a log file a new line every 10 s.
-    tty = out is not None and out.isatty()
     while True:
-        await asyncio.sleep(1.0 if tty else 10.0)
-        _line(out, name, results, total, now(), final=not tty)
+        await asyncio.sleep(10.0)
+        _line(out, name, results, total, now())
 
 
 def _line(
-    out: TextIO | None,
-    name: str,
-    results: list[RequestResult],
-    total: int,
-    elapsed: float,
-    final: bool = False,
+    out: TextIO | None, name: str, results: list[RequestResult], total: int, elapsed: float
 ) -> None:
     if out is None:
         return
     done, errors = _done(results)
-    out.write(f"\r[bench {name}] {done}/{total} done, {errors} errors, {elapsed:6.1f} s")
-    out.write("\n" if final else "")
+    out.write(f"[bench {name}] {done}/{total} done, {errors} errors, {elapsed:6.1f} s\n")
     out.flush()

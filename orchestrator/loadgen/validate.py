@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from orchestrator.config import ClusterConfig
+from orchestrator.config.cluster import ClusterConfig
 from orchestrator.sim.cost import CostModel
 from orchestrator.sim.instances import EngineLimits
 from orchestrator.sim.simulator import Layout, SimResult, Simulator

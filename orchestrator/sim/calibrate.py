@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.sim.instances import chunk_tokens
+from workers.log import progress
 
 logger = logging.getLogger(__name__)
 
@@ -399,7 +400,13 @@ def run_calibration(
         decode_contexts=decode_contexts,
         mixed_batches=mixed_batches,
     )
-    with tempfile.TemporaryDirectory(prefix="pdserve-calibrate-") as tmp:
+    # The measuring stages, one bar step each: (prefill, decode) alone and among background
+    # engines (or just once), their start, the mixed points, the fabric.
+    stages = (5 if concurrent > 1 else 2) + int(bool(mixed_batches)) + int(fabric)
+    with (
+        tempfile.TemporaryDirectory(prefix="pdserve-calibrate-") as tmp,
+        progress(desc="calibrate", total=stages, unit="stage", leave=True) as bar,
+    ):
         model_dir = write_random_checkpoint("small", Path(tmp) / "small")
         # Decode points at long contexts need every sequence's pages at once (16 per page).
         pages = max(
@@ -426,21 +433,26 @@ def run_calibration(
                 "kv_capacity_tokens": engine.num_pages * engine.config.page_size,
             }
 
-            def steps() -> dict[str, Any]:
-                return {
-                    "prefill": _prefill_points(engine, prefill_sizes, repeats, prefill_context),
-                    "decode": [
-                        point
-                        for context in decode_contexts
-                        for point in _decode_points(engine, decode_batches, repeats, context)
-                    ],
-                }
+            def steps(among: str) -> dict[str, Any]:
+                bar.set_postfix_str(f"prefill points{among}")
+                prefill = _prefill_points(engine, prefill_sizes, repeats, prefill_context)
+                bar.update()
+                bar.set_postfix_str(f"decode points{among}")
+                decode = [
+                    point
+                    for context in decode_contexts
+                    for point in _decode_points(engine, decode_batches, repeats, context)
+                ]
+                bar.update()
+                return {"prefill": prefill, "decode": decode}
 
             if concurrent > 1:
                 logger.info("measuring the engine alone")
-                data["alone"] = steps()  # before the background engines start
+                data["alone"] = steps(", alone")  # before the background engines start
                 logger.info("starting %d background engine(s)", concurrent - 1)
+                bar.set_postfix_str("starting background engines")
                 engines = BackgroundEngines(model_dir, concurrent - 1, budget, *background)
+                bar.update()
                 logger.info("measuring the engine among them")
                 data["contention"] = {
                     "processes": concurrent,
@@ -449,16 +461,20 @@ def run_calibration(
                 }
             else:
                 logger.info("measuring the engine")
-            data.update(steps())
+            data.update(steps(", among them" if concurrent > 1 else ""))
             if mixed_batches:
                 logger.info("measuring mixed steps (chunks with decodes)")
+                bar.set_postfix_str("mixed points")
                 data["mixed"] = _mixed_points(engine, mixed_batches, mixed_context, repeats)
+                bar.update()
         finally:
             if engines is not None:
                 engines.close()
             engine.close()
-    if fabric:
-        logger.info("measuring loopback fabric writes")
-        data["transfer"] = _fabric_points(fabric_sizes, repeats)
+        if fabric:
+            logger.info("measuring loopback fabric writes")
+            bar.set_postfix_str("fabric points")
+            data["transfer"] = _fabric_points(fabric_sizes, repeats)
+            bar.update()
     Path(out).write_text(json.dumps(data, indent=2) + "\n")
     return data

@@ -199,6 +199,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
     from orchestrator.sim.cost import create_cost_model
     from orchestrator.sim.metrics import summarize
     from orchestrator.sim.simulator import simulate
+    from workers.log import echo, progress
 
     cost = create_cost_model(args.cost)
     workload, slo, limits = _inputs(args)
@@ -209,11 +210,11 @@ def _run_simulate(args: argparse.Namespace) -> int:
         f"prompt {args.prompt}, output {args.output}, seed {workload.seed}; "
         f"SLO {_slo_text(slo)}"
     )
-    for layout in layouts:
+    for layout in progress(layouts, desc="simulating", unit="layout"):
         result = simulate(cost, layout, workload, limits)
         summary = summarize(result, slo, args.warmup)
         per_node = workload.rate / (layout.num_mixed or layout.num_decode)
-        print(f"{layout.label:<20} {per_node:5.2f} req/s per decoding instance | {summary.row()}")
+        echo(f"{layout.label:<20} {per_node:5.2f} req/s per decoding instance | {summary.row()}")
     return 0
 
 

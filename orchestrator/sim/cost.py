@@ -8,48 +8,20 @@ pays for both in one pass, which is exactly how a prefill chunk stalls a decode 
 Implementations: `roofline.RooflineCostModel` (GPU / NIC / model presets) and
 `calibrated.CalibratedCostModel` (affine fit of measurements on this machine). The registry
 resolves a spec string (``roofline:MODEL:GPU[:NIC]``, ``calibrated:PATH``) and imports the
-implementation lazily.
+implementation lazily. `StepShape` lives in `shape` (re-exported here), so that `noise`, which
+draws per step shape, does not import this module back.
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
+
+from orchestrator.sim.shape import StepShape
 
 if TYPE_CHECKING:
     from orchestrator.sim.noise import Spread
-
-
-@dataclass(frozen=True)
-class StepShape:
-    """What one forward pass of one instance processes.
-
-    num_prefill_tokens: prompt tokens of the chunks in this step.
-    num_prefill_attention: sum over those tokens of the positions each attends to (its chunk's
-        earlier context plus the causal part of the chunk): the attention work of prefill.
-    num_decode_seqs: sequences decoding one token each.
-    num_decode_kv_tokens: KV tokens those sequences read (their whole contexts).
-    """
-
-    num_prefill_tokens: int = 0
-    num_prefill_attention: int = 0
-    num_decode_seqs: int = 0
-    num_decode_kv_tokens: int = 0
-
-    def __post_init__(self) -> None:
-        if min(self.num_prefill_tokens, self.num_prefill_attention) < 0:
-            raise ValueError(f"negative prefill work: {self}")
-        if min(self.num_decode_seqs, self.num_decode_kv_tokens) < 0:
-            raise ValueError(f"negative decode work: {self}")
-        if self.num_tokens == 0:
-            raise ValueError("an empty step has no cost")
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens through the dense layers: what dominates a pass (DESIGN.md §1)."""
-        return self.num_prefill_tokens + self.num_decode_seqs
 
 
 class CostModel(Protocol):
@@ -120,7 +92,7 @@ def decode_seconds(model: CostModel, batch: int, num_kv_tokens: int, tp: int) ->
 def exposed_transfer_seconds(total: float, overlap: float, num_layers: int) -> float:
     """The part of a layer-wise KV push that the request waits for after its prefill ends.
 
-    Layer l's pages leave as soon as layer l is computed (DESIGN.md §3.4), so with a link
+    Layer l's pages leave as soon as layer l is computed (docs/design.md §3.4), so with a link
     faster than the compute only the last layer's share, ``total / num_layers``, is exposed.
     With a slower link the pushes queue behind each other: what remains after the first
     ``num_layers - 1`` layers' compute (``overlap`` seconds of prefill in all) is exposed.

@@ -1,4 +1,4 @@
-"""The planner's output: a cluster config (`orchestrator.config` schema) and Helm values.
+"""The planner's output: a cluster config (`orchestrator.config.cluster` schema) and Helm values.
 
 Both are plain dicts for `yaml.safe_dump`. `checked_cluster_config` loads the config through
 `ClusterConfig.from_dict` before anything is written, so a planned layout is a config the
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from orchestrator.config import ClusterConfig, ConfigError
-from orchestrator.config_sections import FABRIC_PROVIDER_ALIASES
+from orchestrator.config.cluster import ClusterConfig, ConfigError
+from orchestrator.config.sections import FABRIC_PROVIDER_ALIASES
 from orchestrator.sim.cost import CostModel
 from orchestrator.sim.instances import EngineLimits
 from orchestrator.sim.simulator import Layout
@@ -148,7 +148,7 @@ def helm_values(
     provider = check_helm_options(model_path=model_path, provider=provider)
 
     def group(replicas: int, tp: int) -> dict[str, Any]:
-        # One RDMA device per GPU (DESIGN.md §4: each rank's shard goes out of its own NIC).
+        # One RDMA device per GPU (docs/design.md §4: each rank's shard goes out of its own NIC).
         rdma = 0 if provider == "tcp;ofi_rxm" else tp
         values: dict[str, Any] = {
             "replicas": replicas,

@@ -29,7 +29,7 @@ from orchestrator.sim.workload import RequestSpec
 
 @dataclass(frozen=True)
 class EngineLimits:
-    """Per-instance batch shape, as `orchestrator.config_sections.Limits` (same defaults).
+    """Per-instance batch shape, as `orchestrator.config.sections.Limits` (same defaults).
 
     kv_capacity_tokens: KV tokens one instance holds (a served config's pool); None: the cost
     model's ``kv_capacity_tokens(tp)``.

@@ -16,7 +16,7 @@ class SLO:
     """Service-level objectives of one request (DistServe: all must hold).
 
     max_itl_s: optional bound on a request's longest inter-token gap: the output stutter a
-    prefill chunk in a mixed step causes (DESIGN.md §1), which a mean TPOT hides.
+    prefill chunk in a mixed step causes (docs/design.md §1), which a mean TPOT hides.
     """
 
     ttft_s: float

@@ -3,7 +3,7 @@
 Each step runs one token of every running sequence, then fills the rest of the token budget
 with prefill chunks in admission order (each but a prompt's last ends on a page boundary:
 `instances.chunk_tokens`); the step that completes a prompt yields its first token. The whole step costs one pass over all its tokens, so a chunk in the batch slows
-every decoding sequence of that step (DESIGN.md §1): that stall is what this models.
+every decoding sequence of that step (docs/design.md §1): that stall is what this models.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ class ModelSpec:
     """A decoder-only transformer, dense or mixture-of-experts.
 
     num_kv_heads: KV heads (GQA); for MLA the latent is one shared "head", replicated on
-        every TP rank (DESIGN.md §4), so ``num_kv_heads = 1``.
+        every TP rank (docs/design.md §4), so ``num_kv_heads = 1``.
     kv_dim_per_token_layer: elements of KV per token per layer (GQA: 2 * kv_heads * head_dim;
         MLA: latent + rope key).
     attn_flops_per_position: FLOPs per (query token, attended position) per layer, summed

@@ -3,7 +3,7 @@
 A fitted cost model prices every step of a given shape alike, so a simulated ITL tail is only
 the slowest shapes. On a served cluster the same shape takes longer now and then (another
 worker's step on the same cores, the decoder admitting pushed KV, garbage collection), and
-those steps are the p99 ITL (bench/RESULTS.md, "Simulator from step traces"). A cost model
+those steps are the p99 ITL (bench/history/RESULTS-notebook.md, "Simulator from step traces"). A cost model
 fitted to step traces keeps, per worker role and step kind, a `Spread`: the quantiles of
 measured - fitted busy-cycle time (`calibrated.CalibratedCostModel.step_noise`). The simulator
 adds a draw from them to each step's price, independent from step to step, from its own
@@ -14,7 +14,7 @@ The spread is in seconds, not a ratio to the fit: a stall from another worker or
 not grow with the step it lands in. Measured, the colocated workers' smallest third of chunk
 steps had a p99 of 1.94x their fit and the largest two thirds 1.53x; one ratio spread for all
 priced the large steps' tail from the small ones' and put the simulated colocated ITL p99
-9% high on average, against 3.5% with residuals in seconds (bench/RESULTS.md, "Step-time
+9% high on average, against 3.5% with residuals in seconds (bench/history/RESULTS-notebook.md, "Step-time
 noise in seconds").
 """
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import ArrayLike
 
-from orchestrator.sim.cost import StepShape
+from orchestrator.sim.shape import StepShape
 
 NOISE_QUANTILES = 101  # quantiles kept per (role, step kind): every percentile
 

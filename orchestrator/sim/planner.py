@@ -13,12 +13,13 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
-from orchestrator.config import MAX_GROUP_RATIO
+from orchestrator.config.cluster import MAX_GROUP_RATIO
 from orchestrator.sim.cost import CostModel
 from orchestrator.sim.instances import EngineLimits
 from orchestrator.sim.metrics import SLO, Summary, summarize
 from orchestrator.sim.simulator import Layout, UnservableError, simulate
 from orchestrator.sim.workload import Workload
+from workers.log import progress
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ class Candidate:
 
 def layouts(cost: CostModel, spec: PlanSpec) -> Iterator[Layout]:
     """Every layout within the budget whose TP sizes the model supports and whose P:D ratio
-    the cluster config accepts (`orchestrator.config.MAX_GROUP_RATIO`, either way)."""
+    the cluster config accepts (`orchestrator.config.cluster.MAX_GROUP_RATIO`, either way)."""
     budget, sizes = spec.gpu_budget, [tp for tp in spec.tp_choices if cost.supports_tp(tp)]
     for tp_p in sizes:
         for tp_d in sizes:
@@ -130,7 +131,8 @@ def max_goodput(cost: CostModel, layout: Layout, spec: PlanSpec) -> Candidate:
 def plan(cost: CostModel, spec: PlanSpec) -> list[Candidate]:
     """Every layout, best goodput per GPU first (ties: fewer GPUs, then the label)."""
     candidates = []
-    for layout in layouts(cost, spec):
+    # One bar step per layout: each is a search of up to ~18 simulations.
+    for layout in progress(list(layouts(cost, spec)), desc="planning", unit="layout"):
         candidate = max_goodput(cost, layout, spec)
         logger.debug("%s: %.3f req/s", layout.label, candidate.goodput)
         candidates.append(candidate)

@@ -101,7 +101,7 @@ class RooflineCostModel:
         return int(self.model.kv_bytes_per_token * num_tokens)
 
     def transfer_seconds(self, num_tokens: int, tp_prefill: int, tp_decode: int) -> float:
-        # Every destination replica set receives its own copy (DESIGN.md §4); distinct
+        # Every destination replica set receives its own copy (docs/design.md §4); distinct
         # source ranks drive distinct NICs, at most the node's NIC count.
         copies = max(1.0, tp_decode * self._kv_share(tp_decode))
         nics = min(tp_prefill, tp_decode, self.nic.num_nics)

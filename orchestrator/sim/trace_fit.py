@@ -16,7 +16,7 @@ between steps: messenger polls, KV admission, calls from other threads). That is
 simulator's back-to-back steps stand for. A step after which the loop went idle ends no cycle;
 its own duration stands for it. Those are often a prompt's last, short chunk: left out, a
 prefill worker's points were nearly all full chunks, and a fit could put their whole cost in
-the intercept and price a 10-token chunk like a 256-token one (bench/RESULTS.md, "Step-time
+the intercept and price a 10-token chunk like a 256-token one (bench/history/RESULTS-notebook.md, "Step-time
 noise in seconds"). Per role: seconds = a + b * prefill tokens + c * prefill attention
 + d * decode sequences + e * decode KV tokens, least squares with coefficients >= 0
 (`calibrated.fit_affine`).
@@ -34,7 +34,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from orchestrator.config import ClusterConfig
+from orchestrator.config.cluster import ClusterConfig
 from orchestrator.sim.calibrated import MIN_ROLE_POINTS
 
 ROLES = ("prefill", "decode", "mixed")

@@ -1,34 +1,33 @@
-"""Review fixes of the load generator: a warm-up checked against the requests the duration
-keeps, streams that end before their course counted as errors, and a malformed stream failing
-its own request only. The clients run against small real servers (grpc.aio, aiohttp) that
-stream what a router sends, or what a broken one might."""
+"""The load generator's streaming clients (gRPC and OpenAI HTTP) against small real servers
+(grpc.aio, aiohttp) that stream what a router sends, or what a broken one might: a stream that
+ends before its request ran its course is an error, a malformed stream fails its own request
+only, a run reports its progress (a bar on a terminal, lines in a log), and `bench run` refuses
+a warm-up that leaves nothing measured before sending anything."""
 
 from __future__ import annotations
 
 import asyncio
+import io
 import json
+import re
 import threading
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
 import pytest
 from aiohttp import web
 
-import orchestrator.loadgen.compare as compare
-from orchestrator.cli import main
+from orchestrator.cli.main import main
 from orchestrator.loadgen.clients import GrpcClient, HttpClient
 from orchestrator.loadgen.records import RequestResult
-from orchestrator.loadgen.requests import TimedRequest, build_requests
+from orchestrator.loadgen.requests import TimedRequest
 from orchestrator.loadgen.runner import run_open_loop
-from orchestrator.loadgen.session import BenchOptions
-from orchestrator.loadgen.stats import SLOs
 from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
-from tests.loadgen.test_requests_and_stats import _workload
-from tests.loadgen.test_validate import _calibration, _compare_argv, _FakeClusters
+from tests.loadgen.test_requests_and_stats import _kept, _workload
+from workers.log import set_progress
 
 _T = TypeVar("_T")
 
@@ -165,7 +164,7 @@ def _errors(results: list[RequestResult]) -> dict[int, str | None]:
     return {r.max_tokens: r.error for r in results}
 
 
-# --- 8: streams that end before their course ------------------------------------------------
+# --- streams that end before their course ---------------------------------------------------
 
 EARLY = {
     4: None,  # length at max_tokens: its course
@@ -203,7 +202,7 @@ def test_http_streams_that_end_early_are_errors(servers: _Servers) -> None:
     assert [r.ok for r in results] == [True, True, False, False]
 
 
-# --- 9: a malformed stream fails its own request only ---------------------------------------
+# --- a malformed stream fails its own request only ------------------------------------------
 
 
 def test_a_malformed_stream_fails_its_request_not_the_run(servers: _Servers) -> None:
@@ -224,23 +223,39 @@ def test_a_malformed_stream_fails_its_request_not_the_run(servers: _Servers) -> 
     assert all(r.finish_s is None for r in results[1:4])
 
 
-# --- 7: the warm-up against the requests the duration keeps ---------------------------------
+# --- progress: a bar on a terminal, lines in a log file, nothing when quiet -----------------
 
 
-def _kept(workload: Any, duration_s: float) -> int:
-    return sum(1 for spec in workload.requests() if spec.arrival_time <= duration_s)
+class _Terminal(io.StringIO):
+    """A fake terminal: a text stream that says it is a TTY, so that a bar is drawn into it."""
+
+    def isatty(self) -> bool:
+        return True
 
 
-def test_the_warmup_must_leave_a_request_the_duration_keeps() -> None:
-    workload = _workload(rate=2.0)
-    kept = _kept(workload, 3.0)
-    assert 1 < kept < workload.num_requests
-    with pytest.raises(ValueError, match=rf"warm-up must be in \[0, {kept}\)"):
-        build_requests(workload, 100, num_warmup=kept, duration_s=3.0)
-    with pytest.raises(ValueError, match="warm-up"):
-        BenchOptions(workload, SLOs(1.0, 1.0), num_warmup=kept, duration_s=3.0)
-    requests = build_requests(workload, 100, num_warmup=kept - 1, duration_s=3.0)
-    assert [r.warmup for r in requests] == [True] * (kept - 1) + [False]
+def test_progress_is_a_bar_on_a_terminal_and_a_line_in_a_log(servers: _Servers) -> None:
+    async def run(progress: io.StringIO) -> None:
+        client = GrpcClient(servers.grpc_address, timeout=30.0)
+        try:
+            await run_open_loop(client, _requests(list(EARLY)), progress=progress)
+        finally:
+            await client.close()
+
+    terminal, log_file, quiet = _Terminal(), io.StringIO(), _Terminal()
+    asyncio.run(run(terminal))
+    assert "bench grpc: 100%" in terminal.getvalue() and "4/4" in terminal.getvalue()
+    assert "2 errors" in terminal.getvalue()  # the two streams that ended early
+    asyncio.run(run(log_file))
+    assert re.fullmatch(r"\[bench grpc\] 4/4 done, 2 errors, +[\d.]+ s\n", log_file.getvalue())
+    set_progress(False)  # pdserve --quiet
+    try:
+        asyncio.run(run(quiet))
+    finally:
+        set_progress(True)
+    assert quiet.getvalue() == ""
+
+
+# --- bench run checks its warm-up before sending -------------------------------------------
 
 
 def test_bench_run_refuses_a_warmup_that_leaves_nothing_measured(
@@ -256,29 +271,3 @@ def test_bench_run_refuses_a_warmup_that_leaves_nothing_measured(
     assert main(argv) == 2
     assert "pdserve bench: warm-up must be in" in capsys.readouterr().err
     assert servers.router.num_generated == before  # nothing sent
-
-
-def test_compare_refuses_it_before_running_the_clusters(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    clusters = _FakeClusters()
-    monkeypatch.setattr(compare, "run_cluster", clusters)
-    # The first arrival is at 0: a 1 ms run keeps it alone, and one warm-up leaves none.
-    argv = [*_compare_argv(tmp_path, _calibration(tmp_path)), "--duration", "0.001"]
-    assert main([*argv, "--warmup", "1"]) == 2
-    assert "pdserve bench compare: warm-up must be in [0, 1)" in capsys.readouterr().err
-    assert clusters.names == []
-
-
-def test_validate_refuses_a_saved_run_that_measured_nothing(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    workload = {"rate": 1.0, "arrival": "poisson", "num_requests": 2, "duration": 0.001,
-                "prompt": "fixed:64", "output": "fixed:4", "seed": 0, "warmup": 1}  # fmt: skip
-    result = tmp_path / "result.json"
-    result.write_text(
-        json.dumps({"command": "compare", "workload": workload, "configs": {}, "runs": []})
-    )
-    calibration = _calibration(tmp_path)
-    assert main(["bench", "validate", str(result), "--calibration", str(calibration)]) == 2
-    assert "pdserve bench validate: warm-up must be in [0, 1)" in capsys.readouterr().err

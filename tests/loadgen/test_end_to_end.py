@@ -17,14 +17,14 @@ from orchestrator.loadgen.requests import TimedRequest
 from orchestrator.loadgen.session import BenchOptions, measure
 from orchestrator.loadgen.stats import SLOs, summarize
 from orchestrator.sim.workload import LengthDist, Workload
-from tests.orchestrator.cluster_helpers import ServedCluster, cluster_config, mixed_groups
+from tests.system.cluster_helpers import ServedCluster, cluster_config, mixed_groups
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir: Path) -> Iterator[ServedCluster]:
-    # No ray_local: that fixture lives in tests/orchestrator. ServingApp joins a Ray this
+    # No ray_local (tests/conftest.py): ServingApp joins a Ray this
     # process already runs, or starts (and on stop shuts down) an embedded one.
     served = ServedCluster(cluster_config(tiny_model_dir, mixed_groups(2)))
     try:

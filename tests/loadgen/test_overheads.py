@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from orchestrator.cli import main
+from orchestrator.cli.main import main
 from orchestrator.loadgen.compare import load_config
 from orchestrator.loadgen.overheads import derive, isolated, residuals
 from orchestrator.loadgen.validate import simulator_for

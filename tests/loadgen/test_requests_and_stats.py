@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
 from orchestrator.loadgen.records import RequestResult
 from orchestrator.loadgen.requests import build_requests
+from orchestrator.loadgen.session import BenchOptions
 from orchestrator.loadgen.stats import SLOs, distribution, summarize
 from orchestrator.sim.workload import LengthDist, Workload
 
@@ -49,6 +52,22 @@ def test_duration_drops_late_arrivals_and_bad_bounds_are_rejected() -> None:
         build_requests(workload, 100, duration_s=0)
     with pytest.raises(ValueError, match="no token ids"):
         build_requests(workload, 3, excluded_ids=(0, 1, 2))
+
+
+def _kept(workload: Any, duration_s: float) -> int:
+    return sum(1 for spec in workload.requests() if spec.arrival_time <= duration_s)
+
+
+def test_the_warmup_must_leave_a_request_the_duration_keeps() -> None:
+    workload = _workload(rate=2.0)
+    kept = _kept(workload, 3.0)
+    assert 1 < kept < workload.num_requests
+    with pytest.raises(ValueError, match=rf"warm-up must be in \[0, {kept}\)"):
+        build_requests(workload, 100, num_warmup=kept, duration_s=3.0)
+    with pytest.raises(ValueError, match="warm-up"):
+        BenchOptions(workload, SLOs(1.0, 1.0), num_warmup=kept, duration_s=3.0)
+    requests = build_requests(workload, 100, num_warmup=kept - 1, duration_s=3.0)
+    assert [r.warmup for r in requests] == [True] * (kept - 1) + [False]
 
 
 def _result(

@@ -4,7 +4,6 @@ written whatever the simulation does, and input errors reported, not raised."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -13,8 +12,8 @@ import pytest
 
 import orchestrator.loadgen.compare as compare
 import orchestrator.loadgen.validate as validate
-from orchestrator.cli import main
-from orchestrator.config import ClusterConfig
+from orchestrator.cli.main import main
+from orchestrator.config.cluster import ClusterConfig
 from orchestrator.loadgen.compare import load_config
 from orchestrator.loadgen.records import RequestResult
 from orchestrator.loadgen.runner import RunOutcome
@@ -31,12 +30,10 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 def _with_limits(config: ClusterConfig, role: str | None, **changes: Any) -> ClusterConfig:
     """``config`` with ``changes`` to one group's limits (every group's when ``role`` is None)."""
     groups = tuple(
-        dataclasses.replace(g, limits=dataclasses.replace(g.limits, **changes))
-        if role in (None, g.role)
-        else g
+        g.replace(limits=g.limits.replace(**changes)) if role in (None, g.role) else g
         for g in config.groups
     )
-    return dataclasses.replace(config, groups=groups)
+    return config.replace(groups=groups)
 
 
 def test_the_served_kv_pool_not_the_calibrations_bounds_the_prediction() -> None:
@@ -251,3 +248,29 @@ def test_validate_reports_input_errors(tmp_path: Path, capsys: pytest.CaptureFix
     assert f"pdserve bench validate: [Errno 2] No such file or directory: '{missing}'" in (
         capsys.readouterr().err
     )
+
+
+def test_compare_refuses_a_warmup_that_leaves_nothing_measured_before_running(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clusters = _FakeClusters()
+    monkeypatch.setattr(compare, "run_cluster", clusters)
+    # The first arrival is at 0: a 1 ms run keeps it alone, and one warm-up leaves none.
+    argv = [*_compare_argv(tmp_path, _calibration(tmp_path)), "--duration", "0.001"]
+    assert main([*argv, "--warmup", "1"]) == 2
+    assert "pdserve bench compare: warm-up must be in [0, 1)" in capsys.readouterr().err
+    assert clusters.names == []
+
+
+def test_validate_refuses_a_saved_run_that_measured_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    workload = {"rate": 1.0, "arrival": "poisson", "num_requests": 2, "duration": 0.001,
+                "prompt": "fixed:64", "output": "fixed:4", "seed": 0, "warmup": 1}  # fmt: skip
+    result = tmp_path / "result.json"
+    result.write_text(
+        json.dumps({"command": "compare", "workload": workload, "configs": {}, "runs": []})
+    )
+    calibration = _calibration(tmp_path)
+    assert main(["bench", "validate", str(result), "--calibration", str(calibration)]) == 2
+    assert "pdserve bench validate: warm-up must be in [0, 1)" in capsys.readouterr().err

@@ -1,5 +1,7 @@
-"""``pdserve simulate`` / ``plan`` end to end on small inputs (calibrate: parser only; its
-engine run takes tens of seconds)."""
+"""``pdserve simulate`` / ``plan`` end to end on small inputs, and the input errors of all three
+commands (TP sizes a model cannot run, SLOs and durations that are not positive finite
+numbers, calibration points that cannot be measured) refused in one line before any work
+(calibrate: parser only; its engine run takes tens of seconds)."""
 
 from __future__ import annotations
 
@@ -8,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator.cli import build_parser, main
-from orchestrator.config import ClusterConfig
+from orchestrator.cli.main import build_parser, main
+from orchestrator.config.cluster import ClusterConfig
 
 
 def test_simulate_prints_one_line_per_layout(capsys: pytest.CaptureFixture[str]) -> None:
@@ -80,6 +82,7 @@ def test_calibrate_refuses_zero_repeats_before_measuring(
     assert not out.exists()
 
 
+LLAMA_H200 = "roofline:llama-3-70b:h200"
 SIMULATE = ["simulate", "--cost", "roofline:llama-3-70b:h100", "--layout", "1x4:1x4",
             "--num-requests", "10", "--prompt", "fixed:500", "--output", "fixed:8"]  # fmt: skip
 PLAN = ["plan", "--cost", "roofline:llama-3-70b:h100", "--gpus", "8", "--tp", "4",
@@ -154,7 +157,7 @@ def test_plan_writes_nothing_the_loader_refuses(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import orchestrator.sim.emit
-    from orchestrator.config import ConfigError
+    from orchestrator.config.cluster import ConfigError
 
     def refused(*args: object, **kwargs: object) -> None:
         raise ConfigError("groups", "refused by the loader")
@@ -168,3 +171,58 @@ def test_plan_writes_nothing_the_loader_refuses(
     err = capsys.readouterr().err
     assert err.startswith("pdserve plan: the cluster config of ") and "refused by the" in err
     assert not config.exists() and not helm.exists()
+
+
+@pytest.mark.parametrize("layout", ["1x3:1x3", "1x16:1x16", "1x1:1x1", "2x3"])
+def test_simulate_refuses_tp_sizes_the_model_cannot_run(
+    layout: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["simulate", "--cost", LLAMA_H200, "--layout", layout,
+            "--num-requests", "10", "--prompt", "fixed:500", "--output", "fixed:8"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pdserve simulate: ") and "does not run at TP" in err
+    assert err.count("\n") == 1  # one line, no traceback
+
+
+@pytest.mark.parametrize("bound", ["0", "nan"])
+def test_simulate_refuses_a_stall_bound_that_is_not_positive(
+    bound: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([*SIMULATE, "--max-itl-slo", bound]) == 2
+    assert capsys.readouterr().err.startswith("pdserve simulate: SLOs must be positive")
+
+
+@pytest.mark.parametrize("duration", ["inf", "nan"])
+def test_plan_refuses_a_min_duration_that_is_not_finite(
+    duration: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([*PLAN, "--min-duration", duration]) == 2
+    assert "min_duration_s must be finite" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--mixed-batch", "241"], "mixed batches must be 1..240"),
+        (["--decode-batch", "0,8"], "decode batches must be >= 1"),
+        (["--decode-context", "-5"], "decode contexts must be >= 1"),
+    ],
+)
+def test_calibrate_refuses_points_it_could_not_measure_before_measuring(
+    flags: list[str],
+    message: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import orchestrator.sim.calibrate
+
+    def measure(*args: object, **kwargs: object) -> None:
+        pytest.fail("measured points that cannot be measured (a mixed point would hang)")
+
+    monkeypatch.setattr(orchestrator.sim.calibrate, "run_calibration", measure)
+    out = tmp_path / "c.json"
+    assert main(["calibrate", "--out", str(out), *flags]) == 2
+    assert f"pdserve calibrate: {message}" in capsys.readouterr().err
+    assert not out.exists()

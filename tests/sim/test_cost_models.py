@@ -1,14 +1,19 @@
-"""Cost models: the roofline presets' basic shape, the calibrated fit's round trip."""
+"""Cost models: the roofline presets' basic shape, the calibrated fit's round trip, the
+calibrations refused (step times that are not finite positive seconds), and the points a
+calibration can measure."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from orchestrator.sim.calibrated import fit, from_spec, mixed_errors
+from orchestrator.cli.main import main
+from orchestrator.sim.calibrate import BUDGET, check_options
+from orchestrator.sim.calibrated import fit, from_spec, load, mixed_errors
 from orchestrator.sim.cost import (
     StepShape,
     create_cost_model,
@@ -16,8 +21,11 @@ from orchestrator.sim.cost import (
     exposed_transfer_seconds,
     prefill_seconds,
 )
+from orchestrator.sim.emit import PAGE_SIZE
 from orchestrator.sim.hardware import GPUS
+from orchestrator.sim.instances import chunk_tokens
 from orchestrator.sim.roofline import RooflineCostModel
+from tests.sim.test_cli import SIMULATE
 
 
 def test_calibrated_fit_recovers_the_coefficients_it_was_measured_with(tmp_path: Path) -> None:
@@ -252,3 +260,65 @@ def test_gpu_memory_is_what_the_device_reports() -> None:
     # nvidia-smi memory.total: 81559 MiB on an H100 80GB HBM3, 143771 MiB on an H200.
     assert GPUS["h100"].hbm_bytes == 81559 * 2**20  # 85.5e9 bytes, not 80e9
     assert GPUS["h200"].hbm_bytes == 143771 * 2**20  # 150.75e9 bytes, not 141e9
+
+
+def _calibration_text(**changes: Any) -> str:
+    data = _fit_data()
+    for key, value in changes.items():
+        data[key] = value
+    return json.dumps(data)  # NaN and Infinity as JSON's extensions, as json.loads reads them
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            _calibration_text(
+                prefill=[{**point, "seconds": math.nan} for point in _fit_data()["prefill"]]
+            ),
+            "must be finite",
+        ),
+        (
+            _calibration_text(
+                decode=[{**point, "seconds": math.inf} for point in _fit_data()["decode"]]
+            ),
+            "must be finite",
+        ),
+        (_calibration_text(overheads={"disaggregated_s": math.nan}), "must be a finite number"),
+        # 1e400 is a float's infinity once read: `int` of it raised OverflowError.
+        (_calibration_text(kv_bytes_per_token=12345.5).replace("12345.5", "1e400"), "finite"),
+        (_calibration_text(num_layers=math.inf), "num_layers must be a finite number"),
+        (
+            _calibration_text(
+                decode=[{**point, "seconds": -1.0} for point in _fit_data()["decode"]]
+            ),
+            "prices a decode step at 0",
+        ),
+    ],
+    ids=["nan-seconds", "inf-seconds", "nan-overhead", "huge-kv-bytes", "inf-layers", "negative"],
+)
+def test_calibrations_that_are_not_finite_positive_step_times_are_refused(
+    text: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "calibration.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        load(path)
+    assert main([*SIMULATE, "--cost", f"calibrated:{path}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"pdserve simulate: {path}: ") and err.count("\n") == 1
+
+
+def test_mixed_batches_must_leave_a_page_for_the_chunk() -> None:
+    most = BUDGET - PAGE_SIZE
+    # The bound is exact: one more decode leaves no page-aligned chunk, and the point never ends.
+    assert chunk_tokens(0, 768, BUDGET - most, PAGE_SIZE) == PAGE_SIZE
+    assert chunk_tokens(0, 768, BUDGET - most - 1, PAGE_SIZE) == 0
+    check_options(1, None, BUDGET, mixed_batches=(4, most))
+    for bad in ((most + 1,), (0, 4), (BUDGET,)):
+        with pytest.raises(ValueError, match=f"mixed batches must be 1..{most}"):
+            check_options(1, None, BUDGET, mixed_batches=bad)
+    with pytest.raises(ValueError, match="decode batches must be >= 1"):
+        check_options(1, None, BUDGET, decode_batches=(0, 8))
+    with pytest.raises(ValueError, match="decode contexts must be >= 1"):
+        check_options(1, None, BUDGET, decode_contexts=(0,))

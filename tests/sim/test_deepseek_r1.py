@@ -1,4 +1,4 @@
-"""The roofline DeepSeek-R1 preset against the reference deployment's result (DESIGN.md §1):
+"""The roofline DeepSeek-R1 preset against the reference deployment's result (docs/design.md §1):
 mixed serving stayed under ~50 tok/s per request; 1 prefill : 3 decode nodes gave > 90 tok/s
 per request at ~1 QPS per decode node, for ~100 ms more TTFT.
 
@@ -7,7 +7,7 @@ Workload (ours; the reference does not give one): Poisson arrivals, prompts unif
 8 x 400 Gb/s NICs, the default 2048-token step budget; the first and last 20% of arrivals
 left out of the averages. Mixed runs on 4 nodes, as many as 1P:3D, at the same rate per node.
 
-What the model reproduces with its a-priori efficiency factors (bench/RESULTS.md has the
+What the model reproduces with its a-priori efficiency factors (bench/history/RESULTS-notebook.md has the
 table): the direction everywhere (disaggregated decode is faster per request, with a flat
 ITL where mixed steps stall on prefill chunks, for a higher TTFT) and the size at 0.5 QPS
 per decode node (> 90 vs the mixed baseline below it). At 1 QPS per decode node with these

@@ -1,19 +1,34 @@
-"""The planner on small cases whose optimum is clear by hand, and its emitted configs."""
+"""The planner on small cases whose optimum is clear by hand, and its emitted configs: the cluster
+config and the Helm values carry the KV pool, model path and provider the plan assumed, as the
+chart renders them."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import helm_python as helm
 import pytest
 import yaml
 
-from orchestrator.config import ClusterConfig, ConfigError
-from orchestrator.sim.emit import check_options, checked_cluster_config, cluster_config, helm_values
+from orchestrator.cli.main import main
+from orchestrator.config.cluster import ClusterConfig, ConfigError
+from orchestrator.loadgen.validate import limits_of
+from orchestrator.sim.cost import create_cost_model
+from orchestrator.sim.emit import (
+    PAGE_SIZE,
+    check_options,
+    checked_cluster_config,
+    cluster_config,
+    helm_values,
+)
 from orchestrator.sim.instances import EngineLimits
 from orchestrator.sim.metrics import SLO
 from orchestrator.sim.planner import PlanSpec, format_table, layouts, plan
 from orchestrator.sim.simulator import Layout
 from orchestrator.sim.workload import LengthDist, Workload
+from tests.ops.helm_chart import CHART, NAMESPACE, RELEASE, cluster_yaml
+from tests.sim.test_cli import LLAMA_H200, PLAN
 from tests.sim.toy import affine
 
 LIMITS = EngineLimits(max_num_seqs=4, max_num_batched_tokens=2048)
@@ -136,3 +151,94 @@ def test_an_emitted_config_the_loader_refuses_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="cannot register GPU memory"):
         check_options(EngineLimits(), model_path="/models/model", provider="tcp;ofi_rxm")
     check_options(EngineLimits(64, 1024), model_path="/models/model", provider="verbs;ofi_rxm")
+
+
+# --- the emitted config and Helm values, as the chart deploys them ---------------------------
+
+
+def _rendered_config(values: dict[str, Any]) -> ClusterConfig:
+    """The cluster config the chart renders from ``values``, after its schema accepts them."""
+    with helm.Chart.load(str(CHART)) as chart:
+        chart.validate_schema(values)
+        manifests = chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    docs = [
+        doc
+        for path, text in manifests.items()
+        if path.endswith(".yaml")
+        for doc in yaml.safe_load_all(text)
+        if doc
+    ]
+    return ClusterConfig.from_dict(cluster_yaml(docs))
+
+
+def test_the_emitted_config_and_helm_values_hold_the_kv_pool_the_plan_assumed() -> None:
+    cost = create_cost_model(LLAMA_H200)
+    layout = Layout(num_prefill=1, num_decode=1, tp_prefill=2, tp_decode=2)
+    planned = cost.kv_capacity_tokens(2)  # 397,212 tokens per instance
+    emitted = ClusterConfig.from_dict(checked_cluster_config(layout, EngineLimits(), cost))
+    values = helm_values(layout, EngineLimits(), cost=cost)
+    assert values is not None
+    deployed = _rendered_config(values)
+    for config in (emitted, deployed):
+        for role in ("prefill", "decode"):
+            held = limits_of(config, role, cost).kv_capacity_tokens
+            # Whole pages of the planned pool, not the engine's 256 MiB default (1,632 tokens).
+            assert held is not None and planned - PAGE_SIZE < held <= planned
+    # A pool the limits give (a served config's) is the one emitted, whatever the cost model.
+    fixed = EngineLimits(kv_capacity_tokens=4096)
+    raw = checked_cluster_config(layout, fixed, cost)
+    assert raw["groups"]["decode"]["limits"] == {"num_pages": 4096 // PAGE_SIZE}
+
+
+@pytest.mark.parametrize(
+    ("given", "chart_name"),
+    [("verbs", "verbs;ofi_rxm"), ("verbs;ofi_rxm", "verbs;ofi_rxm"), ("efa", "efa")],
+)
+def test_helm_values_name_the_provider_as_the_chart_does(given: str, chart_name: str) -> None:
+    layout = Layout(num_prefill=2, num_decode=1, tp_prefill=4, tp_decode=8)
+    values = helm_values(layout, EngineLimits(), provider=given)
+    assert values is not None and values["fabric"]["provider"] == chart_name
+    config = _rendered_config(values)
+    assert config.group("decode").fabric is not None
+    assert config.group("decode").fabric.provider == chart_name
+
+
+def test_helm_values_refuse_shm_and_a_model_path_outside_the_pods() -> None:
+    layout = Layout(num_prefill=1, num_decode=1)
+    with pytest.raises(ConfigError, match="shm moves KV within one node"):
+        helm_values(layout, EngineLimits(), provider="shm")
+    with pytest.raises(ConfigError, match="absolute path"):
+        helm_values(layout, EngineLimits(), model_path="models/llama")
+
+
+def test_plan_emits_helm_values_the_chart_deploys_as_planned(tmp_path: Path) -> None:
+    config_path, helm_path = tmp_path / "cluster.yaml", tmp_path / "values.yaml"
+    argv = [*PLAN, "--no-mixed", "--provider", "verbs", "--model-path", "/data/llama",
+            "--emit-config", str(config_path), "--emit-helm", str(helm_path)]  # fmt: skip
+    assert main(argv) == 0
+    cost = create_cost_model(PLAN[PLAN.index("--cost") + 1])
+    emitted = ClusterConfig.from_yaml(config_path)
+    deployed = _rendered_config(yaml.safe_load(helm_path.read_text()))
+    assert str(deployed.model) == str(emitted.model) == "/data/llama"  # not the chart's default
+    for config in (emitted, deployed):
+        for role in ("prefill", "decode"):
+            group = config.group(role)
+            assert group.fabric is not None and group.fabric.provider == "verbs;ofi_rxm"
+            assert group.limits.num_pages == cost.kv_capacity_tokens(group.tp) // PAGE_SIZE
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--provider", "shm"], "shm moves KV within one node"),
+        (["--model-path", "models/llama"], "absolute path"),
+    ],
+)
+def test_plan_refuses_helm_values_the_chart_cannot_deploy_before_searching(
+    flags: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    helm_path = tmp_path / "values.yaml"
+    assert main([*PLAN, *flags, "--emit-helm", str(helm_path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("pdserve plan: --emit-helm: ") and message in captured.err
+    assert "goodput" not in captured.out and not helm_path.exists()

@@ -1,24 +1,30 @@
-"""Invariants of the simulator on toy cost models: conservation, causality, monotonicity."""
+"""Invariants of the simulator on toy cost models: conservation, causality, monotonicity; the
+layouts it refuses, its SLOs, and the percentile definition it shares with the load generator."""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 
 import numpy as np
 import pytest
 
+from orchestrator.loadgen.stats import distribution
+from orchestrator.sim.cost import create_cost_model
 from orchestrator.sim.instances import EngineLimits
-from orchestrator.sim.metrics import summarize
+from orchestrator.sim.metrics import SLO, summarize
 from orchestrator.sim.simulator import (
     Layout,
     RequestRecord,
     SimResult,
     Simulator,
     UnservableError,
+    UnsupportedLayoutError,
     simulate,
 )
 from orchestrator.sim.workload import LengthDist, RequestSpec, Workload
+from tests.sim.test_cli import LLAMA_H200
 from tests.sim.toy import affine
 
 LAYOUTS = [
@@ -188,3 +194,39 @@ def test_prompt_chunks_end_on_page_boundaries_as_the_engine_schedules_them(
 def test_a_token_budget_under_one_page_is_refused() -> None:
     with pytest.raises(ValueError, match="at least page_size"):
         EngineLimits(max_num_batched_tokens=8, page_size=16)
+
+
+def test_a_simulator_of_an_unsupported_layout_is_a_typed_error() -> None:
+    cost = create_cost_model(LLAMA_H200)
+    with pytest.raises(UnsupportedLayoutError, match="TP 1"):
+        Simulator(cost, Layout(num_prefill=1, num_decode=1, tp_prefill=2, tp_decode=1))
+    Simulator(cost, Layout(num_prefill=1, num_decode=1, tp_prefill=2, tp_decode=2))
+
+
+@pytest.mark.parametrize(
+    "bounds",
+    [(2.0, 0.05, 0.0), (2.0, 0.05, math.nan), (math.nan, 0.05, None), (2.0, math.nan, None),
+     (2.0, math.inf, None), (2.0, 0.05, -1.0)],
+)  # fmt: skip
+def test_slos_must_be_positive_finite_seconds(bounds: tuple[float, float, float | None]) -> None:
+    with pytest.raises(ValueError, match="SLOs must be positive"):
+        SLO(*bounds)
+
+
+def test_simulated_percentiles_are_the_load_generators() -> None:
+    # Gaps 1..10 ms: nearest rank would give p50 5 ms and p99 10 ms, interpolation 5.5 and 9.91.
+    gaps = np.arange(1, 11) * 1e-3
+    record = RequestRecord(0, 0.0, 0.0, 0.0, 0.1, 0.1 + gaps.sum(), 8, 11, gaps.max(), gaps)
+    ttfts = [0.1, 0.4, 0.2, 0.9]
+    records = (
+        record,
+        *(
+            RequestRecord(i, 0.0, 0.0, 0.0, ttft, ttft + 0.01, 8, 1)
+            for i, ttft in enumerate(ttfts[1:], 1)
+        ),
+    )
+    summary = summarize(SimResult(Layout(num_mixed=1), records, (), (1.0,)))
+    measured = distribution(list(gaps))
+    assert (summary.itl_p50, summary.itl_p99) == (measured["p50"], measured["p99"])
+    assert summary.itl_p99 == pytest.approx(9.91e-3)
+    assert summary.ttft_p99 == distribution(ttfts)["p99"]

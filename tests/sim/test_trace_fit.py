@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import yaml
 
-from orchestrator.cli import main
-from orchestrator.config import ClusterConfig
+from orchestrator.cli.main import main
+from orchestrator.config.cluster import ClusterConfig
 from orchestrator.loadgen.validate import predict
 from orchestrator.sim.calibrated import CalibratedCostModel, load
 from orchestrator.sim.cost import StepShape
