@@ -54,6 +54,7 @@ from workers.engine.config import EngineConfig
 from workers.engine.device import DeviceError, resolve_device
 from workers.engine.engine_core import EngineCore
 from workers.engine.sampling_params import SamplingParams
+from workers.log import configure_logging
 
 PREFILL_LEN = 512
 DECODE_PROMPT_LEN = 32
@@ -178,7 +179,7 @@ def main() -> int:
         # On shared machines extra OpenMP threads spin against other processes; one thread
         # gives stable figures.
         torch.set_num_threads(args.threads)
-    logging.basicConfig(level=logging.WARNING)
+    configure_logging(default=logging.WARNING)
     if args.attention:
         print_attention_table(args.repeats)
         return 0

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks, as one prepared run for a session that is lent a device machine:
+# The GPU checks, as one prepared run for a machine with a CUDA GPU:
 #   device.run  command: "bash bench/gpu_check.sh"  timeout_s: 540
 # It uses the machine's own python3 (torch with CUDA, transformers, safetensors, tokenizers,
 # pytest are there; nothing is installed) and writes every log under $OUT (or /tmp/gpu-check):

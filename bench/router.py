@@ -2,10 +2,10 @@
 
 Three processes (spawn), so that no two share a GIL:
 
-- workers: ``--workers`` token services (`orchestrator.worker_service.WorkerServer`) over a
+- workers: ``--workers`` token services (`workers.service.server.WorkerServer`) over a
   synthetic backend that answers the first token at once and then one token per ``--itl``
   seconds to every running request, like a decode step; no model, so only the path is measured;
-- router: `orchestrator.router.Router` + `GenerationServicer` over those workers (static
+- router: `orchestrator.router.core.Router` + `GenerationServicer` over those workers (static
   registry), with the tiny preset's tokenizer (detokenization is part of the cost);
 - this process: grpc.aio clients.
 
@@ -39,7 +39,7 @@ class SyntheticBackend:
     role = "decode"
 
     def __init__(self, itl: float) -> None:
-        from orchestrator.worker_backend import Sink
+        from workers.service.backend import Sink
 
         self._itl = itl
         self._lock = threading.Lock()
@@ -47,7 +47,7 @@ class SyntheticBackend:
         threading.Thread(target=self._steps, daemon=True).start()
 
     def submit(self, request_id, prompt_token_ids, params, prefill_endpoint, sink) -> None:  # type: ignore[no-untyped-def]
-        from orchestrator.worker_backend import TokenDelta
+        from workers.wire import TokenDelta
 
         if params.max_tokens <= 1:
             sink(TokenDelta([65], None, True, "length"))
@@ -57,7 +57,7 @@ class SyntheticBackend:
         sink(TokenDelta([65]))
 
     def _steps(self) -> None:
-        from orchestrator.worker_backend import TokenDelta
+        from workers.wire import TokenDelta
 
         while True:
             time.sleep(self._itl)
@@ -77,7 +77,7 @@ class SyntheticBackend:
             self._running.pop(request_id, None)
 
     def load(self):  # type: ignore[no-untyped-def]
-        from orchestrator.worker_backend import WorkerLoad
+        from workers.wire import WorkerLoad
 
         return WorkerLoad(len(self._running), 0, 0, 0)
 
@@ -92,7 +92,7 @@ class SyntheticBackend:
 
 
 def workers_main(conn: Connection, num_workers: int, itl: float) -> None:
-    from orchestrator.worker_service import WorkerServer, WorkerServicer
+    from workers.service.server import WorkerServer, WorkerServicer
 
     servers = [
         WorkerServer(WorkerServicer(f"decode-{i}", SyntheticBackend(itl)))
@@ -121,9 +121,10 @@ def router_main(conn: Connection, addresses: list[str], model_dir: str) -> None:
 async def _router(conn: Connection, addresses: list[str], model_dir: str) -> None:
     import grpc
 
-    from orchestrator.registry import Registry, WorkerRecord
-    from orchestrator.router import Router, RouterSettings
-    from orchestrator.servicer import GenerationServicer, GroupView
+    from orchestrator.api.servicer import GenerationServicer, GroupView
+    from orchestrator.control.registry import Registry, WorkerRecord
+    from orchestrator.router.core import Router
+    from orchestrator.router.types import RouterSettings
     from protos.pdserve.v1 import generation_pb2 as pb
     from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
     from workers.engine.tokenizer import load_tokenizer
@@ -262,10 +263,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--itl", type=float, default=0.02)
     args = parser.parse_args(argv)
 
-    from orchestrator.stubs import ensure_stubs
     from workers.engine.presets import write_random_checkpoint
 
-    ensure_stubs()
     model_dir = write_random_checkpoint("tiny", tempfile.mkdtemp(prefix="bench-router-"))
     ctx = mp.get_context("spawn")
     workers_conn, workers_child = ctx.Pipe()

@@ -1,4 +1,4 @@
-"""Soak: a long run of mixed requests with random cancels and worker kills (issue #8, item 8).
+"""Soak: a long run of mixed requests with random cancels and worker kills.
 
     .venv/bin/python bench/soak.py [--config configs/local-1p3d.yaml] [--model DIR]
         [--duration 600] [--rate 2] [--kills 4] [--seed 0] [--json OUT]
@@ -21,7 +21,7 @@ differs from the reference, every worker is healthy with its page pool full and 
 flight, and the router holds no request. Exit status 0 only when all hold. The report also
 sorts the errored requests by the kill before them and by whether they had streamed tokens
 (``errored_after_kill``). The short variant runs in ``make test``
-(tests/orchestrator/test_soak.py); ``make soak`` runs the long one.
+(tests/system/test_soak.py); ``make soak`` runs the long one.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ class Soak:
         kill: Callable[[str], None],
         worker_ids: Callable[[], list[str]],
     ) -> None:
-        from orchestrator.client import pb, pb_grpc
+        from orchestrator.api.client import pb, pb_grpc
 
         self.pb, self.pb_grpc = pb, pb_grpc
         self.address = address
@@ -134,7 +134,7 @@ class Soak:
 
     async def run(self) -> SoakReport:
         started = time.monotonic()
-        from orchestrator.client import channel as router_channel
+        from orchestrator.api.client import channel as router_channel
 
         async with router_channel(self.address) as channel:
             stub = self.pb_grpc.GenerationStub(channel)
@@ -304,10 +304,10 @@ class Soak:
 
 
 class InProcessCluster:
-    """`orchestrator.app.ServingApp` on an event loop of a background thread."""
+    """`orchestrator.control.app.ServingApp` on an event loop of a background thread."""
 
     def __init__(self, config: Any) -> None:
-        from orchestrator.app import ServingApp
+        from orchestrator.control.app import ServingApp
 
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -327,7 +327,7 @@ class InProcessCluster:
 
 
 def run_soak(app: Any, model_dir: Path, options: SoakOptions) -> SoakReport:
-    """Run the soak against the started `orchestrator.app.ServingApp` ``app``; kills go
+    """Run the soak against the started `orchestrator.control.app.ServingApp` ``app``; kills go
     through its controller (``ray.kill`` of the worker's actor, no restart by Ray: the
     controller replaces it)."""
     import ray
@@ -358,12 +358,11 @@ def main() -> int:
     parser.add_argument("--json", default=None, help="write the report here")
     args = parser.parse_args()
 
-    import logging
+    from orchestrator.config.cluster import ClusterConfig
+    from orchestrator.control.app import ray_environment
+    from workers.log import configure_logging
 
-    from orchestrator.app import ray_environment
-    from orchestrator.config import ClusterConfig
-
-    logging.basicConfig(level=logging.WARNING)
+    configure_logging(default="WARNING")
     ray_environment()
     with tempfile.TemporaryDirectory() as tmp:
         if args.model is None:

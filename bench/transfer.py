@@ -38,7 +38,7 @@ messenger's source is the prefill's torch KV pool (4 KiB pages). `TransferEngine
 moves shm regions to huge pages (workers/fabric/engine.py), so both sources are huge-paged.
 The roles stay swapped between the two (messenger: the decoder in this process is the target
 whose progress thread does the copies; raw: a bare spawned target does them); that difference
-is not isolated (bench/RESULTS.md, "Transfer: the shm gap").
+is not isolated (bench/history/RESULTS-notebook.md, "Transfer: the shm gap").
 
 OpenMP workers of the prefill process's torch spin for a while after every parallel region
 (``OMP_WAIT_POLICY`` active by default) and then compete with both fabric progress threads for
@@ -73,8 +73,8 @@ from workers.fabric import MemoryRegionDescriptor, TransferEngine
 from workers.kv.checksum import area_bytes
 from workers.kv.decode_messenger import DecodeMessengerConfig
 from workers.kv.endpoint import PrefillEndpoint
-from workers.kv.worker import DecodeWorker
-from workers.kv.worker_process import prefill_process_main
+from workers.service.kv_worker import DecodeWorker
+from workers.service.prefill_process import prefill_process_main
 
 SPAWN = multiprocessing.get_context("spawn")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # inherited by the spawned prefill worker

@@ -1,5 +1,5 @@
 """Typed errors of the router and control plane, mapped to gRPC status codes once, in
-`orchestrator.servicer` (never raised as status codes inside)."""
+`orchestrator.api.servicer` (never raised as status codes inside)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from workers.engine.errors import CapacityError, InvalidRequestError
 
 __all__ = [
     "CapacityError",
+    "ContextLengthError",
     "DuplicateRequestError",
     "InvalidRequestError",
     "QueueFullError",
@@ -34,3 +35,8 @@ class DuplicateRequestError(RouterError):
 
 class WorkerFailedError(RouterError):
     """The worker serving a request failed or left service mid-request."""
+
+
+class ContextLengthError(InvalidRequestError):
+    """The prompt plus an explicit max_tokens exceed max_model_len
+    (`orchestrator.router.types.GenerationInput.max_tokens_within_context`)."""

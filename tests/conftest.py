@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -12,6 +14,14 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Ray, wherever a test starts or joins one (set before any test module imports it).
+for _name, _value in (
+    ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"),
+    ("RAY_USAGE_STATS_ENABLED", "0"),
+    ("RAY_AUTH_MODE", "disabled"),
+    ("RAY_worker_niceness", "0"),  # as orchestrator.control.app.ray_environment
+):
+    os.environ.setdefault(_name, _value)
 
 
 @pytest.fixture(scope="session")
@@ -31,3 +41,27 @@ def small_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from workers.engine.presets import write_random_checkpoint
 
     return write_random_checkpoint("small", tmp_path_factory.mktemp("small"))
+
+
+@pytest.fixture(scope="session")
+def ray_local() -> Iterator[None]:
+    """In-process Ray for the served-cluster tests (tests/system, the API's end-to-end tests):
+    started once per session, on first use; each module places and removes its own workers."""
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture
+def worker_servers() -> Iterator[Any]:
+    """`tests.orchestrator.harness.Servers`: worker servers on loopback, stopped at the end."""
+    from tests.orchestrator.harness import Servers
+
+    started = Servers()
+    yield started
+    for server in started.running:
+        server.stop(0.1)

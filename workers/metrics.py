@@ -76,7 +76,7 @@ QUEUE_BUCKETS: tuple[float, ...] = (
     0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
     30.0, 60.0, 120.0, 300.0, 600.0,
 )  # fmt: skip
-# A KV push costs tens to hundreds of ms on the reference deployment (DESIGN.md §1).
+# A KV push costs tens to hundreds of ms on the reference deployment (docs/design.md §1).
 TRANSFER_BUCKETS: tuple[float, ...] = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2,
     0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0,
@@ -131,7 +131,7 @@ METRIC_SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("pdserve_num_requests_running", "gauge", "Requests being processed now."),
     MetricSpec("pdserve_num_requests_waiting", "gauge", "Requests waiting to be scheduled."),
     # The router counts the tokens of the requests it finished; a worker what its engine did
-    # (`orchestrator.worker_metrics`), so a prompt split between prefill and decode counts on
+    # (`workers.service.metrics`), so a prompt split between prefill and decode counts on
     # both and a prompt recomputed after preemption counts again.
     MetricSpec(
         "pdserve_prompt_tokens_total",

@@ -8,13 +8,9 @@ from pathlib import Path
 
 import grpc
 
-from orchestrator.security import channel_credentials, token_interceptors
-from orchestrator.stubs import ensure_stubs
-
-ensure_stubs()
-
-from protos.pdserve.v1 import generation_pb2 as pb  # noqa: E402
-from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
+from orchestrator.api.security import channel_credentials, token_interceptors
+from protos.pdserve.v1 import generation_pb2 as pb
+from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 
 
 @dataclass
@@ -67,7 +63,7 @@ def channel(
     TLS is on when ``tls`` or any of ``tls_ca`` (the CA that signed the router's certificate;
     None: the system's roots), ``client_cert`` / ``client_key`` (mTLS, both or neither) is
     given; otherwise plaintext. ``token`` is sent as ``authorization: Bearer`` on every call.
-    Unreadable files raise `orchestrator.security.TLSFileError` before anything connects.
+    Unreadable files raise `orchestrator.api.security.TLSFileError` before anything connects.
     """
     interceptors = token_interceptors(token) if token else None
     if tls or tls_ca is not None or client_cert is not None or client_key is not None:

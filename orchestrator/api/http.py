@@ -4,7 +4,7 @@
     GET  /v1/models, /v1/models/{id}, /health
 
 Requests run through the same `Router.generate` as the gRPC servicer (same queue, policy,
-metrics); `orchestrator.openai_protocol` translates bodies and events. Errors become HTTP
+metrics); `orchestrator.api.openai_protocol` translates bodies and events. Errors become HTTP
 statuses only here, in OpenAI's shape ``{"error": {"message", "type", "code"}}``:
 
     InvalidRequestError (bad body, sampling, context overflow)  -> 400
@@ -40,16 +40,7 @@ from typing import Any
 
 from aiohttp import web
 
-from orchestrator.config_sections import join_host_port
-from orchestrator.errors import (
-    CapacityError,
-    DuplicateRequestError,
-    InvalidRequestError,
-    QueueFullError,
-    UnavailableError,
-    WorkerFailedError,
-)
-from orchestrator.openai_protocol import (
+from orchestrator.api.openai_protocol import (
     ParsedRequest,
     UnsupportedParameterError,
     completion_response,
@@ -59,8 +50,19 @@ from orchestrator.openai_protocol import (
     stream_chunk,
     usage_chunk,
 )
-from orchestrator.router import ContextLengthError, Router, StreamEvent
-from orchestrator.security import bearer_matches
+from orchestrator.api.security import bearer_matches
+from orchestrator.errors import (
+    CapacityError,
+    ContextLengthError,
+    DuplicateRequestError,
+    InvalidRequestError,
+    QueueFullError,
+    UnavailableError,
+    WorkerFailedError,
+)
+from orchestrator.router.core import Router
+from orchestrator.router.types import StreamEvent
+from workers.netaddr import join_host_port
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +159,7 @@ class OpenAIHttpApi:
 
     async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> str:
         """Listen on ``host:port`` (0: any free port), over HTTPS with ``ssl_context``
-        (`orchestrator.security.ServerTLS`); returns the bound ``host:port``."""
+        (`orchestrator.api.security.ServerTLS`); returns the bound ``host:port``."""
         self._runner = runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
         await runner.setup()
         site = web.TCPSite(runner, host, port, ssl_context=ssl_context)

@@ -2,7 +2,7 @@
 
 gRPC turns an exception raised while deserializing a request into INTERNAL, which blames the
 server for the client's bytes. `checked_deserializer` therefore never raises: it returns the
-parsed message or a `MalformedRequest`, which `orchestrator.servicer` answers with
+parsed message or a `MalformedRequest`, which `orchestrator.api.servicer` answers with
 INVALID_ARGUMENT before any handler runs. Rejected here, in this order:
 
 - a request larger than ``router.max_request_bytes``, before parsing anything (bytes beyond

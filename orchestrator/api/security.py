@@ -5,10 +5,10 @@ Server: `load_server_tls` reads ``router.tls`` once at start-up and returns the 
 both fronts (`ServerTLS`); ``ca`` set means mutual TLS (a client certificate signed by it is
 required). `TokenAuthInterceptor` rejects gRPC calls without ``authorization: Bearer <token>``
 metadata with UNAUTHENTICATED; ``grpc.health.v1.Health`` stays open, as ``/health`` does on HTTP
-(`orchestrator.http_api`), so that load balancers and probes need no secret.
+(`orchestrator.api.http`), so that load balancers and probes need no secret.
 
 Client: `channel_credentials` (root CA, optional client certificate) and `token_metadata` /
-`token_interceptors` for the token (`orchestrator.client.channel` puts them together).
+`token_interceptors` for the token (`orchestrator.api.client.channel` puts them together).
 
 Unreadable or malformed files fail with `TLSFileError`, naming the setting and the file, before
 anything listens.
@@ -25,7 +25,7 @@ from typing import Any
 
 import grpc
 
-from orchestrator.config_sections import ConfigError, TLSConfig
+from orchestrator.config.sections import ConfigError, TLSConfig
 
 # Health checks carry no token (probes, load balancers), exactly as /health on HTTP.
 OPEN_METHOD_PREFIXES: tuple[str, ...] = ("/grpc.health.v1.Health/",)

@@ -8,7 +8,7 @@
     anything else                                          -> INTERNAL (logged)
 
 Request bytes are checked before any handler runs (`add_generation_servicer`, with
-`orchestrator.request_checks`): oversized, corrupt, invalid UTF-8 or unknown fields ->
+`orchestrator.api.request_checks`): oversized, corrupt, invalid UTF-8 or unknown fields ->
 INVALID_ARGUMENT. Register the servicer with `add_generation_servicer`, never with the generated
 ``add_GenerationServicer_to_server`` (whose deserializer turns bad bytes into INTERNAL).
 
@@ -26,6 +26,8 @@ from typing import Any, TypeVar
 
 import grpc
 
+from orchestrator.api.request_checks import MalformedRequest, checked_deserializer
+from orchestrator.control.registry import Registry
 from orchestrator.errors import (
     CapacityError,
     DuplicateRequestError,
@@ -34,9 +36,8 @@ from orchestrator.errors import (
     UnavailableError,
     WorkerFailedError,
 )
-from orchestrator.registry import Registry
-from orchestrator.request_checks import MalformedRequest, checked_deserializer
-from orchestrator.router import GenerationInput, Router, StreamEvent
+from orchestrator.router.core import Router
+from orchestrator.router.types import GenerationInput, StreamEvent
 from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 

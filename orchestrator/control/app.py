@@ -1,6 +1,6 @@
 """The served system in one process: Ray (joined or embedded), the control plane, the router and
 its gRPC server with health and reflection (TLS / mTLS and token auth per ``router.tls`` /
-``router.auth``, `orchestrator.security`).
+``router.auth``, `orchestrator.api.security`).
 
 `ServingApp.start()` places every worker group and binds the router; `ServingApp.stop()` drains
 (health NOT_SERVING, new requests UNAVAILABLE, running and queued ones finish within
@@ -17,9 +17,8 @@ import signal
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.config import ClusterConfig
-from orchestrator.config_sections import join_host_port
-from orchestrator.stubs import ensure_stubs
+from orchestrator.config.cluster import ClusterConfig
+from workers.netaddr import join_host_port
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +26,8 @@ GENERATION_SERVICE = "pdserve.v1.Generation"
 
 
 def ray_environment() -> None:
-    """ENV.md "Ray on these machines": loopback only, no usage stats."""
+    """An embedded single-node Ray stays on loopback (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``)
+    and sends no usage stats."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # Ray starts worker processes at nice 15 by default; our workers are the inference engines,
@@ -93,7 +93,6 @@ class ServingApp:
         options: AppOptions | None = None,
         controller_options: Any = None,
     ) -> None:
-        ensure_stubs()
         self.config = config
         self.options = options or AppOptions()
         self._controller_options = controller_options
@@ -107,13 +106,13 @@ class ServingApp:
         self._http: Any = None
         self.http_address = ""
         self.metrics_registry: Any = None
-        self._tls: Any = None  # orchestrator.security.ServerTLS when router.tls is enabled
+        self._tls: Any = None  # orchestrator.api.security.ServerTLS when router.tls is enabled
 
     async def start(self) -> str:
         """Place the workers and bind the router; returns its ``host:port``."""
-        from orchestrator.controller import Controller
-        from orchestrator.registry import Registry
-        from orchestrator.security import load_server_tls
+        from orchestrator.api.security import load_server_tls
+        from orchestrator.control.controller import Controller
+        from orchestrator.control.registry import Registry
 
         # Before anything is placed: a missing or unusable certificate fails here, cheaply.
         if self.config.router.tls.enabled:
@@ -138,8 +137,8 @@ class ServingApp:
         from grpc_reflection.v1alpha import reflection
         from prometheus_client import CollectorRegistry
 
-        from orchestrator.router import Router
-        from orchestrator.servicer import GenerationServicer, add_generation_servicer
+        from orchestrator.api.servicer import GenerationServicer, add_generation_servicer
+        from orchestrator.router.core import Router
         from workers.metrics import Metrics, serve_metrics
 
         config = self.config
@@ -185,13 +184,13 @@ class ServingApp:
         await self._start_http(model_info.model_name)
 
     def _interceptors(self) -> list[Any]:
-        from orchestrator.security import TokenAuthInterceptor
+        from orchestrator.api.security import TokenAuthInterceptor
 
         token = self.config.router.auth.token
         return [TokenAuthInterceptor(token)] if token else []
 
     async def _start_http(self, model_name: str) -> None:
-        from orchestrator.http_api import HttpSettings, OpenAIHttpApi
+        from orchestrator.api.http import HttpSettings, OpenAIHttpApi
 
         where = self.config.router.http_host_port
         if where is None:
@@ -238,8 +237,8 @@ class ServingApp:
 
 def describe(config: ClusterConfig, registry: Any, seed: int | None) -> tuple[Any, Any, Any, Any]:
     """Model info, tokenizer, router settings and group views of a started cluster."""
-    from orchestrator.router import RouterSettings
-    from orchestrator.servicer import GroupView
+    from orchestrator.api.servicer import GroupView
+    from orchestrator.router.types import RouterSettings
     from protos.pdserve.v1 import generation_pb2 as pb
     from workers.engine.model_config import ModelConfig
     from workers.engine.stop_checker import try_load_tokenizer

@@ -21,12 +21,12 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from orchestrator.config import ClusterConfig, GroupConfig
-from orchestrator.placement import place_worker, remove_worker_placement, worker_bundles
-from orchestrator.registry import Registry, WorkerRecord
-from orchestrator.worker_actor import WorkerActor, WorkerSpec
-from orchestrator.worker_backend import WorkerLoad
+from orchestrator.config.cluster import ClusterConfig, GroupConfig
+from orchestrator.control.placement import place_worker, remove_worker_placement, worker_bundles
+from orchestrator.control.registry import Registry, WorkerRecord
 from workers.engine.config import EngineConfig
+from workers.service.actor import WorkerActor, WorkerSpec
+from workers.wire import WorkerLoad
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class Controller:
             provider=fabric.provider if fabric else "tcp;ofi_rxm",
             fabric_node=fabric.node if fabric else None,
             host=self.config.worker_host,
-            transfer=dataclasses.asdict(self.config.transfer),
+            transfer=self.config.transfer.model_dump(),
             metrics_port=self.options.worker_metrics_port,
             nice=group.nice,
         )

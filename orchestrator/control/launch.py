@@ -1,8 +1,8 @@
-"""``python -m orchestrator.launch CONFIG``: serve a cluster config on the Ray cluster this
+"""``python -m orchestrator.control.launch CONFIG``: serve a cluster config on the Ray cluster this
 process belongs to, until SIGINT / SIGTERM. The entry point of (from the repository root, with
 the head started from this checkout's venv, ``.venv/bin/ray start --head``)::
 
-    ray job submit --working-dir configs -- "$PWD/.venv/bin/python" -m orchestrator.launch \\
+    ray job submit --working-dir configs -- "$PWD/.venv/bin/python" -m orchestrator.control.launch \\
         local-1p3d.yaml --model "$PWD/.cache/models/SmolLM2-135M-Instruct"
 
 Ship the config alone as the working directory, never the repository: Ray leaves git-ignored
@@ -19,14 +19,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import sys
 from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
+from workers.log import configure_logging
+
 if TYPE_CHECKING:
-    from orchestrator.config import ClusterConfig
+    from orchestrator.config.cluster import ClusterConfig
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,7 +75,7 @@ def _port_type(lowest: int) -> Callable[[str], int]:
 
 def config_from_args(args: argparse.Namespace) -> ClusterConfig:
     """The config file with the command line's overrides (raises `ConfigError`)."""
-    from orchestrator.config import ClusterConfig
+    from orchestrator.config.cluster import ClusterConfig
 
     return ClusterConfig.from_yaml(args.config).with_overrides(
         model=args.model, address=args.address, http_address=args.http_address
@@ -100,8 +101,8 @@ def run_reporting(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
     not a traceback. ``main`` stops what it started before any of these reach here."""
     from ray.exceptions import RayError
 
-    from orchestrator.config import ConfigError
-    from orchestrator.placement import PlacementError
+    from orchestrator.config.cluster import ConfigError
+    from orchestrator.control.placement import PlacementError
 
     try:
         return asyncio.run(main())
@@ -115,9 +116,9 @@ def run_reporting(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from orchestrator.app import AppOptions, serve
-    from orchestrator.config import ConfigError
-    from orchestrator.controller import ControllerOptions
+    from orchestrator.config.cluster import ConfigError
+    from orchestrator.control.app import AppOptions, serve
+    from orchestrator.control.controller import ControllerOptions
 
     try:
         config = config_from_args(args)
@@ -131,12 +132,12 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m orchestrator.launch", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m orchestrator.control.launch", description=__doc__
+    )
     add_serve_arguments(parser)
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging()
     return run_serve(args)
 
 

@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from orchestrator.worker_backend import WorkerLoad
+from workers.wire import WorkerLoad
 
 logger = logging.getLogger(__name__)
 

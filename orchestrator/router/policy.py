@@ -4,7 +4,7 @@ fills its KV (`PrefillLoad`).
 Contract of `RoutingPolicy.pick`: given the ready workers with room (never empty) and the
 router's count of outstanding requests per worker id, return one of them. Policies keep no
 references to records between calls. ``create_policy(name)`` is the registry of names
-(`orchestrator.config_sections.ROUTING_POLICIES`).
+(`orchestrator.config.sections.ROUTING_POLICIES`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import random
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 
-from orchestrator.registry import WorkerRecord
+from orchestrator.control.registry import WorkerRecord
 
 
 class RoutingPolicy(ABC):
@@ -77,7 +77,7 @@ class PrefillLoad:
     A uniformly random source can queue a long prompt behind another while a second prefill
     worker idles. Tokens, not requests, because the prefill cost grows with the prompt. Each
     router counts only its own requests. The simulator picks prefill instances the same way.
-    The mapping of a decoder's replica sets onto the source's (DESIGN.md §4) is the
+    The mapping of a decoder's replica sets onto the source's (docs/design.md §4) is the
     messenger's, per request, and stays random.
     """
 

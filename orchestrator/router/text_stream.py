@@ -8,8 +8,9 @@ are held back, since they may turn out to be the start of a stop string.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
+from workers.engine.sampling_params import SamplingParams
 from workers.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -62,3 +63,17 @@ class TextStream:
         if hits:
             self.text = self.text[: min(hits)]
             self.stopped = True
+
+
+def text_token_ids(
+    token_ids: Sequence[int], reason: str, params: SamplingParams, eos_token_ids: Collection[int]
+) -> Sequence[int]:
+    """The delta's tokens whose text is output: as in the engine (`StopChecker`, vLLM), a token
+    that stopped the request as EOS (``eos_token_ids``: none with ``ignore_eos``) or as a stop
+    token id adds none (the id is still streamed). A stop string's last token is pushed:
+    `TextStream` cuts the string off."""
+    if reason != "stop" or not token_ids:
+        return token_ids
+    last = token_ids[-1]
+    stops = last in params.stop_token_ids or last in eos_token_ids
+    return token_ids[:-1] if stops else token_ids

@@ -7,23 +7,20 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
 import ray.util
 
-from orchestrator.config import ClusterConfig
-from orchestrator.controller import Controller
-from orchestrator.registry import Registry
-from orchestrator.worker_actor import advertised_address
-from orchestrator.worker_backend import Sink, WorkerLoad
-from orchestrator.worker_service import WorkerServer, WorkerServicer
+from orchestrator.config.cluster import ClusterConfig
+from orchestrator.control.controller import Controller
+from orchestrator.control.registry import Registry
 from protos.pdserve.v1 import worker_pb2 as wpb
 from protos.pdserve.v1 import worker_pb2_grpc as wpb_grpc
-from workers.engine.sampling_params import SamplingParams
+from tests.fakes import FakeIdleBackend
+from workers.service.actor import advertised_address
+from workers.service.server import WorkerServer, WorkerServicer
 
 
 @pytest.fixture
@@ -72,42 +69,11 @@ def ipv6_unavailable() -> str | None:
     return None
 
 
-class IdleBackend:
-    """A backend with nothing running: only `load` is called here."""
-
-    role = "mixed"
-
-    def submit(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        prefill_endpoint: bytes,
-        sink: Sink,
-    ) -> None:
-        raise AssertionError("not called")
-
-    def abort(self, request_id: str) -> None:
-        pass
-
-    def load(self) -> WorkerLoad:
-        return WorkerLoad(0, 0, 7, 8)
-
-    def transfer_stats(self, request_id: str) -> dict[str, Any] | None:
-        return None
-
-    def prefill_endpoint(self) -> bytes:
-        return b""
-
-    def close(self) -> None:
-        pass
-
-
 def test_a_worker_server_on_the_ipv6_wildcard_binds_and_reports_a_bracketed_address() -> None:
     reason = ipv6_unavailable()
     if reason is not None:
         pytest.skip(reason)
-    servicer = WorkerServicer("mixed-0", IdleBackend())
+    servicer = WorkerServicer("mixed-0", FakeIdleBackend())
     server = WorkerServer(servicer, host="::", port=0)
     try:
         assert server.port > 0

@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.worker_backend import MixedBackend, TokenDelta
 from workers.engine.config import EngineConfig
 from workers.engine.errors import EngineClosedError, TensorParallelError
 from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import SamplingParams
+from workers.service.backend import MixedBackend
+from workers.wire import TokenDelta
 
 DEADLINE_S = 30.0
 LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from orchestrator.worker_actor import lower_cpu_priority
+from workers.service.actor import lower_cpu_priority
 
 pytestmark = pytest.mark.skipif(
     not os.path.isdir("/proc/self/task"), reason="per-thread nice values are Linux's"
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(
 CHILD = textwrap.dedent(
     """
     import os, threading
-    from orchestrator.worker_actor import lower_cpu_priority
+    from workers.service.actor import lower_cpu_priority
 
     def nices():
         return {os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir("/proc/self/task")}

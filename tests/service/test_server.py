@@ -1,24 +1,28 @@
 """The worker's gRPC service against a real engine (tiny preset): a client that leaves while
 its request is being submitted, a duplicate id on a Connect stream, an engine that cannot take
-requests, and `pdserve generate` when its reader leaves."""
+requests."""
 
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 
-from orchestrator.worker_backend import MixedBackend
-from orchestrator.worker_service import WorkerServer, WorkerServicer
 from protos.pdserve.v1 import worker_pb2 as wpb
 from protos.pdserve.v1 import worker_pb2_grpc as wpb_grpc
-from tests.orchestrator.cluster_helpers import wait_until_async
+from tests.waiting import wait_until_async
 from workers.engine.config import EngineConfig
 from workers.engine.errors import EngineClosedError
+from workers.service.backend import MixedBackend
+from workers.service.server import WorkerServer, WorkerServicer
+
+# Bounds the waits for what a bug prevents; the client's deadline is well within it.
+BOUND = 30.0
+DEADLINE_S = 1.0
 
 
 @pytest.fixture
@@ -51,12 +55,15 @@ def test_a_client_leaving_while_its_request_is_submitted_aborts_it(
     mixed: tuple[MixedBackend, WorkerServer],
 ) -> None:
     """The submit waits for the engine's current step; a client deadline in that window used
-    to leave the request running to max_tokens for nobody."""
+    to leave the request running to max_tokens for nobody. The step is held (as a big prefill
+    chunk on a loaded machine runs long) until the deadline has passed."""
     backend, server = mixed
     real_step = backend.engine.step
+    stepping, release = threading.Event(), threading.Event()
 
-    def slow_step():  # type: ignore[no-untyped-def]
-        time.sleep(0.4)  # a long step: a big prefill chunk on a loaded machine
+    def held_step():  # type: ignore[no-untyped-def]
+        stepping.set()
+        release.wait(BOUND)
         return real_step()
 
     async def run() -> None:
@@ -64,18 +71,30 @@ def test_a_client_leaving_while_its_request_is_submitted_aborts_it(
             stub = wpb_grpc.WorkerStub(channel)
             busy = stub.Generate(request("busy", 400))
             await anext(busy.__aiter__())
-            backend.engine.step = slow_step  # type: ignore[method-assign]
-            await asyncio.sleep(0.5)  # a slow step is running
-            with pytest.raises(grpc.aio.AioRpcError) as left:
-                async for _ in stub.Generate(request("victim", 400), timeout=0.15):
+            backend.engine.step = held_step  # type: ignore[method-assign]
+            await wait_until_async(stepping.is_set, BOUND)  # a long step is running
+
+            async def victim() -> None:
+                async for _ in stub.Generate(request("victim", 400), timeout=DEADLINE_S):
                     pass
+
+            leaving = asyncio.create_task(victim())
+            # The victim's submit waits for the step (a call queued on the step loop) ...
+            await wait_until_async(
+                lambda: backend._loop._calls.qsize() > 0, DEADLINE_S, "the submit waiting"
+            )
+            # ... when its client's deadline passes.
+            with pytest.raises(grpc.aio.AioRpcError) as left:
+                await leaving
             assert left.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            release.set()
             busy.cancel()
             await wait_until_async(lambda: in_engine(backend) == [])
 
     try:
         asyncio.run(run())
     finally:
+        release.set()
         backend.engine.step = real_step  # type: ignore[method-assign]
 
 
@@ -132,79 +151,3 @@ def test_start_failures_have_their_status(
             return failed.value.code()
 
     assert asyncio.run(run()) == code
-
-
-# --- `pdserve generate` ------------------------------------------------------------------------
-
-
-class _Streams:
-    """Fake, named: a Generation server whose stream ends as the test needs. pdserve's router
-    always ends a stream with a finish reason; a proxy or a dying router may not."""
-
-    @staticmethod
-    def serve() -> tuple[str, Callable[[], None]]:
-        import threading
-
-        from orchestrator.client import pb, pb_grpc
-
-        class Servicer(pb_grpc.GenerationServicer):  # type: ignore[misc]
-            async def Generate(self, request, context):  # type: ignore[no-untyped-def]
-                if request.prompt == "long":
-                    for _ in range(2000):
-                        yield pb.GenerateResponse(text="token " * 50)
-                    yield pb.GenerateResponse(finish_reason="length")
-                else:  # "no finish"
-                    yield pb.GenerateResponse(text="partial")
-
-        loop = asyncio.new_event_loop()
-        ready: list[str] = []
-
-        async def start() -> grpc.aio.Server:
-            server = grpc.aio.server()
-            pb_grpc.add_GenerationServicer_to_server(Servicer(), server)
-            ready.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
-            await server.start()
-            return server
-
-        thread = threading.Thread(target=loop.run_forever, daemon=True)
-        thread.start()
-        server = asyncio.run_coroutine_threadsafe(start(), loop).result(30)
-
-        def stop() -> None:
-            asyncio.run_coroutine_threadsafe(server.stop(None), loop).result(30)
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(10)
-
-        return ready[0], stop
-
-
-def test_generate_reports_a_stream_without_a_finish_reason(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    from orchestrator.cli import main
-
-    address, stop = _Streams.serve()
-    try:
-        assert main(["generate", "--address", address, "no finish"]) == 1
-    finally:
-        stop()
-    assert "the stream ended without a finish reason" in capsys.readouterr().err
-
-
-def test_generate_into_a_closed_pipe_ends_quietly() -> None:
-    import subprocess
-    import sys
-
-    address, stop = _Streams.serve()
-    try:
-        pipeline = subprocess.run(
-            f"{sys.executable} -m orchestrator.cli generate --address {address} long | head -c 100",
-            shell=True,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-    finally:
-        stop()
-    assert len(pipeline.stdout) == 100
-    assert "Traceback" not in pipeline.stderr, pipeline.stderr

@@ -1,32 +1,23 @@
-"""A served cluster on in-process Ray for the end-to-end tests (tiny preset, real gRPC).
+"""A served cluster on Ray for the end-to-end tests (tiny preset, real gRPC).
 
-`ServedCluster` runs `orchestrator.app.ServingApp` on an event loop of a background thread, so
-that tests can use blocking or asyncio clients alike.
+`ServedCluster` runs `orchestrator.control.app.ServingApp` on an event loop of a background
+thread, so that tests can use blocking or asyncio clients alike. The Ray settings and the
+session's in-process Ray (``ray_local``) are in ``tests/conftest.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
-import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
 
-from orchestrator.config import ClusterConfig
+from orchestrator.config.cluster import ClusterConfig
 
 T = TypeVar("T")
-
-for _name, _value in (
-    ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"),
-    ("RAY_USAGE_STATS_ENABLED", "0"),
-    ("RAY_AUTH_MODE", "disabled"),
-    ("RAY_worker_niceness", "0"),  # as orchestrator.app.ray_environment
-):
-    os.environ.setdefault(_name, _value)
 
 
 def cluster_config(model_dir: Path, groups: dict[str, Any], **overrides: Any) -> ClusterConfig:
@@ -70,7 +61,7 @@ class ServedCluster:
     def __init__(
         self, config: ClusterConfig, controller_options: Any = None, app_options: Any = None
     ) -> None:
-        from orchestrator.app import ServingApp
+        from orchestrator.control.app import ServingApp
 
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -87,27 +78,6 @@ class ServedCluster:
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(10)
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 30.0, what: str = "") -> None:
-    """Poll ``predicate`` until true; fail with ``what`` after ``timeout`` (a bound, not a
-    timing assertion: the condition must eventually hold)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or predicate}")
-        time.sleep(0.05)
-
-
-async def wait_until_async(
-    predicate: Callable[[], bool], timeout: float = 60.0, what: str = ""
-) -> None:
-    """`wait_until` for a coroutine: the event loop keeps running between the looks."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or predicate}")
-        await asyncio.sleep(0.01)
 
 
 def free_pages(stub: Any, pb: Any) -> list[tuple[str, int, int]]:

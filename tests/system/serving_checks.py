@@ -9,10 +9,11 @@ from typing import Any
 import grpc
 import pytest
 
-from orchestrator.client import pb, pb_grpc
-from orchestrator.config_sections import DEFAULT_MAX_REQUEST_BYTES
+from orchestrator.api.client import pb, pb_grpc
+from orchestrator.config.sections import DEFAULT_MAX_REQUEST_BYTES
 from protos.pdserve.v1 import worker_pb2 as wpb
-from tests.orchestrator.cluster_helpers import free_pages, pools_full, wait_until
+from tests.system.cluster_helpers import free_pages, pools_full
+from tests.waiting import wait_until
 from workers.engine.config import EngineConfig
 from workers.engine.engine_core import EngineCore
 from workers.engine.sampling_params import SamplingParams
@@ -145,7 +146,7 @@ def _length_delimited(number: int, payload: bytes) -> bytes:
 
 
 def raw_bad_requests(max_request_bytes: int) -> dict[str, bytes]:
-    """Bytes no client built against generation.proto sends (see orchestrator.request_checks)."""
+    """Bytes no client built against generation.proto sends (see orchestrator.api.request_checks)."""
     good = _GOOD.SerializeToString()
     worker_sampling = wpb.WorkerSamplingParams(logprobs=True).SerializeToString()
     return {
@@ -244,3 +245,18 @@ def check_cancel_and_deadline(address: str) -> None:
             lambda: stub.GetClusterState(pb.GetClusterStateRequest()).num_outstanding_requests == 0,
             what="router forgot the requests",
         )
+
+
+def greedy_reference(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy token ids of the colocated engine (ignore_eos, as the requests)."""
+    return colocated_outputs(model_dir, prompts, max_tokens, ignore_eos=True)
+
+
+def greedy_request(request_id: str, prompt: list[int], max_tokens: int) -> pb.GenerateRequest:
+    """A greedy request of ``max_tokens`` tokens exactly (ignore_eos) that returns its ids."""
+    return pb.GenerateRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        return_token_ids=True,
+        sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+    )

@@ -1,5 +1,5 @@
 """Faults of a disaggregated cluster with real processes (1P:2D on real Ray, real gRPC, KV over
-libfabric tcp on loopback): a decode worker killed mid-decode (issue #8, item 2), and one killed
+libfabric tcp on loopback): a decode worker killed mid-decode, and one killed
 while its requests wait for their KV (they are served by the other decoder), and the only
 prefill worker killed (decoders prefill requests themselves until it is replaced).
 
@@ -23,16 +23,16 @@ from pathlib import Path
 import grpc
 import pytest
 
-from orchestrator.client import pb, pb_grpc
-from orchestrator.controller import ControllerOptions
-from tests.orchestrator import serving_checks
-from tests.orchestrator.cluster_helpers import (
+from orchestrator.api.client import pb, pb_grpc
+from orchestrator.control.controller import ControllerOptions
+from tests.system import serving_checks
+from tests.system.cluster_helpers import (
     ServedCluster,
     cluster_config,
     disaggregated_groups,
     pools_full,
-    wait_until,
 )
+from tests.waiting import wait_until
 from workers.engine.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -56,11 +56,6 @@ def cluster(ray_local: None, tiny_model_dir: Path) -> Iterator[ServedCluster]:
         served.close()
 
 
-def greedy_reference(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Greedy token ids of the colocated engine (ignore_eos, as the requests)."""
-    return serving_checks.colocated_outputs(model_dir, prompts, max_tokens, ignore_eos=True)
-
-
 def wait_all_ready(cluster: ServedCluster) -> None:
     """Every worker of the module's cluster ready (an earlier test may have had one replaced)."""
     workers = cluster.app.controller.registry.workers
@@ -68,15 +63,6 @@ def wait_all_ready(cluster: ServedCluster) -> None:
         lambda: all(workers[w].is_ready for w in ("decode-0", "decode-1", "prefill-0")),
         timeout=180,
         what="every worker ready",
-    )
-
-
-def request(request_id: str, prompt: list[int], max_tokens: int) -> pb.GenerateRequest:
-    return pb.GenerateRequest(
-        request_id=request_id,
-        prompt_token_ids=prompt,
-        return_token_ids=True,
-        sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
     )
 
 
@@ -136,8 +122,8 @@ def test_a_decoder_killed_mid_decode_is_routed_around_and_replaced(
     tokenizer = load_tokenizer(tiny_model_dir)
     long_prompts = [tokenizer.encode(f"story {i}: once upon a time there was") for i in range(4)]
     short_prompts = [tokenizer.encode(f"short {i}") for i in range(4)]
-    expected_long = greedy_reference(tiny_model_dir, long_prompts, LONG_TOKENS)
-    expected_short = greedy_reference(tiny_model_dir, short_prompts, SHORT_TOKENS)
+    expected_long = serving_checks.greedy_reference(tiny_model_dir, long_prompts, LONG_TOKENS)
+    expected_short = serving_checks.greedy_reference(tiny_model_dir, short_prompts, SHORT_TOKENS)
     router = cluster.app.router
     registry = cluster.app.controller.registry
 
@@ -145,7 +131,9 @@ def test_a_decoder_killed_mid_decode_is_routed_around_and_replaced(
         stub = pb_grpc.GenerationStub(channel)
         # Four long streams: least-outstanding routing puts two on each decoder.
         streams = [
-            Stream(f"long-{i}").start(stub, request(f"long-{i}", prompt, LONG_TOKENS))
+            Stream(f"long-{i}").start(
+                stub, serving_checks.greedy_request(f"long-{i}", prompt, LONG_TOKENS)
+            )
             for i, prompt in enumerate(long_prompts)
         ]
         owner: dict[str, str] = {}
@@ -181,7 +169,11 @@ def test_a_decoder_killed_mid_decode_is_routed_around_and_replaced(
         # not have run yet); every new request is served by decode-1.
         sent_to_dead = decisions(cluster, "decode-0")
         replies = run_concurrently(
-            stub, [request(f"after-{i}", p, SHORT_TOKENS) for i, p in enumerate(short_prompts)]
+            stub,
+            [
+                serving_checks.greedy_request(f"after-{i}", p, SHORT_TOKENS)
+                for i, p in enumerate(short_prompts)
+            ],
         )
         assert [[t for r in rs for t in r.token_ids] for rs in replies] == expected_short
         assert all(rs[-1].finish_reason == "length" for rs in replies)
@@ -214,7 +206,11 @@ def test_a_decoder_killed_mid_decode_is_routed_around_and_replaced(
         before = decisions(cluster, "decode-0")
         # Concurrent requests: least-outstanding sends half of them to the new decode-0.
         replies = run_concurrently(
-            stub, [request(f"again-{i}", p, SHORT_TOKENS) for i, p in enumerate(short_prompts)]
+            stub,
+            [
+                serving_checks.greedy_request(f"again-{i}", p, SHORT_TOKENS)
+                for i, p in enumerate(short_prompts)
+            ],
         )
         assert [[t for r in rs for t in r.token_ids] for rs in replies] == expected_short
         assert decisions(cluster, "decode-0") > before
@@ -232,7 +228,7 @@ def test_requests_waiting_for_their_kv_on_a_killed_decoder_are_served_by_the_oth
 
     tokenizer = load_tokenizer(tiny_model_dir)
     prompts = [tokenizer.encode(f"waiting {i}: the weather today") for i in range(4)]
-    expected = greedy_reference(tiny_model_dir, prompts, SHORT_TOKENS)
+    expected = serving_checks.greedy_reference(tiny_model_dir, prompts, SHORT_TOKENS)
     router = cluster.app.router
     registry = cluster.app.controller.registry
     wait_all_ready(cluster)
@@ -245,7 +241,9 @@ def test_requests_waiting_for_their_kv_on_a_killed_decoder_are_served_by_the_oth
         os.kill(prefill_pid, signal.SIGSTOP)
         try:
             streams = [
-                Stream(f"waiting-{i}").start(stub, request(f"waiting-{i}", p, SHORT_TOKENS))
+                Stream(f"waiting-{i}").start(
+                    stub, serving_checks.greedy_request(f"waiting-{i}", p, SHORT_TOKENS)
+                )
                 for i, p in enumerate(prompts)
             ]
 
@@ -293,7 +291,7 @@ def test_while_the_only_prefill_worker_is_down_decoders_prefill_requests_themsel
 
     tokenizer = load_tokenizer(tiny_model_dir)
     prompts = [tokenizer.encode(f"no prefill {i}: a long way home") for i in range(4)]
-    expected = greedy_reference(tiny_model_dir, prompts, SHORT_TOKENS)
+    expected = serving_checks.greedy_reference(tiny_model_dir, prompts, SHORT_TOKENS)
     registry = cluster.app.controller.registry
     wait_all_ready(cluster)
     generation = registry.workers["prefill-0"].generation
@@ -301,7 +299,11 @@ def test_while_the_only_prefill_worker_is_down_decoders_prefill_requests_themsel
         stub = pb_grpc.GenerationStub(channel)
         ray.kill(cluster.app.controller.handle_of("prefill-0"), no_restart=True)
         replies = run_concurrently(
-            stub, [request(f"no-prefill-{i}", p, SHORT_TOKENS) for i, p in enumerate(prompts)]
+            stub,
+            [
+                serving_checks.greedy_request(f"no-prefill-{i}", p, SHORT_TOKENS)
+                for i, p in enumerate(prompts)
+            ],
         )
         assert [[t for r in rs for t in r.token_ids] for rs in replies] == expected
         assert all(rs[-1].finish_reason == "length" for rs in replies)
@@ -315,49 +317,11 @@ def test_while_the_only_prefill_worker_is_down_decoders_prefill_requests_themsel
             what="prefill-0 replaced",
         )
         replies = run_concurrently(
-            stub, [request(f"prefill-back-{i}", p, SHORT_TOKENS) for i, p in enumerate(prompts)]
+            stub,
+            [
+                serving_checks.greedy_request(f"prefill-back-{i}", p, SHORT_TOKENS)
+                for i, p in enumerate(prompts)
+            ],
         )
         assert [[t for r in rs for t in r.token_ids] for rs in replies] == expected
         wait_until(lambda: pools_full(stub, pb), timeout=60, what="every pool full again")
-
-
-def test_a_broken_link_makes_its_worker_suspect_until_replaced() -> None:
-    """The router side alone (real gRPC, a fake backend): a worker whose stream broke is not
-    chosen although the registry still says healthy; its replacement (new generation and
-    address) is."""
-    import asyncio
-
-    from orchestrator.errors import UnavailableError, WorkerFailedError
-    from orchestrator.router import GenerationInput
-    from orchestrator.worker_service import WorkerServer, WorkerServicer
-    from tests.orchestrator.cluster_helpers import wait_until_async
-    from tests.orchestrator.test_router_units import FakeBackend, _next, _router
-
-    backend, replacement = FakeBackend(), FakeBackend()
-    server = WorkerServer(WorkerServicer("decode-0", backend))
-    new_server = WorkerServer(WorkerServicer("decode-0", replacement))
-
-    async def run() -> None:
-        router = _router(server.address)
-        record = router.registry.workers["decode-0"]
-        task = asyncio.create_task(_next(router.generate(GenerationInput("doomed", "x"))))
-        await wait_until_async(lambda: "doomed" in backend.sinks, 4.0)
-        server.stop(0)  # the worker dies; the controller has not noticed (still healthy)
-        with pytest.raises(WorkerFailedError):
-            await task
-        assert record.is_ready
-        with pytest.raises(UnavailableError, match="no ready decode worker"):
-            await anext(router.generate(GenerationInput("next", "x")))
-        # Replaced: new generation at a new address, routable at once.
-        record.generation += 1
-        record.address = new_server.address
-        task = asyncio.create_task(_next(router.generate(GenerationInput("served", "x"))))
-        await wait_until_async(lambda: "served" in replacement.sinks, 4.0)
-        replacement.emit("served", ord("k"), "length")
-        assert (await task).finish_reason == "length"
-        await router.close()
-
-    try:
-        asyncio.run(run())
-    finally:
-        new_server.stop(0.1)

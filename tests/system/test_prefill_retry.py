@@ -1,4 +1,4 @@
-"""A prefill worker killed while requests are routed to it (issue #8, item 1, with retry): a
+"""A prefill worker killed while requests are routed to it, with retry: a
 request whose KV transfer fails before its first token is sent again by its decoder to the
 other prefill worker, and every request completes with the colocated engine's greedy tokens.
 2P:1D on real Ray, KV over libfabric tcp on loopback; the controller's health interval is long
@@ -14,17 +14,17 @@ from pathlib import Path
 import grpc
 import pytest
 
-from orchestrator.app import AppOptions
-from orchestrator.client import pb, pb_grpc
-from orchestrator.controller import ControllerOptions
-from tests.orchestrator.cluster_helpers import (
+from orchestrator.api.client import pb, pb_grpc
+from orchestrator.control.app import AppOptions
+from orchestrator.control.controller import ControllerOptions
+from tests.system import serving_checks
+from tests.system.cluster_helpers import (
     ServedCluster,
     cluster_config,
     disaggregated_groups,
     pools_full,
-    wait_until,
 )
-from tests.orchestrator.test_faults_disaggregated import greedy_reference, request
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -59,15 +59,18 @@ def test_requests_routed_to_a_killed_prefill_worker_are_retried_on_the_other(
     import ray
 
     prompts = [[5 + i, 17, 29, 41 + i] * (4 + i) for i in range(8)]
-    expected = greedy_reference(tiny_model_dir, prompts, MAX_TOKENS)
+    expected = serving_checks.greedy_reference(tiny_model_dir, prompts, MAX_TOKENS)
     ray.kill(cluster.app.controller.handle_of("prefill-0"), no_restart=True)
     assert cluster.app.controller.registry.workers["prefill-0"].is_ready  # not noticed
     with (
-        caplog.at_level(logging.WARNING, logger="orchestrator.router"),
+        caplog.at_level(logging.WARNING, logger="orchestrator.router.core"),
         grpc.insecure_channel(cluster.address) as channel,
     ):
         stub = pb_grpc.GenerationStub(channel)
-        messages = [request(f"retry-{i}", p, MAX_TOKENS) for i, p in enumerate(prompts)]
+        messages = [
+            serving_checks.greedy_request(f"retry-{i}", p, MAX_TOKENS)
+            for i, p in enumerate(prompts)
+        ]
         with ThreadPoolExecutor(len(messages)) as pool:
             replies = list(pool.map(lambda m: list(stub.Generate(m, timeout=120)), messages))
         got = [[t for r in rs for t in r.token_ids] for rs in replies]

@@ -11,16 +11,16 @@ from pathlib import Path
 import grpc
 import pytest
 
-from orchestrator.client import pb, pb_grpc
-from orchestrator.controller import ControllerOptions
-from tests.orchestrator import serving_checks
-from tests.orchestrator.cluster_helpers import (
+from orchestrator.api.client import pb, pb_grpc
+from orchestrator.control.controller import ControllerOptions
+from tests.system import serving_checks
+from tests.system.cluster_helpers import (
     ServedCluster,
     cluster_config,
     disaggregated_groups,
     pools_full,
-    wait_until,
 )
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -12,16 +12,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from orchestrator.client import pb, pb_grpc
-from orchestrator.controller import ControllerOptions
-from tests.orchestrator import serving_checks
-from tests.orchestrator.cluster_helpers import (
-    ServedCluster,
-    cluster_config,
-    mixed_groups,
-    pools_full,
-    wait_until,
-)
+from orchestrator.api.client import pb, pb_grpc
+from orchestrator.control.controller import ControllerOptions
+from tests.system import serving_checks
+from tests.system.cluster_helpers import ServedCluster, cluster_config, mixed_groups, pools_full
+from tests.waiting import wait_until, wait_until_async
 
 pytestmark = pytest.mark.slow
 
@@ -172,7 +167,7 @@ def test_failed_worker_ends_its_requests_and_is_replaced(cluster: ServedCluster)
 def test_unsatisfiable_placement_fails_with_a_clear_error(cluster: ServedCluster) -> None:
     import asyncio
 
-    from orchestrator.placement import PlacementError, place_worker, worker_bundles
+    from orchestrator.control.placement import PlacementError, place_worker, worker_bundles
 
     bundles = worker_bundles({"CPU": 64.0}, 2)
     with pytest.raises(PlacementError, match=r"not ready after 1 s.*cluster has"):
@@ -186,21 +181,22 @@ def test_a_placement_given_up_by_its_caller_is_removed(cluster: ServedCluster) -
 
     from ray.util import placement_group_table
 
-    from orchestrator.placement import place_worker, worker_bundles
+    from orchestrator.control.placement import place_worker, worker_bundles
+
+    def states() -> list[str]:
+        table = placement_group_table().values()
+        return [g["state"] for g in table if g["name"] == "pdserve-given-up"]
 
     async def give_up() -> None:
         bundles = worker_bundles({"CPU": 64.0}, 1)
         task = asyncio.ensure_future(place_worker("pdserve-given-up", bundles, 600))
-        await asyncio.sleep(0.5)
+        await wait_until_async(lambda: states() == ["PENDING"], what="the group waiting")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
 
     asyncio.run(give_up())
-    states = [
-        g["state"] for g in placement_group_table().values() if g["name"] == "pdserve-given-up"
-    ]
-    assert states and all(state == "REMOVED" for state in states), states
+    assert states() == ["REMOVED"]
 
 
 def test_router_metrics_count_requests(

@@ -1,4 +1,4 @@
-"""The short soak (issue #8, item 8): mixed greedy / sampled traffic with random cancels and two
+"""The short soak: mixed greedy / sampled traffic with random cancels and two
 worker kills (a prefill and a decode worker) on a 1P:2D cluster over real Ray, gRPC and libfabric
 tcp. ``make soak`` runs the long one (bench/soak.py; figures in bench/RESULTS.md)."""
 
@@ -11,12 +11,8 @@ from types import ModuleType
 
 import pytest
 
-from orchestrator.controller import ControllerOptions
-from tests.orchestrator.cluster_helpers import (
-    ServedCluster,
-    cluster_config,
-    disaggregated_groups,
-)
+from orchestrator.control.controller import ControllerOptions
+from tests.system.cluster_helpers import ServedCluster, cluster_config, disaggregated_groups
 
 pytestmark = pytest.mark.slow
 

@@ -14,9 +14,13 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from orchestrator.config_sections import WILDCARD_HOSTS, join_host_port
+from workers.log import configure_logging
+from workers.netaddr import WILDCARD_HOSTS, join_host_port
+
+if TYPE_CHECKING:
+    from workers.service.backend import WorkerBackend
 
 logger = logging.getLogger(__name__)
 
@@ -82,20 +86,15 @@ class WorkerActor:
         import torch
 
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-        self._backend: Any = None
+        self._backend: WorkerBackend | None = None
         self._server: Any = None
         self._metrics: Any = None
-        logging.basicConfig(
-            level=logging.INFO, format=f"{self.spec.worker_id} %(levelname)s %(name)s: %(message)s"
-        )
+        configure_logging(origin=self.spec.worker_id)
 
     def start(self) -> dict[str, Any]:
-        from orchestrator.stubs import ensure_stubs
-
-        ensure_stubs()  # a tree shipped by `ray job submit` has none
-        from orchestrator.worker_backend import create_backend
-        from orchestrator.worker_service import WorkerServer, WorkerServicer
         from workers.engine.config import EngineConfig
+        from workers.service.factory import create_backend
+        from workers.service.server import WorkerServer, WorkerServicer
 
         spec = self.spec
         config = EngineConfig(**spec.engine)
@@ -113,7 +112,7 @@ class WorkerActor:
             address = advertised_address(spec.host, self._server.port)
         metrics_port = 0
         if spec.metrics_port is not None:
-            from orchestrator.worker_metrics import WorkerMetricsExporter
+            from workers.service.metrics import WorkerMetricsExporter
 
             self._metrics = WorkerMetricsExporter(self._backend, spec.role, spec.model_dir)
             metrics_port = self._metrics.start(spec.host, spec.metrics_port)

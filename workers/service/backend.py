@@ -9,15 +9,17 @@ event loop). ``abort`` ends a request wherever it is and frees its pages.
 Backends:
 
 - `MixedBackend`: a mixed-role `EngineCore` driven by its own step thread (colocated baseline).
-- `orchestrator.kv_backends.DecodeBackend` / `PrefillBackend`: the KV workers of
-  `workers.kv.worker` (engine + KV messenger + fabric) in the disaggregated roles.
+- `workers.service.kv_backends.DecodeBackend` / `PrefillBackend`: the KV workers of
+  `workers.service.kv_worker` (engine + KV messenger + fabric) in the disaggregated roles.
+
+`workers.service.factory.create_backend` picks one by role (it sits above both modules: the KV
+backends build on this contract).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -25,6 +27,7 @@ from workers.engine.config import EngineConfig
 from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.step_loop import StepLoop
+from workers.wire import TokenDelta, WorkerLoad
 
 if TYPE_CHECKING:
     from workers.engine.engine_core import EngineCore
@@ -32,45 +35,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class TokenDelta:
-    """New tokens of one request; ``error`` is set with ``finish_reason == "error"``."""
-
-    token_ids: list[int]
-    logprobs: list[float] | None = None
-    finished: bool = False
-    finish_reason: str | None = None
-    error: str | None = None
-
-
 Sink = Callable[[TokenDelta], None]
-
-
-def worker_request_id(request_id: str, attempt: int) -> str:
-    """The id a worker knows attempt ``attempt`` (router-unique) of client request
-    ``request_id`` by."""
-    return f"{request_id}#{attempt}"
-
-
-def client_request_id(worker_request: str) -> str:
-    """The client's id in a `worker_request_id` (client ids may contain ``#`` themselves)."""
-    return worker_request.rpartition("#")[0]
-
-
-@dataclass(frozen=True)
-class WorkerLoad:
-    """A worker's load now, and two counters since its engine started (`EngineStats`):
-    ``num_computed_prompt_tokens`` (prompt tokens run through the model, recomputation
-    included) and ``num_sampled_tokens`` (tokens sampled; 0 on the prefill role). The
-    controller keeps each worker's last one in its `WorkerRecord` (all 0 until reported)."""
-
-    num_running_requests: int = 0
-    num_waiting_requests: int = 0
-    num_free_kv_pages: int = 0
-    num_total_kv_pages: int = 0
-    num_transfers_in_flight: int = 0
-    num_computed_prompt_tokens: int = 0
-    num_sampled_tokens: int = 0
 
 
 def engine_counters(engine: EngineCore) -> dict[str, int]:
@@ -210,26 +175,3 @@ class MixedBackend:
                     output.finish_reason,
                 )
             )
-
-
-def create_backend(
-    role: str,
-    model_dir: str | Path,
-    config: EngineConfig,
-    *,
-    provider: str = "tcp;ofi_rxm",
-    node: str | None = "127.0.0.1",
-    transfer: dict[str, Any] | None = None,
-) -> WorkerBackend:
-    """``transfer``: `orchestrator.config_sections.TransferConfig` fields, as plain data."""
-    if role == "mixed":
-        return MixedBackend(model_dir, config)
-    if role == "decode":
-        from orchestrator.kv_backends import DecodeBackend
-
-        return DecodeBackend(model_dir, config, provider, node, transfer or {})
-    if role == "prefill":
-        from orchestrator.kv_backends import PrefillBackend
-
-        return PrefillBackend(model_dir, config, provider, node)
-    raise ValueError(f"unknown worker role {role!r}")

@@ -28,10 +28,11 @@ from typing import Any
 
 import grpc
 
-from orchestrator.worker_backend import TokenDelta, WorkerBackend
 from protos.pdserve.v1 import worker_pb2 as wpb
 from workers.engine.errors import CapacityError, EngineClosedError, InvalidRequestError
 from workers.engine.sampling_params import SamplingParams
+from workers.service.backend import WorkerBackend
+from workers.wire import TokenDelta
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
-"""Worker backends of the disaggregated roles, over `workers.kv.worker` (engine + KV messenger
+"""Worker backends of the disaggregated roles, over `workers.service.kv_worker` (engine + KV messenger
 + fabric): `DecodeBackend` (the router names the prefill worker per request) and
 `PrefillBackend` (takes no requests from the router; publishes its endpoint for decoders).
-Contract: `orchestrator.worker_backend.WorkerBackend`.
+Contract: `workers.service.backend.WorkerBackend`.
 
 ``load()`` gets the messenger's numbers through the worker's step loop (``state()``) but reads
 the scheduler's queue lengths and the `EngineStats` token counters from the caller's thread:
@@ -16,18 +16,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.worker_backend import (
-    Sink,
-    TokenDelta,
-    WorkerLoad,
-    client_request_id,
-    engine_counters,
-)
 from workers.engine.config import EngineConfig
 from workers.engine.sampling_params import SamplingParams
+from workers.service.backend import Sink, engine_counters
+from workers.wire import TokenDelta, WorkerLoad, client_request_id
 
 if TYPE_CHECKING:
-    from workers.kv.worker import DecodeWorker, PrefillWorker, WorkerOutput
+    from workers.service.kv_worker import DecodeWorker, PrefillWorker, WorkerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +45,7 @@ class DecodeBackend:
         transfer: dict[str, Any],
     ) -> None:
         from workers.kv.decode_messenger import DecodeMessengerConfig
-        from workers.kv.worker import DecodeWorker
+        from workers.service.kv_worker import DecodeWorker
 
         messenger = DecodeMessengerConfig(
             transfer_timeout_s=transfer.get("deadline_seconds", 30.0),
@@ -131,7 +126,7 @@ class PrefillBackend:
     def __init__(
         self, model_dir: str | Path, config: EngineConfig, provider: str, node: str | None
     ):
-        from workers.kv.worker import PrefillWorker
+        from workers.service.kv_worker import PrefillWorker
 
         self.worker: PrefillWorker = PrefillWorker(model_dir, config, provider=provider, node=node)
         self._endpoint = self.worker.endpoint().to_bytes()

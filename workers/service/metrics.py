@@ -109,7 +109,7 @@ class WorkerMetricsExporter:
         metrics.kv_pages_used.set(load.num_total_kv_pages - load.num_free_kv_pages)
         self._count_up(metrics.prompt_tokens, "prompt", load.num_computed_prompt_tokens)
         self._count_up(metrics.generation_tokens, "generation", load.num_sampled_tokens)
-        worker = getattr(self.backend, "worker", None)  # the KV roles' `workers.kv.worker`
+        worker = getattr(self.backend, "worker", None)  # the KV roles' `workers.service.kv_worker`
         if worker is None:
             return
         state = worker.state()

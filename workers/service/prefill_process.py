@@ -7,7 +7,7 @@ Two ways in:
   (``{"op": "state"}``, ``{"op": "stats", "request_id": ...}``, ``{"op": "pids"}`` (TP
   followers), ``{"op": "close"}``) on the pipe.
   The pipe carries bytes only (JSON / msgpack), never pickled objects of ours.
-- ``python -m workers.kv.worker_process --model DIR [--provider P] [--endpoint-file F]``: prints
+- ``python -m workers.service.prefill_process --model DIR [--provider P] [--endpoint-file F]``: prints
   (or writes) the endpoint as hex and serves until SIGINT / SIGTERM.
 
 Options (JSON object): ``model_dir``, ``provider``, ``node``, ``engine`` (EngineConfig fields,
@@ -33,7 +33,8 @@ import torch
 
 from workers.engine.config import EngineConfig
 from workers.kv.prefill_messenger import PrefillMessengerConfig
-from workers.kv.worker import PrefillWorker
+from workers.log import configure_logging
+from workers.service.kv_worker import PrefillWorker
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ def build_prefill_worker(options: dict[str, Any]) -> PrefillWorker:
 
 
 def prefill_process_main(conn: Connection, options_json: bytes) -> None:
-    logging.basicConfig(level=logging.WARNING, format="prefill %(levelname)s %(name)s: %(message)s")
+    configure_logging(default=logging.WARNING, origin="prefill")
     worker = build_prefill_worker(json.loads(options_json))
     try:
         conn.send_bytes(worker.endpoint().to_bytes())
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--endpoint-file", type=Path, default=None)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO)
+    configure_logging()
     worker = build_prefill_worker(
         {
             "model_dir": args.model,

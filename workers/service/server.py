@@ -26,57 +26,18 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from orchestrator.config_sections import join_host_port
-from orchestrator.worker_backend import TokenDelta, WorkerBackend
-from orchestrator.worker_connect import ConnectSession, status_of_submit_error
 from protos.pdserve.v1 import worker_pb2 as wpb
 from protos.pdserve.v1 import worker_pb2_grpc as wpb_grpc
-from workers.engine.sampling_params import SamplingParams
+from workers.netaddr import join_host_port
+from workers.service.backend import WorkerBackend
+from workers.service.connect import ConnectSession, status_of_submit_error
+from workers.wire import TokenDelta, sampling_from_proto
 
 logger = logging.getLogger(__name__)
 
 WORKER_SERVICE = wpb.DESCRIPTOR.services_by_name["Worker"].full_name
 # Backend calls (submit / abort) wait for the step thread; they leave the event loop for these.
 _BACKEND_THREADS = 4
-
-
-def sampling_from_proto(message: wpb.WorkerSamplingParams) -> SamplingParams:
-    """Raises `InvalidRequestError` for values the engine refuses."""
-    return SamplingParams(
-        temperature=message.temperature,
-        top_p=message.top_p,
-        top_k=message.top_k,
-        min_p=message.min_p,
-        repetition_penalty=message.repetition_penalty,
-        presence_penalty=message.presence_penalty,
-        frequency_penalty=message.frequency_penalty,
-        max_tokens=message.max_tokens,
-        stop=list(message.stop),
-        stop_token_ids=list(message.stop_token_ids),
-        ignore_eos=message.ignore_eos,
-        seed=message.seed if message.HasField("seed") else None,
-        logprobs=message.logprobs,
-    )
-
-
-def sampling_to_proto(params: SamplingParams) -> wpb.WorkerSamplingParams:
-    message = wpb.WorkerSamplingParams(
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        min_p=params.min_p,
-        repetition_penalty=params.repetition_penalty,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
-        max_tokens=params.max_tokens,
-        stop=params.stop,
-        stop_token_ids=params.stop_token_ids,
-        ignore_eos=params.ignore_eos,
-        logprobs=params.logprobs,
-    )
-    if params.seed is not None:
-        message.seed = params.seed
-    return message
 
 
 class WorkerServicer(wpb_grpc.WorkerServicer):

@@ -4,6 +4,7 @@ mixed cluster (real Ray, real workers), compared with the gRPC path of the same 
 from __future__ import annotations
 
 import json
+import socket
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -14,18 +15,14 @@ import grpc
 import openai
 import pytest
 
-from orchestrator.client import pb, pb_grpc
-from orchestrator.http_api import HttpSettings, OpenAIHttpApi
-from tests.orchestrator.cluster_helpers import (
-    ServedCluster,
-    cluster_config,
-    mixed_groups,
-    pools_full,
-)
+from orchestrator.api.client import pb, pb_grpc
+from orchestrator.api.http import HttpSettings, OpenAIHttpApi
+from tests.system.cluster_helpers import ServedCluster, cluster_config, mixed_groups, pools_full
 from workers.engine.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.slow
 
+MAX_MODEL_LEN = 256  # cluster_helpers.cluster_config's
 PROMPT = "Once upon a time, in a land far away, there lived"
 MESSAGES: list[Any] = [
     {"role": "system", "content": "You are terse."},
@@ -255,3 +252,125 @@ def test_bad_bytes_and_sizes_are_400_and_allocate_nothing(
     extra = {"user": "u1", "logit_bias": {}, "stream_options": None, "max_tokens": 2}
     status, body = post_raw(url, json.dumps({"model": model, "prompt": "hi", **extra}).encode())
     assert status == 200 and body["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+# --- OpenAI's errors and limits over HTTP -------------------------------------------------------
+
+
+def request(url: str, body: dict[str, Any] | None = None, method: str = "POST") -> Any:
+    """(status, headers, JSON body) of one request, errors included."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(
+        url, data=data, method=method, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as reply:
+            return reply.status, reply.headers, json.load(reply)
+    except urllib.error.HTTPError as error:
+        return error.code, error.headers, json.load(error)
+
+
+def error_field(error: openai.APIStatusError) -> dict[str, Any]:
+    body = error.body
+    assert isinstance(body, dict)
+    found: dict[str, Any] = body.get("error", body)  # client versions differ
+    return found
+
+
+@pytest.mark.slow
+def test_explicit_max_tokens_past_the_context_is_context_length_exceeded(
+    cluster: ServedCluster, client: openai.OpenAI, model: str
+) -> None:
+    prompt = [97] * 250  # token ids: 250 + 10 > 256
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=model, prompt=prompt, max_tokens=10)
+    error = error_field(caught.value)
+    assert error["code"] == "context_length_exceeded"
+    assert str(MAX_MODEL_LEN) in error["message"] and "260" in error["message"]
+    messages: Any = [{"role": "user", "content": "a" * 240}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=model, messages=messages, max_completion_tokens=50)
+    assert error_field(caught.value)["code"] == "context_length_exceeded"
+    # Without max_tokens the answer may use the rest of the context.
+    served = client.completions.create(model=model, prompt=prompt, temperature=0)
+    assert served.choices[0].finish_reason in ("length", "stop")
+    # gRPC keeps serving the excess, ending with "length" at max_model_len.
+    with grpc.insecure_channel(cluster.address) as channel:
+        sampling = pb.SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+        replies = list(
+            pb_grpc.GenerationStub(channel).Generate(
+                pb.GenerateRequest(prompt_token_ids=prompt, sampling=sampling)
+            )
+        )
+    assert replies[-1].finish_reason == "length"
+    assert replies[-1].usage.completion_tokens == MAX_MODEL_LEN - len(prompt)
+
+
+@pytest.mark.slow
+def test_unsupported_parameters_over_http(client: openai.OpenAI, model: str) -> None:
+    messages: Any = [{"role": "user", "content": "hi"}]
+    tools: Any = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=model, messages=messages, tools=tools)
+    assert error_field(caught.value)["param"] == "tools"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=model, prompt="hi", suffix="!", max_tokens=2)
+    assert error_field(caught.value)["param"] == "suffix"
+
+
+@pytest.mark.slow
+def test_served_completion_logprobs(client: openai.OpenAI, model: str) -> None:
+    result = client.completions.create(
+        model=model, prompt="Once upon", max_tokens=8, temperature=0, logprobs=1
+    )
+    choice = result.choices[0]
+    logprobs = choice.logprobs
+    assert logprobs is not None and logprobs.tokens and logprobs.token_logprobs
+    assert logprobs.text_offset is not None and logprobs.top_logprobs is not None
+    assert len(logprobs.text_offset) == len(logprobs.tokens) == len(logprobs.top_logprobs)
+    assert logprobs.text_offset[0] == 0 and logprobs.text_offset == sorted(logprobs.text_offset)
+    assert logprobs.text_offset[-1] <= len(choice.text)
+    for token, value, top in zip(
+        logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True
+    ):
+        assert top[token] == value
+
+
+@pytest.mark.slow
+def test_unknown_paths_methods_and_models_are_openai_errors(
+    cluster: ServedCluster, client: openai.OpenAI, model: str
+) -> None:
+    base = f"http://{cluster.app.http_address}"
+    status, _, body = request(f"{base}/v1/embeddings", {"input": "hi"})
+    assert status == 404 and body["error"]["code"] == "not_found"
+    assert "/v1/embeddings" in body["error"]["message"]
+    status, headers, body = request(f"{base}/v1/completions", method="GET")
+    assert status == 405 and body["error"]["code"] == "method_not_allowed"
+    assert "POST" in headers["Allow"]
+    assert client.models.retrieve(model).id == model
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+    status, _, body = request(f"{base}/v1/models/org/no-such-model", method="GET")
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+
+
+def raw_status(address: str, authorization: bytes) -> bytes:
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as conn:
+        conn.sendall(
+            b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: "
+            + authorization
+            + b"\r\nConnection: close\r\n\r\n"
+        )
+        return conn.makefile("rb").readline().strip()
+
+
+@pytest.mark.slow
+def test_a_non_utf8_authorization_header_is_401(cluster: ServedCluster, model: str) -> None:
+    api = OpenAIHttpApi(cluster.app.router, HttpSettings(model, auth_token="s3cret"))
+    address = cluster.run(api.start("127.0.0.1", 0))
+    try:
+        assert raw_status(address, b"Bearer \xff\xfe") == b"HTTP/1.1 401 Unauthorized"
+        assert raw_status(address, b"Bearer s3cret") == b"HTTP/1.1 200 OK"
+    finally:
+        cluster.run(api.stop())

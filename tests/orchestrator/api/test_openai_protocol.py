@@ -6,6 +6,8 @@ from typing import Any
 
 import pytest
 
+from orchestrator.api.http import error_of
+from orchestrator.api.openai_protocol import parse_request
 from orchestrator.errors import (
     CapacityError,
     InvalidRequestError,
@@ -13,10 +15,8 @@ from orchestrator.errors import (
     UnavailableError,
     WorkerFailedError,
 )
-from orchestrator.http_api import error_of
-from orchestrator.openai_protocol import parse_request
-from orchestrator.worker_metrics import failure_label
 from workers.engine.tokenizer import ByteTokenizer
+from workers.service.metrics import failure_label
 
 
 def test_sampling_fields_map_onto_the_router_input() -> None:
@@ -81,6 +81,51 @@ def test_token_id_prompts_and_chat_max_completion_tokens() -> None:
 def test_bad_completion_bodies(body: Any) -> None:
     with pytest.raises(InvalidRequestError):
         parse_request("completion", body, "m", None)
+
+
+@pytest.mark.parametrize(
+    ("kind", "body", "message"),
+    [
+        (
+            "completion",
+            {"prompt": "x", "temperature": "hot"},
+            "temperature must be a number, got 'hot'",
+        ),
+        (
+            "completion",
+            {"prompt": "x", "max_tokens": True},
+            "max_tokens must be an integer, got True",
+        ),
+        ("completion", {"prompt": "x", "top_p": 10**400}, "top_p is out of range"),
+        ("completion", {"prompt": "x", "stream": "yes"}, "stream must be true or false, got 'yes'"),
+        ("completion", {"prompt": "x", "stop": 3}, "stop must be a string or a list of strings"),
+        ("completion", {"prompt": "x", "max_tokens": 0}, "max_tokens must be >= 1, got 0"),
+        ("completion", {"prompt": "x", "n": 2}, "n must be 1, got 2"),
+        ("completion", {}, "prompt must be a non-empty string or list of token ids"),
+        ("chat", {}, "messages must be a non-empty list"),
+        ("chat", {"messages": [{"content": "x"}]}, "each message needs a role and content"),
+        ("chat", {"messages": [{"role": "user", "content": 5}]}, "message content must be text"),
+        ("chat", {"messages": [{"role": "u", "content": "x"}], "logprobs": 1}, "logprobs must be"),
+        ("completion", [], "the request body must be a JSON object"),
+    ],
+)
+def test_bad_bodies_are_refused_naming_the_key(kind: str, body: Any, message: str) -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        parse_request(kind, body, "m", ByteTokenizer())
+    assert str(caught.value).startswith(message)
+
+
+@pytest.mark.parametrize("key", ["kv_transfer_params", "prefill_endpoint", "remote_host"])
+def test_kv_transfer_keys_are_refused_whatever_their_value(key: str) -> None:
+    with pytest.raises(InvalidRequestError, match=f"^{key}: KV transfers are the router's"):
+        parse_request("completion", {"prompt": "x", key: None}, "m", None)
+
+
+def test_unknown_keys_are_ignored_and_the_model_defaults_to_the_served_one() -> None:
+    body = {"prompt": "x", "user": "u1", "metadata": {"a": 1}, "model": "", "stream_options": None}
+    parsed = parse_request("completion", body, "served", None)
+    assert parsed.model == "served" and not parsed.stream and not parsed.include_usage
+    assert parsed.generation.sampling == {"stop": []}
 
 
 def test_chat_needs_a_template() -> None:

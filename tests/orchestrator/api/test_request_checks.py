@@ -1,4 +1,4 @@
-"""Request bytes at the client API's edge (`orchestrator.request_checks`), and the servicer
+"""Request bytes at the client API's edge (`orchestrator.api.request_checks`), and the servicer
 registered by `add_generation_servicer` on a real grpc.aio server (no Ray, no workers: a request
 that passes the checks reaches the router and gets UNAVAILABLE)."""
 
@@ -13,15 +13,15 @@ import grpc
 import pytest
 from google.protobuf.descriptor import Descriptor
 
-from orchestrator.config_sections import DEFAULT_MAX_REQUEST_BYTES, ConfigError
+from orchestrator.api.request_checks import MalformedRequest, checked_deserializer, unknown_fields
+from orchestrator.api.servicer import GenerationServicer, add_generation_servicer
+from orchestrator.config.sections import DEFAULT_MAX_REQUEST_BYTES, ConfigError
+from orchestrator.control.registry import Registry
 from orchestrator.errors import InvalidRequestError, UnavailableError
-from orchestrator.registry import Registry
-from orchestrator.request_checks import MalformedRequest, checked_deserializer, unknown_fields
-from orchestrator.router import GenerationInput, Router, RouterSettings
-from orchestrator.servicer import GenerationServicer, add_generation_servicer
+from orchestrator.router.core import GenerationInput, Router, RouterSettings
 from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import worker_pb2 as wpb
-from tests.orchestrator.cluster_helpers import cluster_config, mixed_groups
+from tests.system.cluster_helpers import cluster_config, mixed_groups
 from workers.engine.tokenizer import ByteTokenizer
 from workers.kv.endpoint import PrefillEndpoint
 

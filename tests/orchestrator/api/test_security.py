@@ -1,4 +1,4 @@
-"""TLS, mTLS and token auth of the router's fronts (`orchestrator.security`).
+"""TLS, mTLS and token auth of the router's fronts (`orchestrator.api.security`).
 
 A throwaway PKI is made at test time with ``cryptography``: a CA, a server certificate for
 127.0.0.1 / localhost and a client certificate, all signed by it, plus an impostor CA that signs
@@ -34,19 +34,20 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from orchestrator.app import ServingApp
-from orchestrator.client import channel, complete, pb, pb_grpc
-from orchestrator.config import ClusterConfig, ConfigError
-from orchestrator.config_sections import TLSConfig
-from orchestrator.security import (
+from orchestrator.api.client import channel, complete, pb, pb_grpc
+from orchestrator.api.security import (
     TLSFileError,
     TokenAuthInterceptor,
+    bearer_matches,
     channel_credentials,
     load_server_tls,
     server_ssl_context,
     token_metadata,
 )
-from tests.orchestrator.cluster_helpers import ServedCluster, cluster_config, mixed_groups
+from orchestrator.config.cluster import ClusterConfig, ConfigError
+from orchestrator.config.sections import TLSConfig
+from orchestrator.control.app import ServingApp
+from tests.system.cluster_helpers import ServedCluster, cluster_config, mixed_groups
 
 TOKEN = "s3cret-token"
 TIMEOUT = 60.0  # a bound for one call on a loaded machine, never a timing assertion
@@ -330,8 +331,8 @@ def test_generate_cli_token_and_tls_flags(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from orchestrator.cli import build_parser
-    from orchestrator.generate_cli import generate
+    from orchestrator.cli.generate import generate
+    from orchestrator.cli.main import build_parser
 
     tls = ["--tls-ca", str(pki.ca), "--tls-cert", str(pki.client_cert)]
     tls += ["--tls-key", str(pki.client_key)]
@@ -511,3 +512,9 @@ def test_serving_app_with_a_missing_cert_fails_before_placing_anything(
 def test_token_interceptor_rejects_an_empty_token() -> None:
     with pytest.raises(ValueError, match="empty token"):
         TokenAuthInterceptor("")
+
+
+def test_a_non_utf8_bearer_value_does_not_match() -> None:
+    # aiohttp hands undecodable header bytes over as lone surrogates.
+    assert not bearer_matches("Bearer \udcff\udcfe", "s3cret")
+    assert bearer_matches("Bearer s3cret", "s3cret")

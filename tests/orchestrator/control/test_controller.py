@@ -8,10 +8,11 @@ from pathlib import Path
 
 import ray
 
-from orchestrator.config import ClusterConfig
-from orchestrator.config_sections import GroupConfig
-from orchestrator.controller import Controller, ControllerOptions, _Placed
-from orchestrator.registry import Registry, WorkerRecord
+from orchestrator.config.cluster import ClusterConfig
+from orchestrator.config.sections import GroupConfig
+from orchestrator.control.controller import Controller, ControllerOptions, _Placed
+from orchestrator.control.registry import Registry, WorkerRecord
+from tests.fakes import FakeSlowActor
 
 
 def test_shutdown_cancels_a_replacement_still_being_placed(tmp_path: Path) -> None:
@@ -42,28 +43,6 @@ def test_shutdown_cancels_a_replacement_still_being_placed(tmp_path: Path) -> No
     asyncio.run(run())
 
 
-class _SlowActor:
-    """Fake, named: a Ray actor handle whose `state` answers only when the test says, as a
-    worker stalled past one health check and answering a later one would. A real actor cannot
-    be made to answer at a chosen moment."""
-
-    def __init__(self) -> None:
-        self.answer = asyncio.Event()
-        self.asked = asyncio.Event()
-
-    @property
-    def state(self) -> _SlowActor:
-        return self
-
-    def remote(self) -> asyncio.Future[dict[str, object]]:
-        async def reply() -> dict[str, object]:
-            self.asked.set()
-            await self.answer.wait()
-            return {"health": "healthy", "num_free_kv_pages": 1, "num_total_kv_pages": 1}
-
-        return asyncio.ensure_future(reply())
-
-
 def test_a_late_answer_from_a_replaced_actor_does_not_mark_its_worker_healthy(
     tmp_path: Path,
 ) -> None:
@@ -90,7 +69,7 @@ def test_a_late_answer_from_a_replaced_actor_does_not_mark_its_worker_healthy(
         # No Ray actor to kill (`ray.kill` would start a Ray instance in this process, which
         # the cluster tests' own `ray.init` then refuses): the fake is only forgotten.
         controller._discard = lambda worker_id: controller._placed.pop(worker_id, None)  # type: ignore[method-assign,assignment]
-        old = _SlowActor()
+        old = FakeSlowActor()
         controller._placed["mixed-0"] = _Placed(old, None)
         late = asyncio.create_task(controller._check("mixed-0"))  # waits for `old.answer`
         await old.asked.wait()
@@ -105,5 +84,7 @@ def test_a_late_answer_from_a_replaced_actor_does_not_mark_its_worker_healthy(
         assert registry.workers["mixed-0"].health == "starting"
         await controller.shutdown(0.1)
 
+    ray_before = ray.is_initialized()  # the session's in-process Ray, if a test started it
     asyncio.run(run())
-    assert not ray.is_initialized()  # the cluster tests after this one start their own
+    # This test started no Ray: the cluster tests after it start their own.
+    assert ray.is_initialized() == ray_before

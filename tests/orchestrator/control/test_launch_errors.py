@@ -1,4 +1,4 @@
-"""`pdserve serve` / `python -m orchestrator.launch`: what a user can fix is one line of error
+"""`pdserve serve` / `python -m orchestrator.control.launch`: what a user can fix is one line of error
 and exit status 2, never a traceback."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.cli import main
+from orchestrator.cli.main import main
 
 
 def test_a_bad_port_variable_fails_only_serve_and_names_the_value(
@@ -18,7 +18,7 @@ def test_a_bad_port_variable_fails_only_serve_and_names_the_value(
 ) -> None:
     env = {**os.environ, "PDSERVE_METRICS_PORT": "abc"}
     other = subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", "plan", "--help"],
+        [sys.executable, "-m", "orchestrator.cli.main", "plan", "--help"],
         env=env,
         capture_output=True,
         text=True,

@@ -1,5 +1,5 @@
 """The README's ``ray job submit --working-dir configs -- "$PWD/.venv/bin/python" -m
-orchestrator.launch CONFIG --model DIR`` against a ``ray start --head`` cluster on loopback: a
+orchestrator.control.launch CONFIG --model DIR`` against a ``ray start --head`` cluster on loopback: a
 disaggregated job (1 prefill : 1 decode, KV over libfabric ``tcp;ofi_rxm``) serves a request and
 ends cleanly on stop.
 
@@ -31,12 +31,11 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from orchestrator.client import pb, pb_grpc
-from tests.orchestrator.cluster_helpers import wait_until
+from orchestrator.api.client import pb, pb_grpc
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
 RAY = Path(sys.executable).with_name("ray")
 
 
@@ -175,7 +174,7 @@ def test_job_serves_a_request_and_ends_cleanly(
         "--",
         sys.executable,  # absolute: the venv is not in the upload
         "-m",
-        "orchestrator.launch",
+        "orchestrator.control.launch",
         "cluster.yaml",
         "--model",
         str(tiny_model_dir),
