@@ -12,7 +12,7 @@ export RAY_USAGE_STATS_ENABLED := 0
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install test lint lint-protos typecheck unit demo bench soak clean
+.PHONY: install test lint lint-protos typecheck unit demo bench bench-peers soak clean
 
 install: $(STAMP) $(PROTO_STUBS)
 
@@ -47,6 +47,10 @@ bench: install
 	$(PY) bench/fabric.py
 	$(PY) bench/router.py
 	$(PY) bench/transfer.py
+
+# vLLM's CPU build in a venv of its own (.cache/peers/vllm), the peer of bench/engine.py --peer vllm.
+bench-peers:
+	bash bench/peers/setup_vllm.sh
 
 # The long soak: 10 minutes of mixed traffic, random cancels, 4 worker kills.
 soak: install

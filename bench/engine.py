@@ -5,6 +5,7 @@
                                      [--prompt-len 32] [--hf-static] [--device cpu|cuda]
                                      [--eager]
     .venv/bin/python bench/engine.py --attention [--threads N] [--repeats 3]
+    .venv/bin/python bench/engine.py --peer vllm --model DIR [--dtype float32,bfloat16] ...
 
 Measures, in one process with the same torch thread settings for both:
 - prefill tokens/s for one 512-token prompt (time to the first token);
@@ -27,6 +28,12 @@ are several times faster than float32, so per-step overhead weighs more).
 engine replays CUDA graphs for decode steps (``--eager``: it does not) and uses FlashInfer for
 bfloat16 prefill when it is installed; HF runs eagerly.
 
+``--peer vllm`` puts vLLM's CPU build in HF's place (its own venv: ``make bench-peers``; see
+``bench/peers/``): for each ``--dtype`` (a comma list here; default ``float32,bfloat16``) our engine
+and a resident vLLM engine take turns, A B A B, on every measurement, and the table ends with our
+best dtype against vLLM's best. vLLM's decode time is measured as HF's is: generating every token
+minus generating the first.
+
 ``--attention`` times only the torch attention backend's decode step (``begin_step`` plus one
 ``forward`` per layer, cache store included) on the ``small`` preset's shapes (6 layers, 8 query /
 4 KV heads, head_dim 64, 16-token pages, float32) for several batches and context lengths; pages
@@ -38,6 +45,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -148,7 +156,12 @@ def main() -> int:
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: torch's choice)"
     )
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        help="float32 or bfloat16 (with --peer: a comma list, default float32,bfloat16)",
+    )
+    parser.add_argument("--peer", choices=["vllm"], default=None, help="compare with vLLM")
     parser.add_argument(
         "--device", default="cpu", help="cpu, cuda, cuda:N or auto: where both engines run"
     )
@@ -171,6 +184,10 @@ def main() -> int:
     )
     args = parser.parse_args()
     batches = tuple(int(b) for b in args.batches.split(","))
+    dtypes = (args.dtype or ("float32,bfloat16" if args.peer else "float32")).split(",")
+    if any(d not in ("float32", "bfloat16") for d in dtypes) or (len(dtypes) > 1 and not args.peer):
+        parser.error(f"--dtype: float32 or bfloat16 (a list only with --peer), got {args.dtype}")
+    args.dtype = dtypes[0]
     try:
         device = str(resolve_device(args.device))  # "auto" becomes what it means here
     except DeviceError as error:
@@ -182,6 +199,19 @@ def main() -> int:
     configure_logging(default=logging.WARNING)
     if args.attention:
         print_attention_table(args.repeats)
+        return 0
+    if args.peer:
+        if args.model is None:
+            parser.error("--peer needs --model DIR (a checkpoint vLLM can load)")
+        from peers.compare_engine import PeerUnavailable, print_peer_table
+
+        try:
+            print_peer_table(
+                Path(args.model), dtypes, batches, args.new_tokens, args.repeats, args.prompt_len
+            )
+        except PeerUnavailable as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
         return 0
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -5,6 +5,9 @@ exact-length token-id prompts, the very list the simulator runs), `records` (wha
 saw, client-side), `clients` (gRPC and HTTP/SSE streaming), `runner` (open-loop arrivals,
 safety cap, progress line), `session` (one measured run against a router), `stats`
 (percentiles, goodput), `report` (JSON, PNG), `compare` (disaggregated vs colocated clusters
-started in-process), `validate` (simulator predictions for the same runs), `commands` (the
-argparse side: ``bench run``, ``bench compare``, ``bench validate``).
+started in-process), `goodput` (SLO attainment over seeds, the goodput rate of a rate sweep and
+its bisection), `sweep` (both clusters over rates and seeds, each started once),
+`sweep_report` (its JSON, table, PNG), `sweep_command` (``bench sweep``'s checks and flow),
+`validate` (simulator predictions for the same runs), `commands` (the argparse side:
+``bench run``, ``bench compare``, ``bench sweep``, ``bench validate``).
 """

@@ -1,4 +1,4 @@
-"""``pdserve bench run``, ``compare`` and ``validate``. Only argparse is imported here; each
+"""``pdserve bench run``, ``compare``, ``sweep`` and ``validate``. Only argparse is imported here; each
 command imports what it runs, so that ``pdserve --help`` stays fast."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 
 def add_subcommands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    bench = sub.add_parser("bench", help="open-loop load generator (run, compare, validate)")
+    bench = sub.add_parser("bench", help="open-loop load generator (run, compare, sweep, validate)")
     commands = bench.add_subparsers(dest="bench_command", required=True)
 
     p = commands.add_parser("run", help="load a running router; report latencies and goodput")
@@ -49,6 +49,30 @@ def add_subcommands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     _add_workload_arguments(p)
     p.set_defaults(func=_compare)
+
+    p = commands.add_parser(
+        "sweep",
+        help="compare's two clusters over several rates and seeds: SLO attainment against rate "
+        "and each cluster's goodput rate",
+    )
+    p.add_argument("--disaggregated", required=True, help="cluster config (prefill + decode)")
+    p.add_argument("--colocated", required=True, help="cluster config (mixed)")
+    p.add_argument("--model", default=None, help="checkpoint directory (overrides the configs')")
+    p.add_argument("--backend", choices=["grpc", "http"], default="grpc")
+    p.add_argument("--num-cpus", type=int, default=None, help="embedded Ray's CPUs")
+    p.add_argument("--rates", required=True, help="arrivals per second, ascending: 0.25,0.5,1,2")
+    p.add_argument("--seeds", default="0", help="workload seeds, each run at every rate: 0,1,2")
+    p.add_argument(
+        "--bisect",
+        type=int,
+        default=2,
+        metavar="K",
+        help="bisection steps between the highest passing and the next swept rate (0: none)",
+    )
+    _add_workload_arguments(p, sweep=True)
+    p.add_argument("--json", default=None, help="write every run, the medians and goodput here")
+    p.add_argument("--plot", default=None, help="write a PNG (attainment, ITL p99 vs rate) here")
+    p.set_defaults(func=_sweep)
 
     p = commands.add_parser(
         "validate", help="the calibrated simulator's predictions for a saved compare result"
@@ -99,8 +123,10 @@ def add_subcommands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.set_defaults(func=_validate)
 
 
-def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rate", type=float, default=1.0, help="arrivals per second")
+def _add_workload_arguments(p: argparse.ArgumentParser, *, sweep: bool = False) -> None:
+    """``sweep``: without ``--rate``, ``--seed``, ``--json`` and ``--plot`` (its own)."""
+    if not sweep:
+        p.add_argument("--rate", type=float, default=1.0, help="arrivals per second")
     p.add_argument("--arrival", choices=["poisson", "fixed"], default="poisson")
     p.add_argument("--num-requests", type=int, default=50, help="requests, warm-up included")
     p.add_argument("--duration", type=float, default=None, help="seconds of arrivals, at most")
@@ -110,14 +136,16 @@ def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--output", default="uniform:64-128", help="fixed:N | uniform:A-B | chat:M[:A-B]"
     )
-    p.add_argument("--seed", type=int, default=0)
+    if not sweep:
+        p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=0, help="first N requests left out of stats")
     p.add_argument("--ttft-slo", type=float, default=2.0, help="seconds")
     p.add_argument("--tpot-slo", type=float, default=0.1, help="seconds per output token")
     p.add_argument("--max-concurrency", type=int, default=1024, help="safety cap on streams")
     p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
-    p.add_argument("--json", default=None, help="write the results here")
-    p.add_argument("--plot", default=None, help="write a PNG (ITL over time, CDFs) here")
+    if not sweep:
+        p.add_argument("--json", default=None, help="write the results here")
+        p.add_argument("--plot", default=None, help="write a PNG (ITL over time, CDFs) here")
 
 
 def _options(args: argparse.Namespace) -> BenchOptions:
@@ -249,6 +277,12 @@ def _compare(args: argparse.Namespace) -> int:
         if args.json:
             write_json(args.json, document)
     return 0 if all(r.summary["errored"] == 0 for r in runs) else 1
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from orchestrator.loadgen.sweep_command import run_sweep
+
+    return run_sweep(args, _options)
 
 
 def _simulate_runs(

@@ -8,6 +8,8 @@ and throughput ratios are reported without a target (disaggregation is expected 
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,22 +50,34 @@ def load_config(path: str | Path, model: str | Path | None) -> ClusterConfig:
     return config.with_overrides(model=model) if model is not None else config
 
 
-async def run_cluster(
-    name: str, config: ClusterConfig, options: BenchOptions, num_cpus: int | None = None
-) -> ClusterRun:
+@asynccontextmanager
+async def serving(
+    name: str, config: ClusterConfig, num_cpus: int | None = None
+) -> AsyncIterator[tuple[Any, str, str | None]]:
+    """A started cluster: (the `ServingApp`, its router's gRPC address, its HTTP base URL),
+    stopped on leaving, Ray too (embedded): nothing of this cluster outlives the block."""
     from orchestrator.control.app import AppOptions, ServingApp
 
     app = ServingApp(config, AppOptions(num_cpus=num_cpus))
-    load_before = machine_load()
     try:
         address = await app.start()
         http_url = f"http://{app.http_address}" if app.http_address else None
         logger.info("%s cluster serving on %s; running the workload", name, address)
-        outcome, summary = await measure(address, http_url, options)
-        traces = await step_traces(app)
+        yield app, address, http_url
     finally:
-        load_after = machine_load()
-        await app.stop()  # Ray too (embedded): nothing of this cluster outlives it
+        await app.stop()
+
+
+async def run_cluster(
+    name: str, config: ClusterConfig, options: BenchOptions, num_cpus: int | None = None
+) -> ClusterRun:
+    load_before = machine_load()
+    async with serving(name, config, num_cpus) as (app, address, http_url):
+        try:
+            outcome, summary = await measure(address, http_url, options)
+            traces = await step_traces(app)
+        finally:
+            load_after = machine_load()
     return ClusterRun(name, config, outcome, summary, load_before, load_after, traces)
 
 

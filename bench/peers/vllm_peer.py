@@ -1,0 +1,98 @@
+"""Our side of the vLLM peer: starts ``bench/peers/vllm_worker.py`` in vLLM's venv and asks it
+for timings, so that one benchmark run can alternate our engine and vLLM (A B A B) on the same
+checkpoint, machine and moment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("vllm_worker.py")
+DEFAULT_VENV = ROOT / ".cache" / "peers" / "vllm"
+
+
+class PeerUnavailable(RuntimeError):
+    """vLLM's venv is missing or its engine did not start; the message says what to do."""
+
+
+def vllm_python(venv: Path | None = None) -> Path:
+    venv = venv or Path(os.environ.get("VLLM_VENV", DEFAULT_VENV))
+    python = venv / "bin" / "python"
+    if not python.exists():
+        raise PeerUnavailable(f"no vLLM venv at {venv}: run `make bench-peers` first")
+    return python
+
+
+class VllmPeer:
+    """One vLLM engine (``LLM``) in its own process, for the life of the object."""
+
+    def __init__(
+        self, model_dir: Path, dtype: str, max_num_seqs: int, max_model_len: int = 2048
+    ) -> None:
+        command = [
+            str(vllm_python()),
+            str(WORKER),
+            "--model",
+            str(model_dir),
+            "--dtype",
+            dtype,
+            "--max-num-seqs",
+            str(max_num_seqs),
+            "--max-model-len",
+            str(max_model_len),
+        ]
+        env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+        # The CPU build sizes its KV cache from this (GiB); the benchmark needs little.
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+        print(f"starting vLLM ({dtype}) ...", file=sys.stderr, flush=True)
+        self._process = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+        )
+        ready = self._read()
+        if not ready.get("ready"):
+            raise PeerUnavailable(f"vLLM did not start: {ready}")
+        self.version = str(ready.get("version", "?"))
+
+    def _read(self) -> dict[str, Any]:
+        assert self._process.stdout is not None
+        line = self._process.stdout.readline()
+        if not line:
+            code = self._process.wait()
+            raise PeerUnavailable(f"the vLLM worker exited with status {code} (its log: above)")
+        answer: dict[str, Any] = json.loads(line)
+        return answer
+
+    def _ask(self, request: dict[str, Any]) -> dict[str, Any]:
+        assert self._process.stdin is not None
+        self._process.stdin.write(json.dumps(request) + "\n")
+        self._process.stdin.flush()
+        return self._read()
+
+    def generate_seconds(self, prompts: list[list[int]], max_tokens: int) -> float:
+        """Wall time of one ``LLM.generate`` over ``prompts`` (greedy, EOS ignored)."""
+        answer = self._ask({"op": "generate", "prompts": prompts, "max_tokens": max_tokens})
+        expected = len(prompts) * max_tokens
+        if answer["tokens"] != expected:
+            raise PeerUnavailable(f"vLLM generated {answer['tokens']} tokens, not {expected}")
+        return float(answer["seconds"])
+
+    def close(self) -> None:
+        if self._process.poll() is None:
+            try:
+                self._ask({"op": "close"})
+                self._process.wait(timeout=60)
+            except (OSError, ValueError, PeerUnavailable, subprocess.TimeoutExpired):
+                self._process.kill()
+                self._process.wait()
+
+    def __enter__(self) -> VllmPeer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,73 @@
+"""``bench/engine.py --peer vllm``: the turn order of the comparison and its errors. vLLM itself
+lives in a venv of its own (``make bench-peers``) that the suite does not install, so these
+checks stop where vLLM would start."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def peers_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+
+
+def test_turns_alternate_after_one_warm_up_each(peers_on_path: None) -> None:
+    from peers.compare_engine import alternate
+
+    calls: list[str] = []
+    ours_times = iter([9.0, 3.0, 2.0, 4.0])
+    theirs_times = iter([8.0, 5.0, 1.0, 6.0])
+
+    def ours() -> float:
+        calls.append("A")
+        return next(ours_times)
+
+    def theirs() -> float:
+        calls.append("B")
+        return next(theirs_times)
+
+    assert alternate(3, ours, theirs) == (2.0, 1.0)  # the best turn of each, warm-ups left out
+    assert calls == ["A", "B"] * 4
+
+
+def test_a_missing_vllm_venv_is_one_line_naming_make_bench_peers(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    command = [sys.executable, str(ROOT / "bench" / "engine.py"), "--peer", "vllm"]
+    result = subprocess.run(
+        [*command, "--model", str(tiny_model_dir), "--dtype", "float32", "--batches", "1"],
+        capture_output=True,
+        text=True,
+        env={"VLLM_VENV": str(tmp_path / "none"), "PATH": "/usr/bin:/bin"},
+        timeout=300,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: no vLLM venv at {tmp_path / 'none'}: run `make bench-peers` first"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--dtype", "float16"], "--dtype: float32 or bfloat16"),
+        (["--dtype", "float32,bfloat16"], "a list only with --peer"),
+        (["--peer", "vllm"], "--peer needs --model DIR"),
+    ],
+)
+def test_bad_arguments_are_refused_before_anything_loads(args: list[str], message: str) -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "engine.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2
+    assert message in result.stderr
