@@ -89,10 +89,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=48)
     p.set_defaults(func=_demo)
 
+    from orchestrator.control.launch import SIGNALS_HELP, add_serve_arguments
+
     p = sub.add_parser(
-        "serve", help="start (or join) Ray, place the worker groups and serve the gRPC router"
+        "serve",
+        help="start (or join) Ray, place the worker groups and serve the gRPC router",
+        description="Start (or join) Ray, place the worker groups and serve the gRPC router "
+        "until SIGINT / SIGTERM.",
+        epilog=SIGNALS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    from orchestrator.control.launch import add_serve_arguments
 
     add_serve_arguments(p)
     p.set_defaults(func=_serve)

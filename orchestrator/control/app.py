@@ -4,60 +4,41 @@ its gRPC server with health and reflection (TLS / mTLS and token auth per ``rout
 
 `ServingApp.start()` places every worker group and binds the router; `ServingApp.stop()` drains
 (health NOT_SERVING, new requests UNAVAILABLE, running and queued ones finish within
-``grace_seconds``), stops the server, then drains and removes the workers. `serve()` wraps both around
-SIGINT / SIGTERM → `asyncio.Event`.
+``grace_seconds``), stops the server, then drains and removes the workers, and ends an embedded
+Ray. `serve()` wraps both around SIGINT / SIGTERM (`orchestrator.control.shutdown`: a second
+signal ends the process at once).
+
+No step of the stop waits on Ray for long: if Ray is gone (a signal to the whole cgroup reached
+its processes too, `orchestrator.control.embedded_ray`), the workers are not drained through it
+and what is left of an embedded Ray is ended by pid.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.config.cluster import ClusterConfig
+from orchestrator.control.embedded_ray import (
+    EmbeddedRay,
+    abandon_ray,
+    connect_ray,
+    embeds_ray,
+    exit_abandoning_ray,
+    gcs_answers,
+    shutdown_ray,
+)
+from orchestrator.control.embedded_ray import ray_environment as ray_environment
+from orchestrator.control.processes import signal_all
+from orchestrator.control.shutdown import StopSignals, off_loop
 from workers.netaddr import join_host_port
 
 logger = logging.getLogger(__name__)
 
 GENERATION_SERVICE = "pdserve.v1.Generation"
-
-
-def ray_environment() -> None:
-    """An embedded single-node Ray stays on loopback (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``)
-    and sends no usage stats."""
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    # Ray starts worker processes at nice 15 by default; our workers are the inference engines,
-    # and at nice 15 any ordinary process on the host starves them until they miss health checks
-    # (seen with a load generator on the same host). Applies to a Ray this process starts.
-    os.environ.setdefault("RAY_worker_niceness", "0")
-
-
-def connect_ray(address: str | None, num_cpus: int | None = None) -> bool:
-    """Join the cluster at ``address`` (or ``RAY_ADDRESS``, as inside a Ray job), else start an
-    embedded local one. Returns whether this process started Ray (and so shuts it down)."""
-    ray_environment()
-    import ray
-
-    if ray.is_initialized():
-        return False
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, log_to_driver=True)
-        return False
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
-    return True
-
-
-def embeds_ray(address: str | None) -> bool:
-    """Whether `connect_ray` (with this ``address``) would start a local Ray."""
-    ray_environment()
-    import ray
-
-    return not (ray.is_initialized() or address or os.environ.get("RAY_ADDRESS"))
 
 
 @dataclass(frozen=True)
@@ -96,7 +77,7 @@ class ServingApp:
         self.config = config
         self.options = options or AppOptions()
         self._controller_options = controller_options
-        self._owns_ray = False
+        self._ray: EmbeddedRay | None = None  # the Ray this app started, which it ends
         self.address = ""
         self.controller: Any = None
         self.router: Any = None
@@ -121,7 +102,7 @@ class ServingApp:
         # now, not each worker's remote traceback (a joined cluster's hosts may have it).
         if embeds_ray(self.options.ray_address) and not self.config.model.is_dir():
             raise FileNotFoundError(f"model directory {self.config.model} does not exist")
-        self._owns_ray = connect_ray(self.options.ray_address, self.options.num_cpus)
+        self._ray = connect_ray(self.options.ray_address, self.options.num_cpus)
         registry = Registry()
         self.controller = Controller(self.config, registry, self._controller_options)
         try:
@@ -210,6 +191,10 @@ class ServingApp:
 
     async def stop(self) -> None:
         grace = self.config.router.grace_seconds
+        if self.controller is not None:
+            self.controller.stop_replacing()
+        self._look_at_ray()  # before anything ends: who the workers are
+        ray_answers = True
         try:
             if self._health is not None:
                 await self._health.enter_graceful_shutdown()
@@ -222,17 +207,68 @@ class ServingApp:
             if self.router is not None:
                 await self.router.close()
             if self.controller is not None:
-                await self.controller.shutdown(grace)
+                ray_answers = await self._ray_answers()
+                if ray_answers:
+                    await self.controller.shutdown(grace)
+                else:
+                    await self.controller.abandon()
             if self._metrics_server is not None:
                 self._metrics_server.shutdown()
                 self._metrics_server.server_close()
         finally:
-            if self._owns_ray:
-                import ray
-
-                ray.shutdown()
-                self._owns_ray = False
+            await self._end_ray(ray_answers)
         logger.info("shutdown complete")
+
+    async def _ray_answers(self) -> bool:
+        answers = await off_loop(
+            lambda: gcs_answers(RAY_PROBE_SECONDS), RAY_PROBE_SECONDS + 1, "asking Ray's GCS"
+        )
+        return bool(answers)
+
+    def _worker_pids(self) -> set[int]:
+        if self.controller is None:
+            return set()
+        return {r.pid for r in self.controller.registry.workers.values() if r.pid}
+
+    def _look_at_ray(self) -> None:
+        if self._ray is not None:
+            self._ray.look(self._worker_pids())
+
+    async def _end_ray(self, ray_answers: bool) -> None:
+        """Disconnect from Ray, ending it if this app started it; without waiting on a Ray that
+        is gone."""
+        import ray
+
+        if self._ray is None:
+            if ray_answers or not ray.is_initialized():
+                return
+            # A joined cluster that no longer answers: ours is only the driver, which cannot
+            # disconnect from a GCS that is gone.
+            abandon_ray()
+            return
+        embedded = self._ray
+        try:
+            if ray_answers and await self._ray_answers():
+                if await off_loop(shutdown_ray, RAY_SHUTDOWN_SECONDS, "ray.shutdown") is None:
+                    abandon_ray()
+            else:
+                logger.warning("Ray is gone: ending what is left of it by pid")
+                abandon_ray()
+            # Anything of ours Ray did not end (a worker whose raylet died first) ends by pid.
+            await off_loop(
+                lambda: embedded.kill(self._worker_pids()), 10.0, "ending leftover Ray processes"
+            )
+        finally:
+            self._ray = None
+
+    def kill_now(self) -> None:
+        """SIGKILL every process of an embedded Ray (workers included), without draining."""
+        if self._ray is not None:
+            signal_all(self._ray.look(self._worker_pids()), signal.SIGKILL)
+
+
+RAY_PROBE_SECONDS = 1.0
+RAY_SHUTDOWN_SECONDS = 30.0
 
 
 def describe(config: ClusterConfig, registry: Any, seed: int | None) -> tuple[Any, Any, Any, Any]:
@@ -290,18 +326,26 @@ def describe(config: ClusterConfig, registry: Any, seed: int | None) -> tuple[An
 async def serve(
     config: ClusterConfig, options: AppOptions | None = None, controller_options: Any = None
 ) -> int:
-    """Start, serve until SIGINT / SIGTERM, drain and stop. Returns the exit status."""
-    stop = asyncio.Event()
+    """Start, serve until SIGINT / SIGTERM, drain and stop. Returns the exit status: 0 after the
+    drain; a second signal during it ends the process at once with 128 + its number."""
     app = ServingApp(config, options, controller_options)
+
+    def stop_now(signum: int) -> None:
+        logger.warning(
+            "second signal (%s) while draining: stopping now, without draining",
+            StopSignals.name(signum),
+        )
+        app.kill_now()
+        exit_abandoning_ray(128 + signum)
+
+    signals = StopSignals(stop_now)
     await app.start()
     # After start: ray.init installs handlers of its own, which would end the process at once.
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
+    signals.install()
     http = f", OpenAI HTTP on {app.http_url}/v1" if app.http_url else ""
     print(f"pdserve: serving on {app.address}{http} (Ctrl-C to stop)", flush=True)
     try:
-        await stop.wait()
+        await signals.stopping.wait()
         logger.info("signal received: draining")
     finally:
         await app.stop()

@@ -24,11 +24,14 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from orchestrator.config.cluster import ClusterConfig, GroupConfig
 from orchestrator.control.placement import place_worker, remove_worker_placement, worker_bundles
 from orchestrator.control.registry import Registry, WorkerRecord
+from orchestrator.control.shutdown import off_loop
 from workers.engine.config import EngineConfig
 from workers.service.actor import WorkerActor, WorkerSpec
 from workers.wire import WorkerLoad
 
 logger = logging.getLogger(__name__)
+
+DISCARD_TIMEOUT_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,7 @@ class Controller:
         self._replacing: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = False
+        self._replacing_stopped = False
         self._cluster_id = uuid.uuid4().hex[:8]
 
     # --- start ---------------------------------------------------------------------------
@@ -179,7 +183,11 @@ class Controller:
                 return  # shutting down, or the actor asked was already replaced
             logger.error("%s failed its health check: %r", worker_id, error)
             self.registry.set_health(worker_id, "unhealthy")
-            if self.options.replace_failed and worker_id not in self._replacing:
+            if (
+                self.options.replace_failed
+                and not self._replacing_stopped
+                and worker_id not in self._replacing
+            ):
                 self._replacing.add(worker_id)
                 task = asyncio.create_task(self._replace(worker_id), name=f"replace-{worker_id}")
                 self._tasks.add(task)
@@ -230,8 +238,12 @@ class Controller:
 
     # --- shutdown ------------------------------------------------------------------------
 
-    async def shutdown(self, grace_seconds: float) -> None:
-        """Drain every worker (running requests finish within grace), stop and remove them."""
+    def stop_replacing(self) -> None:
+        """Replace no failed worker from now on (the router is draining: a replacement would
+        serve nothing, and its placement would wait on a Ray that may be going away too)."""
+        self._replacing_stopped = True
+
+    async def _stop_tasks(self) -> None:
         self._closing = True
         if self._health_task is not None:
             self._health_task.cancel()
@@ -242,6 +254,10 @@ class Controller:
         for task in replacing:
             task.cancel()
         await asyncio.gather(*replacing, return_exceptions=True)
+
+    async def shutdown(self, grace_seconds: float) -> None:
+        """Drain every worker (running requests finish within grace), stop and remove them."""
+        await self._stop_tasks()
         for record in self.registry.workers.values():
             if record.is_ready:
                 record.health = "draining"
@@ -250,9 +266,27 @@ class Controller:
             *(self._stop(worker_id, p, grace_seconds) for worker_id, p in placed),
             return_exceptions=True,
         )
-        for worker_id, _ in placed:
-            self._discard(worker_id)
+        # Off the loop and bounded: removing a placement group waits for the GCS, which a
+        # signal to the whole cgroup may have ended meanwhile.
+        await off_loop(
+            lambda: self._discard_all([worker_id for worker_id, _ in placed]),
+            DISCARD_TIMEOUT_SECONDS,
+            "removing the workers' actors and placement groups",
+        )
         logger.info("control plane stopped %d workers", len(placed))
+
+    def _discard_all(self, worker_ids: list[str]) -> None:
+        for worker_id in worker_ids:
+            self._discard(worker_id)
+
+    async def abandon(self) -> None:
+        """Stop the control plane without asking Ray anything: Ray is gone (its GCS does not
+        answer), and with it what it knew of the workers."""
+        await self._stop_tasks()
+        self._placed.clear()
+        logger.warning(
+            "control plane: Ray is gone; %d workers not drained", len(self.registry.workers)
+        )
 
     async def _stop(self, worker_id: str, placed: _Placed, grace_seconds: float) -> None:
         try:

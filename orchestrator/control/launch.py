@@ -13,12 +13,17 @@ resolve inside the unpacked copy). The Helm chart's launcher does the same with 
 
 Inside a Ray job ``RAY_ADDRESS`` names the cluster; elsewhere ``--ray-address`` does, and with
 neither an embedded local Ray is started (as ``pdserve serve``).
+
+``ray job stop`` sends the driver SIGTERM, which drains as in ``pdserve serve``, then SIGKILL
+after ``RAY_JOB_STOP_WAIT_TIME_S`` (3 s unless the head's environment sets it): give it at
+least ``router.grace_seconds`` + 15, or the drain is cut short (a warning at start says so).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import sys
 from collections.abc import Callable, Coroutine, Sequence
@@ -28,6 +33,21 @@ from workers.log import configure_logging
 
 if TYPE_CHECKING:
     from orchestrator.config.cluster import ClusterConfig
+
+logger = logging.getLogger(__name__)
+
+# What the stop takes beyond the router's grace: the workers' own drain and stop, ending Ray.
+STOP_MARGIN_SECONDS = 15
+# Ray's job manager: the seconds between its SIGTERM and its SIGKILL (its default).
+JOB_STOP_WAIT_DEFAULT_SECONDS = 3
+
+SIGNALS_HELP = """\
+SIGINT / SIGTERM (to the process, its process group or its whole cgroup) drain: health
+NOT_SERVING, new requests UNAVAILABLE, running and queued ones finish within
+router.grace_seconds, then the workers drain and stop and an embedded Ray ends; exit status 0
+("shutdown complete" logged). A second SIGINT / SIGTERM during the drain stops at once: exit
+status 130 / 143. Ctrl-C before serving began: 130. A config, file, port or placement error: 2.
+"""
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -119,6 +139,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from orchestrator.config.cluster import ConfigError
     from orchestrator.control.app import AppOptions, serve
     from orchestrator.control.controller import ControllerOptions
+    from orchestrator.control.embedded_ray import exit_abandoning_ray, ray_abandoned
 
     try:
         config = config_from_args(args)
@@ -128,12 +149,41 @@ def run_serve(args: argparse.Namespace) -> int:
     options = AppOptions(ray_address=args.ray_address, metrics_port=args.metrics_port)
     worker_port = args.worker_metrics_port
     controller = ControllerOptions(worker_metrics_port=None if worker_port < 0 else worker_port)
-    return run_reporting(lambda: serve(config, options, controller))
+    warn_of_job_stop_wait(config.router.grace_seconds)
+    code = run_reporting(lambda: serve(config, options, controller))
+    if ray_abandoned():
+        exit_abandoning_ray(code)  # Ray's exit hook would wait for a GCS that is gone
+    return code
+
+
+def warn_of_job_stop_wait(grace_seconds: float) -> None:
+    """Inside a Ray job, say so when ``ray job stop`` will SIGKILL this driver before its drain
+    can end. The driver's environment is a copy of the job supervisor's, which reads
+    ``RAY_JOB_STOP_WAIT_TIME_S``."""
+    if "RAY_JOB_CONFIG_JSON_ENV_VAR" not in os.environ:
+        return
+    text = os.environ.get("RAY_JOB_STOP_WAIT_TIME_S", str(JOB_STOP_WAIT_DEFAULT_SECONDS))
+    try:
+        wait = float(text)
+    except ValueError:
+        return  # Ray's own problem to report
+    if wait < grace_seconds + STOP_MARGIN_SECONDS:
+        logger.warning(
+            "ray job stop kills this driver %g s after its SIGTERM "
+            "(RAY_JOB_STOP_WAIT_TIME_S on the head), before a drain of up to %g s "
+            "(router.grace_seconds) and the workers' stop can end: set it to %g or more",
+            wait,
+            grace_seconds,
+            grace_seconds + STOP_MARGIN_SECONDS,
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m orchestrator.control.launch", description=__doc__
+        prog="python -m orchestrator.control.launch",
+        description=__doc__,
+        epilog=SIGNALS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_serve_arguments(parser)
     args = parser.parse_args(argv)
