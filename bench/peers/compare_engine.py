@@ -2,7 +2,9 @@
 
 For each dtype: our `EngineCore` in this process and one resident vLLM engine in its own venv
 (`vllm_peer.VllmPeer`). Every figure is the best of ``repeats`` turns after one warm-up turn of
-each; the turns alternate so that a change in the machine's load hits both sides alike.
+each; the turns alternate so that a change in the machine's load hits both sides alike, and vLLM's
+processes are stopped (SIGSTOP) during our turns: idle, its engine still takes about a fifth of a
+core, which slowed our decode steps by about a third (117 to 161 ms) when it ran beside them.
 - prefill tok/s: one 512-token prompt, time to its first token (vLLM: ``generate`` with one new
   token);
 - decode tok/s at each batch: ``new_tokens`` greedy tokens per prompt, EOS ignored; ours is the
@@ -27,15 +29,20 @@ Row = tuple[str, str, float, float]  # (dtype, metric, ours tok/s, vLLM tok/s)
 
 
 def alternate(
-    repeats: int, ours: Callable[[], float], theirs: Callable[[], float]
+    repeats: int,
+    ours: Callable[[], float],
+    theirs: Callable[[], float],
+    between: Callable[[], None] = lambda: None,
 ) -> tuple[float, float]:
-    """Best seconds of each side over ``repeats`` turns, A B A B, after a warm-up of each."""
-    ours()
-    theirs()
+    """Best seconds of each side over ``repeats`` turns, A B A B, after a warm-up of each;
+    ``between`` runs after each of their turns (it pauses the peer during ours)."""
     best_ours = best_theirs = float("inf")
-    for _ in range(repeats):
-        best_ours = min(best_ours, ours())
-        best_theirs = min(best_theirs, theirs())
+    for turn in range(repeats + 1):
+        mine = ours()
+        their = theirs()
+        between()
+        if turn:  # turn 0 is the warm-up
+            best_ours, best_theirs = min(best_ours, mine), min(best_theirs, their)
     return best_ours, best_theirs
 
 
@@ -60,10 +67,12 @@ def measure_dtype(
     with VllmPeer(model_dir, dtype, max_num_seqs=max_batch) as peer:
         print(f"vLLM {peer.version}, {dtype}: measuring", flush=True)
         prompt = bench_engine.random_prompts(1, bench_engine.PREFILL_LEN, vocab, seed=0)
+        peer.pause()
         ours, theirs = alternate(
             repeats,
             lambda: bench_engine.engine_run(ours_engine, prompt, 1)[0],
             lambda: peer.generate_seconds(prompt, 1),
+            peer.pause,
         )
         length = bench_engine.PREFILL_LEN
         rows.append((dtype, f"prefill {length} tok/s", length / ours, length / theirs))
@@ -78,7 +87,7 @@ def measure_dtype(
                 # vLLM's first token, timed in the same turn, so both parts see the same load.
                 return max(peer.generate_seconds(p, new_tokens) - peer.generate_seconds(p, 1), 1e-9)
 
-            ours, theirs = alternate(repeats, ours_decode, theirs_decode)
+            ours, theirs = alternate(repeats, ours_decode, theirs_decode, peer.pause)
             decoded = batch * (new_tokens - 1)
             rows.append((dtype, f"decode batch {batch} tok/s", decoded / ours, decoded / theirs))
             steps = new_tokens - 1
