@@ -359,7 +359,7 @@ def main() -> int:
     args = parser.parse_args()
 
     from orchestrator.config.cluster import ClusterConfig
-    from orchestrator.control.app import ray_environment
+    from orchestrator.control.embedded_ray import ray_environment
     from workers.log import configure_logging
 
     configure_logging(default="WARNING")

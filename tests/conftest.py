@@ -19,7 +19,7 @@ for _name, _value in (
     ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"),
     ("RAY_USAGE_STATS_ENABLED", "0"),
     ("RAY_AUTH_MODE", "disabled"),
-    ("RAY_worker_niceness", "0"),  # as orchestrator.control.app.ray_environment
+    ("RAY_worker_niceness", "0"),  # as orchestrator.control.embedded_ray.ray_environment
 ):
     os.environ.setdefault(_name, _value)
 

@@ -31,7 +31,6 @@ from orchestrator.control.embedded_ray import (
     gcs_answers,
     shutdown_ray,
 )
-from orchestrator.control.embedded_ray import ray_environment as ray_environment
 from orchestrator.control.processes import signal_all
 from orchestrator.control.shutdown import StopSignals, off_loop
 from workers.netaddr import join_host_port
