@@ -59,6 +59,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from workers.engine.config import EngineConfig
+from workers.engine.cpu_gemm import linear
 from workers.engine.device import DeviceError, resolve_device
 from workers.engine.engine_core import EngineCore
 from workers.engine.sampling_params import SamplingParams
@@ -349,7 +350,7 @@ def projection_floor_seconds(model: torch.nn.Module, batch: int, steps: int = 20
         start = time.perf_counter()
         for _ in range(steps):
             for weight in weights:
-                torch.nn.functional.linear(inputs[weight.shape[1]], weight)
+                linear(inputs[weight.shape[1]], weight)
         synchronize(weights[0].device)
         return (time.perf_counter() - start) / steps
 

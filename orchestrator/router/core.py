@@ -58,7 +58,7 @@ from orchestrator.errors import (
 )
 from orchestrator.router.policy import RoutingPolicy, create_policy
 from orchestrator.router.prefill_choice import PrefillCharge, PrefillChoice
-from orchestrator.router.prepare import prompt_ids, sampling_params
+from orchestrator.router.prepare import check_request_id, prompt_ids, sampling_params
 from orchestrator.router.suspicion import Suspects
 from orchestrator.router.text_stream import TextStream, text_token_ids
 from orchestrator.router.types import GenerationInput, RouterSettings, StreamEvent, Timings
@@ -150,6 +150,8 @@ class Router:
         arrived = time.perf_counter()
         if self.draining:
             raise UnavailableError("the router is draining")
+        if request.request_id:
+            check_request_id(request.request_id)
         request_id = request.request_id or uuid.uuid4().hex
         prompt = prompt_ids(request, self.tokenizer, self.settings.max_request_bytes)
         params = sampling_params(

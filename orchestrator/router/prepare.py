@@ -10,6 +10,19 @@ from workers.engine.sampling_params import SamplingParams
 from workers.engine.tokenizer import Tokenizer
 from workers.engine.validation import validate_request
 
+MAX_REQUEST_ID_BYTES = 256  # a client's id is echoed in every streamed message and in logs
+
+
+def check_request_id(request_id: str) -> None:
+    """A client's own request id: at most `MAX_REQUEST_ID_BYTES` of printable text."""
+    size = len(request_id.encode("utf-8", errors="replace"))
+    if size > MAX_REQUEST_ID_BYTES:
+        raise InvalidRequestError(
+            f"request_id of {size} bytes exceeds the limit of {MAX_REQUEST_ID_BYTES} bytes"
+        )
+    if not request_id.isprintable():
+        raise InvalidRequestError("request_id must be printable text (no control characters)")
+
 
 def prompt_ids(
     request: GenerationInput, tokenizer: Tokenizer | None, max_request_bytes: int

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.engine.model_helpers import PagedRunner, random_tokens
+from workers.engine.cpu_gemm import dense
 from workers.engine.errors import UnsupportedCheckpointError
 from workers.engine.layers import DecoderLayer
 from workers.engine.loader import load_model
@@ -59,7 +60,7 @@ def test_half_precision_loading(tiny_model_dir: Path, dtype: str) -> None:
     ]
     layer = model.layers[0]
     assert isinstance(layer, DecoderLayer)
-    torch.testing.assert_close(layer.mlp.down_proj_weight, reference.to(expected))
+    torch.testing.assert_close(dense(layer.mlp.down_proj_weight), reference.to(expected))
 
 
 def test_default_dtype_follows_checkpoint(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -79,7 +80,10 @@ def test_tied_embeddings_share_the_head(qwen3_model_dir: Path) -> None:
     assert "lm_head.weight" not in load_file(str(qwen3_model_dir / "model.safetensors"))
     model, config = load_model(qwen3_model_dir)
     assert config.tie_word_embeddings
-    assert model.lm_head is model.embed_tokens
+    # On CPU the head is a packed copy of the embedding (same values); plain, it is the table.
+    assert torch.equal(dense(model.lm_head), model.embed_tokens)
+    plain, _ = load_model(qwen3_model_dir, prepack=False)
+    assert plain.lm_head is plain.embed_tokens
 
 
 def test_extra_lm_head_of_tied_checkpoint_and_inv_freq_are_ignored(

@@ -23,6 +23,7 @@ import torch
 from tests.engine.engine_helpers import GREEDY, hf_greedy, make_engine, prompts_of_lengths
 from tests.engine.model_helpers import write_attention_bias_checkpoint
 from tests.waiting import wait_until
+from workers.engine.cpu_gemm import dense
 from workers.engine.engine_core import EngineCore
 from workers.engine.errors import (
     TensorParallelConfigError,
@@ -222,14 +223,18 @@ def test_each_rank_loads_its_slices(preset: str, tp: int, request: pytest.Fixtur
         mlp = slice(rank * inter // tp, (rank + 1) * inter // tp)
         for mine, theirs in zip(shard.layers, full.layers, strict=True):
             attn, ref = mine.self_attn, theirs.self_attn
-            assert torch.equal(attn.qkv_proj_weight, fused_rows(ref.qkv_proj_weight, rank))
+            assert torch.equal(
+                dense(attn.qkv_proj_weight), fused_rows(dense(ref.qkv_proj_weight), rank)
+            )
             if ref.qkv_proj_bias is not None:
                 assert torch.equal(attn.qkv_proj_bias, fused_rows(ref.qkv_proj_bias, rank))
-            assert torch.equal(attn.o_proj_weight, ref.o_proj_weight[:, q_cols])
-            gate, up = theirs.mlp.gate_up_proj_weight.split(inter)
-            assert torch.equal(mine.mlp.gate_up_proj_weight, torch.cat([gate[mlp], up[mlp]]))
-            assert torch.equal(mine.mlp.down_proj_weight, theirs.mlp.down_proj_weight[:, mlp])
-        assert torch.equal(shard.lm_head, full.lm_head)
+            assert torch.equal(dense(attn.o_proj_weight), dense(ref.o_proj_weight)[:, q_cols])
+            gate, up = dense(theirs.mlp.gate_up_proj_weight).split(inter)
+            assert torch.equal(dense(mine.mlp.gate_up_proj_weight), torch.cat([gate[mlp], up[mlp]]))
+            assert torch.equal(
+                dense(mine.mlp.down_proj_weight), dense(theirs.mlp.down_proj_weight)[:, mlp]
+            )
+        assert torch.equal(dense(shard.lm_head), dense(full.lm_head))
 
 
 def _children() -> set[int | None]:

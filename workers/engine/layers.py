@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.engine.attention.base import AttentionBackend, AttentionBatch
+from workers.engine.cpu_gemm import linear
 from workers.engine.layer_progress import LayerProgress
 from workers.engine.model_config import ModelConfig
 from workers.engine.rope import RotaryTables
@@ -79,7 +80,7 @@ class Attention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        qkv = F.linear(hidden, self.qkv_proj_weight, self.qkv_proj_bias)
+        qkv = linear(hidden, self.qkv_proj_weight, self.qkv_proj_bias)
         heads = qkv.view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q_and_k = heads[:, : self.num_heads + self.num_kv_heads]
         v = heads[:, self.num_heads + self.num_kv_heads :]
@@ -92,7 +93,7 @@ class Attention(nn.Module):
             rotated = rotary.rotate(q_and_k)
             q, k = rotated[:, : self.num_heads], rotated[:, self.num_heads :]
         out = backend.forward(layer, q, k, v, batch)
-        projected = F.linear(out.reshape(num_tokens, self.q_size), self.o_proj_weight)
+        projected = linear(out.reshape(num_tokens, self.q_size), self.o_proj_weight)
         if self.reduce is not None:
             # Every rank's heads have written their KV once this returns on any rank.
             self.reduce(projected)
@@ -114,11 +115,11 @@ class MLP(nn.Module):
         self.down_proj_weight = _empty(config.hidden_size, config.intermediate_size, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj_weight).split(self.intermediate_size, dim=-1)
+        gate, up = linear(x, self.gate_up_proj_weight).split(self.intermediate_size, dim=-1)
         # gate and up are strided halves of one GEMM output: `silu(gate) * up` runs the strided
         # elementwise path twice, while multiplying into silu's fresh contiguous output halves
         # the cost (same bits; ~0.7 ms of a 512-token layer on CPU).
-        out = F.linear(F.silu(gate).mul_(up), self.down_proj_weight)
+        out = linear(F.silu(gate).mul_(up), self.down_proj_weight)
         if self.reduce is not None:
             self.reduce(out)
         return out

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from workers.engine.cpu_gemm import can_prepack, pack, prepack_enabled
 from workers.engine.errors import UnsupportedCheckpointError
 from workers.engine.layers import DecoderLayer, Reduce
 from workers.engine.model import CausalLM
@@ -206,21 +207,27 @@ def check_features(model_dir: Path) -> None:
         raise UnsupportedCheckpointError(f"hidden_act {activation!r} is not supported (only silu)")
 
 
-def _column_major_projections(model: CausalLM) -> None:
-    """Store the float32 projection weights of a CPU model column-major (the same [out, in]
-    tensors, values unchanged, laid out as the transpose of a contiguous [in, out] matrix).
+def _prepare_cpu_projections(model: CausalLM, prepack: bool) -> None:
+    """Lay a CPU model's projection weights out for fast GEMMs (values unchanged).
 
-    ``F.linear`` multiplies by ``weight.t()``, which is then contiguous: on CPU float32 that is
-    1.4-1.6x faster for the few-row GEMMs of decode steps (8-16 rows) and 5 % faster for prefill
-    chunks, measured on this repository's bench machine. bfloat16 kernels prefer the row-major
-    layout (0.7-0.9x column-major), and GPUs do not care, so only CPU float32 changes.
+    Packed for oneDNN where `workers.engine.cpu_gemm` can (the LM head too: a tied head gets a
+    packed copy, the embedding table stays plain for row lookups). Otherwise float32 weights are
+    stored column-major (the transpose of a contiguous [in, out] matrix), so that ``F.linear``'s
+    ``weight.t()`` is contiguous: 1.4-1.6x faster for MKL's few-row decode GEMMs on some CPUs,
+    no loss on others. GPUs keep what they were given.
     """
-    for parameter in model.parameters():
-        if parameter.dim() != 2 or parameter.dtype != torch.float32 or parameter.is_cuda:
-            continue
-        if parameter is model.embed_tokens or parameter is model.lm_head:
-            continue  # row lookups (embedding) and the wide LM head gain nothing from it
-        parameter.data = parameter.data.t().contiguous().t()
+    for module in model.modules():
+        for name, parameter in list(module.named_parameters(recurse=False)):
+            if parameter is model.embed_tokens or parameter is model.lm_head:
+                continue
+            if prepack and can_prepack(parameter):
+                setattr(module, name, pack(parameter))
+            elif (
+                parameter.dim() == 2 and parameter.dtype == torch.float32 and not parameter.is_cuda
+            ):
+                parameter.data = parameter.data.t().contiguous().t()
+    if prepack and can_prepack(model.lm_head):
+        model.lm_head = pack(model.lm_head)
 
 
 def load_model(
@@ -230,13 +237,15 @@ def load_model(
     shard: ShardSpec | None = None,
     reduce: Reduce | None = None,
     device: torch.device | str = "cpu",
+    prepack: bool | None = None,
 ) -> tuple[CausalLM, ModelConfig]:
     """Build a `CausalLM` from an HF checkpoint directory; returns it in inference mode (eval).
 
     ``dtype``: None or "auto" keeps the checkpoint's ``torch_dtype``; otherwise "float32",
     "bfloat16", "float16" or a torch dtype. With ``shard`` the model has that rank's shapes and
     only its slices are read; the returned config is the full model's either way. The weights
-    are read on the host, then moved to ``device``.
+    are read on the host, then moved to ``device``. ``prepack``: pack a CPU model's projection
+    weights for oneDNN (`workers.engine.cpu_gemm`; None: unless ``PDSERVE_CPU_PREPACK=0``).
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -276,11 +285,12 @@ def load_model(
             f"{'...' if len(unexpected) > 8 else ''}"
         )
     model.to(device)  # in place: a tied LM head stays the embedding's Parameter
-    _column_major_projections(model)
+    num_params = sum(p.numel() for p in model.parameters())
+    _prepare_cpu_projections(model, prepack_enabled() if prepack is None else prepack)
     logger.info(
         "loaded %s (%s, %d layers) from %s as %s on %s",
         config.architecture,
-        f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params",
+        f"{num_params / 1e6:.1f}M params",
         config.num_layers,
         model_dir,
         torch_dtype,

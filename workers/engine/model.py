@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.engine.attention.base import AttentionBackend, AttentionBatch
+from workers.engine.cpu_gemm import linear
 from workers.engine.layer_progress import LayerProgress
 from workers.engine.layers import DecoderLayer, Reduce, RMSNorm
 from workers.engine.model_config import ModelConfig
@@ -22,7 +23,8 @@ from workers.engine.rope import RotaryEmbedding
 class CausalLM(nn.Module):
     """Decoder-only transformer with uninitialised weights (fill them with the loader).
 
-    With ``tie_word_embeddings`` the LM head is the embedding matrix itself (one Parameter).
+    With ``tie_word_embeddings`` the LM head is the embedding matrix itself (one Parameter;
+    the loader gives a CPU model a packed copy of it, `workers.engine.cpu_gemm`).
     Under tensor parallelism ``config`` is the rank's local config and ``reduce`` the all-reduce
     of the row-parallel projections (`workers.engine.parallel`).
     """
@@ -82,7 +84,7 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> logits [N, vocab_size] in float32."""
-        return F.linear(hidden, self.lm_head).to(torch.float32)
+        return linear(hidden, self.lm_head).to(torch.float32)
 
 
 def dynamic_rope_seq_lens(positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:

@@ -55,6 +55,35 @@ def test_bad_requests_queue_full_and_duplicates(worker: Any) -> None:
     asyncio.run(run())
 
 
+@pytest.mark.parametrize(
+    ("request_id", "message"),
+    [
+        ("r" * 257, "request_id of 257 bytes exceeds the limit of 256 bytes"),
+        ("é" * 129, "request_id of 258 bytes"),
+        ("line\nbreak", "request_id must be printable"),
+        ("nul\x00", "request_id must be printable"),
+    ],
+)
+def test_a_request_id_is_bounded_printable_text(worker: Any, request_id: str, message: str) -> None:
+    backend, server = worker
+
+    async def run() -> None:
+        router = decode_router(server.address)
+        with pytest.raises(InvalidRequestError, match=message):
+            await anext(router.generate(GenerationInput(request_id=request_id, prompt="x")))
+        assert not backend.sinks  # refused before any worker saw it
+        ok = "r" * 256  # the limit itself is accepted
+        stream = router.generate(GenerationInput(request_id=ok, prompt="x"))
+        task = asyncio.create_task(next_event(stream))
+        await wait_until_async(lambda: ok in backend.sinks, 4.0)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await stream.aclose()
+        await router.close()
+
+    asyncio.run(run())
+
+
 def test_a_draining_router_refuses_new_requests_and_lets_running_ones_finish(worker: Any) -> None:
     backend, server = worker
 

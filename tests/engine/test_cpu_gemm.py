@@ -1,0 +1,79 @@
+"""Projection weights packed for oneDNN at load (`workers.engine.cpu_gemm`): the same products
+as plain weights, the same greedy tokens, and the switch that turns it off."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from workers.engine.cpu_gemm import ENV_SWITCH, can_prepack, dense, linear, pack
+from workers.engine.layers import DecoderLayer
+from workers.engine.llm import LLM
+from workers.engine.loader import load_model
+from workers.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN"
+)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 16, 300])
+def test_packed_linear_equals_plain(rows: int) -> None:
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 40, generator=generator)
+    bias = torch.randn(96, generator=generator)
+    x = torch.randn(rows, 64, generator=generator)[:, :40]  # a strided input, as a split gives
+    packed = pack(weight)
+    assert packed.is_mkldnn and packed.shape == weight.shape
+    assert torch.equal(dense(packed), weight)
+    with torch.inference_mode():
+        torch.testing.assert_close(linear(x, packed, bias), F.linear(x, weight, bias))
+        assert torch.equal(linear(x, weight, bias), F.linear(x, weight, bias))
+
+
+def test_what_is_packed() -> None:
+    assert can_prepack(torch.zeros(4, 4))
+    assert not can_prepack(torch.zeros(4))  # norms and biases stay plain
+    assert not can_prepack(torch.zeros(4, 4, dtype=torch.float16))
+    assert not can_prepack(pack(torch.zeros(4, 4)))
+
+
+def test_load_packs_projections_and_keeps_the_embedding_plain(tiny_model_dir: Path) -> None:
+    model, _ = load_model(tiny_model_dir, "float32")
+    layer = model.layers[0]
+    assert isinstance(layer, DecoderLayer)
+    for weight in (
+        layer.self_attn.qkv_proj_weight,
+        layer.self_attn.o_proj_weight,
+        layer.mlp.gate_up_proj_weight,
+        layer.mlp.down_proj_weight,
+        model.lm_head,
+    ):
+        assert weight.is_mkldnn
+    assert not model.embed_tokens.is_mkldnn and not layer.input_layernorm.weight.is_mkldnn
+    plain, _ = load_model(tiny_model_dir, "float32", prepack=False)
+    assert not any(p.is_mkldnn for p in plain.parameters())
+    hidden = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(model.compute_logits(hidden), plain.compute_logits(hidden))
+
+
+def test_switch_off_keeps_plain_weights(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(ENV_SWITCH, "0")
+    model, _ = load_model(tiny_model_dir, "float32")
+    assert not any(p.is_mkldnn for p in model.parameters())
+
+
+def test_greedy_tokens_match_plain_weights(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prompts = [[1, 5, 9, 200, 31, 7], list(range(3, 70))]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    packed = [o.token_ids for o in LLM(tiny_model_dir, dtype="float32").generate(prompts, params)]
+    monkeypatch.setenv(ENV_SWITCH, "0")
+    plain = [o.token_ids for o in LLM(tiny_model_dir, dtype="float32").generate(prompts, params)]
+    assert packed == plain
