@@ -144,6 +144,16 @@ METRIC_SPECS: tuple[MetricSpec, ...] = (
         "Output tokens: of finished requests (router); sampled by the engine (workers).",
     ),
     MetricSpec(
+        "pdserve_prefix_cache_queries_total",
+        "counter",
+        "Prompt tokens looked up in the prefix cache (workers with prefix caching on).",
+    ),
+    MetricSpec(
+        "pdserve_prefix_cache_hits_total",
+        "counter",
+        "Prompt tokens found in the prefix cache, hence not computed.",
+    ),
+    MetricSpec(
         "pdserve_request_success_total",
         "counter",
         "Requests finished, by finish reason.",
@@ -243,6 +253,8 @@ class Metrics:
         self.num_requests_waiting = self._bound_gauge("pdserve_num_requests_waiting")
         self.prompt_tokens = self._bound_counter("pdserve_prompt_tokens_total")
         self.generation_tokens = self._bound_counter("pdserve_generation_tokens_total")
+        self.prefix_cache_queries = self._bound_counter("pdserve_prefix_cache_queries_total")
+        self.prefix_cache_hits = self._bound_counter("pdserve_prefix_cache_hits_total")
         self.kv_pages_used = self._bound_gauge("pdserve_kv_pages_used")
         self.kv_pages_capacity = self._bound_gauge("pdserve_kv_pages_capacity")
         self.kv_pages_pinned_for_transfer = self._bound_gauge(

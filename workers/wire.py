@@ -49,6 +49,8 @@ class WorkerLoad:
     num_transfers_in_flight: int = 0
     num_computed_prompt_tokens: int = 0
     num_sampled_tokens: int = 0
+    num_prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    num_prefix_cache_hits: int = 0  # of them, found cached (not computed)
 
 
 def sampling_from_proto(message: wpb.WorkerSamplingParams) -> SamplingParams:

@@ -106,6 +106,7 @@ GROUP_LIMIT_KEYS: tuple[str, ...] = (
     "num_pages",
     "kv_memory_bytes",
     "enable_chunked_prefill",
+    "enable_prefix_caching",
 )
 # One prefill replica keeps about three decode replicas busy in the reference deployment; a
 # ratio beyond this, either way, leaves one side idle and is almost surely a typo.
@@ -239,6 +240,12 @@ class ClusterConfig(Section):
         self._check_limits(self.limits, "limits")
         for group in self.groups:
             self._check_limits(group.limits, f"groups.{group.role}.limits")
+            if group.limits.enable_prefix_caching and group.role != "mixed":
+                raise ConfigError(
+                    f"groups.{group.role}.limits.enable_prefix_caching",
+                    "prefix caching runs on mixed groups only so far (the KV transfer does not "
+                    "yet skip cached pages)",
+                )
             try:
                 self.engine_config(group.role)
             except ValueError as exc:  # the engine's own rules, should ours miss one
@@ -394,6 +401,7 @@ class ClusterConfig(Section):
             max_num_seqs=limits.max_num_seqs,
             max_num_batched_tokens=limits.max_num_batched_tokens,
             enable_chunked_prefill=limits.enable_chunked_prefill,
+            enable_prefix_caching=limits.enable_prefix_caching,
             max_model_len=self.limits.max_model_len,
             dtype=self.dtype,
             device=self.device,

@@ -75,6 +75,10 @@ class Limits(Section):
     """KV pool of each rank in bytes, allocated up front (or give ``num_pages``, not both)."""
     enable_chunked_prefill: bool = True
     """Split long prompts into chunks of ``max_num_batched_tokens``."""
+    enable_prefix_caching: bool = False
+    """Reuse the KV of full pages whose tokens, from the prompt's start, match an earlier
+    request's (system prompts, earlier chat turns): those tokens are not computed again. Mixed
+    groups only so far."""
 
     @model_validator(mode="after")
     def _consistent(self) -> Limits:

@@ -57,6 +57,9 @@ EXPORTED_BY: dict[str, tuple[str, ...]] = {
     "pdserve_num_requests_waiting": _EVERY_ROLE,
     "pdserve_prompt_tokens_total": _EVERY_ROLE,
     "pdserve_generation_tokens_total": ("router", "decode", "mixed"),
+    # Prefix caching runs on mixed workers only so far.
+    "pdserve_prefix_cache_queries_total": ("mixed",),
+    "pdserve_prefix_cache_hits_total": ("mixed",),
     "pdserve_request_success_total": _ROUTER,
     "pdserve_kv_pages_used": ("prefill", "decode", "mixed"),
     "pdserve_kv_pages_capacity": ("prefill", "decode", "mixed"),

@@ -234,6 +234,8 @@ class _FakeBackend:
             num_free_kv_pages=60,
             num_computed_prompt_tokens=40,
             num_sampled_tokens=5,
+            num_prefix_cache_queries=48,
+            num_prefix_cache_hits=32,
         )
 
 

@@ -112,6 +112,31 @@ def test_mixed_worker_counts_every_prompt_token_and_every_sampled_one(
         backend.close()
 
 
+def test_a_mixed_worker_with_prefix_caching_counts_cached_tokens_apart(
+    tiny_model_dir: Path,
+) -> None:
+    # Two prompts sharing 40 tokens (two full pages and a half), served one after the other.
+    backend = MixedBackend(tiny_model_dir, EngineConfig(num_pages=64, enable_prefix_caching=True))
+    queries, hits = "pdserve_prefix_cache_queries_total", "pdserve_prefix_cache_hits_total"
+    try:
+        with _exported(backend, "mixed", tiny_model_dir) as port:
+            shared, first, second = prompts_of_lengths([40, 9, 23], seed=6)
+            assert _serve(backend, [shared + first], [2]) == [2]
+            assert _serve(backend, [shared + second], [2]) == [2]
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+                body = answer.read().decode()
+            values = {
+                sample.name: sample.value
+                for family in text_string_to_metric_families(body)
+                for sample in family.samples
+                if sample.name in (PROMPT, queries, hits)
+            }
+            # Both prompts looked up (49 + 63 tokens); the second found the two full pages.
+            assert values == {PROMPT: 49 + 63 - 32, queries: 49 + 63, hits: 32}
+    finally:
+        backend.close()
+
+
 def test_a_prompt_recomputed_after_preemption_counts_again(tiny_model_dir: Path) -> None:
     # Four 1-page prompts growing to 3 pages each in a 4-page pool: sequences are preempted
     # (recompute) once they have sampled; each recomputes its whole prompt in one step (no

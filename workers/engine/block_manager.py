@@ -10,16 +10,23 @@ A page is in exactly one of three states:
   hands them over (``unpin``, the pages become ordinary allocated pages) or gives them back
   (``free_pinned``).
 
+Prefix caching (`workers.engine.prefix_cache`): an allocated page whose KV is complete may be
+*named* (``register``) by the hash of its tokens; ``lookup`` finds named pages and ``acquire``
+shares them with a new owner. A named page whose last owner frees it keeps its name and KV as a
+*cached* free page: it counts as free, and ``allocate`` takes plain free pages first, then cached
+ones, least recently freed first (the name is dropped then). Pinned pages are never named.
+
 The allocator knows nothing of sequences; the scheduler keeps each sequence's page list.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import Counter, deque
-from collections.abc import Iterable
+from collections import Counter, OrderedDict, deque
+from collections.abc import Iterable, Sequence
 
 from workers.engine.errors import CapacityError
+from workers.engine.prefix_cache import PageHash
 
 logger = logging.getLogger(__name__)
 
@@ -37,12 +44,21 @@ class BlockManager:
         self._ref_counts = [0] * num_pages
         self._pinned: set[int] = set()
         self._free: deque[int] = deque(range(num_pages))
+        self._name_of: dict[int, PageHash] = {}  # named pages, allocated or cached
+        self._page_named: dict[PageHash, int] = {}
+        self._cached: OrderedDict[int, None] = OrderedDict()  # free named pages, LRU first
 
     # --- queries ---------------------------------------------------------------------------
 
     @property
     def num_free_pages(self) -> int:
-        return len(self._free)
+        """Free pages, cached ones included (they are reused when nothing else is free)."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def num_cached_pages(self) -> int:
+        """Free pages that still hold a named page's KV."""
+        return len(self._cached)
 
     @property
     def num_pinned_pages(self) -> int:
@@ -58,19 +74,67 @@ class BlockManager:
         return -(-num_tokens // self.page_size)
 
     def can_allocate(self, num_pages: int) -> bool:
-        return num_pages <= len(self._free)
+        return num_pages <= self.num_free_pages
+
+    def lookup(self, names: Sequence[PageHash]) -> list[int]:
+        """The pages named ``names[0]``, ``names[1]``, ... up to the first name not held."""
+        pages: list[int] = []
+        for name in names:
+            page_id = self._page_named.get(name)
+            if page_id is None:
+                break
+            pages.append(page_id)
+        return pages
 
     # --- transitions -----------------------------------------------------------------------
 
     def allocate(self, num_pages: int) -> list[int]:
         if num_pages < 0:
             raise ValueError(f"cannot allocate {num_pages} pages")
-        if num_pages > len(self._free):
-            raise CapacityError(f"need {num_pages} KV pages, {len(self._free)} free")
-        page_ids = [self._free.popleft() for _ in range(num_pages)]
+        if num_pages > self.num_free_pages:
+            raise CapacityError(f"need {num_pages} KV pages, {self.num_free_pages} free")
+        page_ids = [self._take_free() for _ in range(num_pages)]
         for page_id in page_ids:
             self._ref_counts[page_id] = 1
         return page_ids
+
+    def _take_free(self) -> int:
+        if self._free:
+            return self._free.popleft()
+        page_id, _ = self._cached.popitem(last=False)  # evict the least recently freed
+        del self._page_named[self._name_of.pop(page_id)]
+        return page_id
+
+    def acquire(self, page_ids: Iterable[int]) -> None:
+        """One more owner for each named page (`lookup`'s), cached free pages included."""
+        page_ids = list(page_ids)
+        for page_id in page_ids:
+            if page_id not in self._name_of:
+                raise PageAllocationError(f"page {page_id} is not named; cannot acquire it")
+        for page_id in page_ids:
+            if self._ref_counts[page_id] == 0:
+                del self._cached[page_id]
+            self._ref_counts[page_id] += 1
+
+    def register(self, page_id: int, name: PageHash) -> None:
+        """Name an allocated page whose KV is complete. A name already held by another page, or
+        a page already named, is left as it is (the first page keeps the name)."""
+        if self._ref_counts[page_id] == 0 or page_id in self._pinned:
+            raise PageAllocationError(f"page {page_id} is free or pinned; cannot name it")
+        if name in self._page_named or page_id in self._name_of:
+            return
+        self._name_of[page_id] = name
+        self._page_named[name] = page_id
+
+    def clear_cache(self) -> int:
+        """Forget every name (cached free pages become plain free pages); returns how many
+        pages were named."""
+        count = len(self._name_of)
+        self._free.extend(self._cached)
+        self._cached.clear()
+        self._name_of.clear()
+        self._page_named.clear()
+        return count
 
     def allocate_pinned(self, num_pages: int) -> list[int]:
         page_ids = self.allocate(num_pages)
@@ -105,7 +169,10 @@ class BlockManager:
         for page_id in page_ids:
             self._ref_counts[page_id] -= 1
             if self._ref_counts[page_id] == 0:
-                self._free.append(page_id)
+                if page_id in self._name_of:
+                    self._cached[page_id] = None  # the most recently freed: evicted last
+                else:
+                    self._free.append(page_id)
 
     def free_pinned(self, page_ids: Iterable[int]) -> None:
         """Give back pinned pages that were never handed over (an aborted transfer)."""
@@ -128,6 +195,12 @@ class BlockManager:
         free = list(self._free)
         free_set = set(free)
         assert len(free) == len(free_set), "a page is in the free list twice"
+        assert not free_set & set(self._cached), "a page is free and cached"
+        assert {p: n for n, p in self._page_named.items()} == self._name_of, "names disagree"
+        for page_id in self._cached:
+            assert page_id in self._name_of, f"cached page {page_id} has no name"
+            assert self._ref_counts[page_id] == 0, f"cached page {page_id} is referenced"
+        free_set |= set(self._cached)
         for page_id in range(self.num_pages):
             ref = self._ref_counts[page_id]
             assert ref >= 0, f"page {page_id} has ref count {ref}"
@@ -138,3 +211,4 @@ class BlockManager:
                 assert ref > 0, f"page {page_id} is neither free nor referenced (leak)"
         for page_id in self._pinned:
             assert self._ref_counts[page_id] == 1, f"pinned page {page_id} is shared"
+            assert page_id not in self._name_of, f"pinned page {page_id} is named"

@@ -38,6 +38,8 @@ class EngineConfig:
         device exists is checked when the engine starts, before anything is loaded.
     cuda_graph_max_batch: on CUDA, decode steps of up to this many sequences replay CUDA
         graphs (`workers.engine.decode_graphs`); 0 runs every step eagerly. Ignored on CPU.
+    enable_prefix_caching: reuse the KV of full pages whose tokens (from the sequence's start)
+        match an earlier sequence's (`workers.engine.prefix_cache`); mixed role only so far.
     tensor_parallel_size: ranks (processes) the model is split over; rank 0 runs the engine.
         Whether the model's heads divide is checked when it is loaded. With TP, ``num_pages``
         / ``kv_memory_bytes`` size each rank's pool (its share of the KV heads).
@@ -57,6 +59,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     seed: int = 0
     tensor_parallel_size: int = 1
+    enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -91,6 +94,10 @@ class EngineConfig:
         check_device_name(self.device)
         if self.cuda_graph_max_batch < 0:
             raise ValueError(f"cuda_graph_max_batch must be >= 0, got {self.cuda_graph_max_batch}")
+        if self.enable_prefix_caching and self.role != "mixed":
+            raise ValueError(
+                f"enable_prefix_caching is supported on the mixed role only, not {self.role!r}"
+            )
         if self.tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"

@@ -131,7 +131,7 @@ class EngineCore:
         )
         self.layer_progress = create_layer_progress(self.model_config.num_layers, self.device)
         self.block_manager = BlockManager(self.num_pages, config.page_size)
-        self.scheduler = Scheduler(config, self.block_manager)
+        self.scheduler = Scheduler(config, self.block_manager, str(Path(model_dir).resolve()))
         self.runner = (
             ParallelModelRunner(
                 self.tp, backend, config.page_size, self.layer_progress, self.device
@@ -450,6 +450,8 @@ class EngineCore:
         self.stats.num_steps += 1
         self.stats.num_model_tokens += num_tokens
         self.stats.max_step_tokens = max(self.stats.max_step_tokens, num_tokens)
+        self.stats.num_prefix_cache_queries = self.scheduler.num_prefix_cache_queries
+        self.stats.num_prefix_cache_hits = self.scheduler.num_prefix_cache_hits
         self.last_step_shape = shape_of(scheduled.seqs, scheduled.chunks)
         self.stats.num_computed_prompt_tokens += sum(
             max(0, min(chunk.end, seq.num_prompt_tokens) - chunk.start)

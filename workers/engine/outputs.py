@@ -36,4 +36,7 @@ class EngineStats:
     # decoder computes one per request (the last prompt token), a prefill worker the others.
     num_computed_prompt_tokens: int = 0
     num_sampled_tokens: int = 0  # never on the prefill role
+    # Prefix caching: tokens of admitted sequences looked up, and found in cached pages.
+    num_prefix_cache_queries: int = 0
+    num_prefix_cache_hits: int = 0
     max_step_tokens: int = 0

@@ -19,6 +19,11 @@ that does not fit only because of them waits (preempted, or first in ``waiting``
 being finished. Only a sequence that outgrows the whole pool is finished (``length``). On the
 prefill role a sequence gets all its pages when admitted, so it is never preempted (its KV is
 already on its way to a decoder).
+
+Prefix caching (``enable_prefix_caching``, mixed role): a sequence admitted with nothing
+computed first takes the longest run of named pages matching its tokens (`BlockManager.lookup`)
+and starts computing after them; every page a step fills is named (`postprocess`). Preempted
+sequences benefit too: their pages stay cached until something needs the room.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from dataclasses import dataclass, field
 
 from workers.engine.block_manager import BlockManager
 from workers.engine.config import EngineConfig
+from workers.engine.prefix_cache import cache_salt, extend_page_hashes
 from workers.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -73,12 +79,21 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self, config: EngineConfig, block_manager: BlockManager, cache_name: str = ""
+    ) -> None:
+        """``cache_name``: what the pool's KV depends on besides tokens, dtype and page size
+        (the checkpoint), salted into page identities."""
         self.config = config
         self.block_manager = block_manager
         self.page_size = config.page_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.caching = config.enable_prefix_caching
+        self._salt = cache_salt(cache_name, config.dtype, config.page_size)
+        # Prefix cache counters in tokens (vLLM's names): looked up at admission, found cached.
+        self.num_prefix_cache_queries = 0
+        self.num_prefix_cache_hits = 0
 
     def add(self, seq: Sequence) -> None:
         assert seq.status is SequenceStatus.WAITING
@@ -125,8 +140,10 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             seq = self.waiting[0]
+            cached = self._take_cached_prefix(seq)
             num_new = self._chunk_size(seq, budget)
             if num_new == 0:
+                self._give_back_prefix(seq, cached)
                 break
             # The prefill role reserves a prompt's pages at admission, so it never preempts:
             # a recomputed chunk would send its pages to the decoder a second time.
@@ -136,8 +153,12 @@ class Scheduler:
                 out.hopeless.append(seq)
                 continue
             if not self._can_append(seq, reserve) and not self._drop_waiting_kv(seq, reserve, out):
+                self._give_back_prefix(seq, cached)
                 break
             self.waiting.popleft()
+            if cached is not None:
+                self.num_prefix_cache_queries += seq.num_tokens
+                self.num_prefix_cache_hits += cached * self.page_size
             seq.start_running()
             self.running.append(seq)
             seq.page_ids.extend(self.block_manager.allocate(self._pages_needed(seq, reserve)))
@@ -150,6 +171,8 @@ class Scheduler:
         """Account this step's computed tokens (before the engine appends sampled tokens)."""
         for seq, num_new in zip(out.seqs, out.num_new_tokens, strict=True):
             seq.num_computed_tokens += num_new
+            if self.caching:
+                self._name_full_pages(seq, num_new)
 
     def finish(self, seq: Sequence, reason: FinishReason, *, keep_pages: bool = False) -> None:
         """End a sequence in any state; frees its pages unless the caller still needs them."""
@@ -164,6 +187,46 @@ class Scheduler:
     def release_pages(self, seq: Sequence) -> None:
         self.block_manager.free(seq.page_ids)
         seq.page_ids = []
+
+    # --- prefix caching --------------------------------------------------------------------
+
+    def page_names(self, token_ids: list[int]) -> list[bytes]:
+        """The names of the full pages of ``token_ids`` in this pool."""
+        return extend_page_hashes([], token_ids, self.page_size, len(token_ids), self._salt)
+
+    def _take_cached_prefix(self, seq: Sequence) -> int | None:
+        """Give a sequence with nothing computed the cached pages of its longest cached prefix
+        (at most all its tokens but the last); returns how many pages it got, None when the
+        cache was not asked (caching off, or KV already computed)."""
+        if not self.caching or seq.num_computed_tokens or seq.page_ids or seq.prefill_only:
+            return None
+        usable = (seq.num_tokens - 1) // self.page_size
+        names = extend_page_hashes(
+            seq.page_hashes, seq.token_ids, self.page_size, usable, self._salt
+        )
+        pages = self.block_manager.lookup(names[:usable])
+        if not pages:
+            return 0
+        self.block_manager.acquire(pages)
+        seq.page_ids = pages
+        seq.num_computed_tokens = len(pages) * self.page_size
+        return len(pages)
+
+    def _give_back_prefix(self, seq: Sequence, cached: int | None) -> None:
+        """Undo `_take_cached_prefix` for a sequence that stays waiting."""
+        if cached:
+            self.release_pages(seq)
+            seq.num_computed_tokens = 0
+
+    def _name_full_pages(self, seq: Sequence, num_new: int) -> None:
+        """Name the pages this step filled (their KV is complete)."""
+        first = (seq.num_computed_tokens - num_new) // self.page_size
+        full = seq.num_computed_tokens // self.page_size
+        if full <= first:
+            return
+        names = extend_page_hashes(seq.page_hashes, seq.token_ids, self.page_size, full, self._salt)
+        for index in range(first, full):
+            self.block_manager.register(seq.page_ids[index], names[index])
 
     # --- helpers ---------------------------------------------------------------------------
 

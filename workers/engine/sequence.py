@@ -71,6 +71,9 @@ class Sequence:
         self.status = status
         self.num_computed_tokens = 0
         self.page_ids: list[int] = []
+        # Prefix caching: the chained names of the first full pages of ``token_ids``
+        # (`workers.engine.prefix_cache`); tokens never change, so neither do these.
+        self.page_hashes: list[bytes] = []
         self.arrival_time = time.perf_counter()
         self.token_times: list[float] = []
         self.logprobs: list[float] = []

@@ -44,6 +44,8 @@ def engine_counters(engine: EngineCore) -> dict[str, int]:
     return {
         "num_computed_prompt_tokens": stats.num_computed_prompt_tokens,
         "num_sampled_tokens": stats.num_sampled_tokens,
+        "num_prefix_cache_queries": stats.num_prefix_cache_queries,
+        "num_prefix_cache_hits": stats.num_prefix_cache_hits,
     }
 
 

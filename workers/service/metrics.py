@@ -109,6 +109,8 @@ class WorkerMetricsExporter:
         metrics.kv_pages_used.set(load.num_total_kv_pages - load.num_free_kv_pages)
         self._count_up(metrics.prompt_tokens, "prompt", load.num_computed_prompt_tokens)
         self._count_up(metrics.generation_tokens, "generation", load.num_sampled_tokens)
+        self._count_up(metrics.prefix_cache_queries, "cache_queries", load.num_prefix_cache_queries)
+        self._count_up(metrics.prefix_cache_hits, "cache_hits", load.num_prefix_cache_hits)
         worker = getattr(self.backend, "worker", None)  # the KV roles' `workers.service.kv_worker`
         if worker is None:
             return
