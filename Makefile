@@ -12,7 +12,7 @@ export RAY_USAGE_STATS_ENABLED := 0
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install test lint lint-protos typecheck unit demo bench bench-peers soak clean
+.PHONY: install test lint lint-protos typecheck unit demo bench bench-peers bench-serving soak clean
 
 install: $(STAMP) $(PROTO_STUBS)
 
@@ -51,6 +51,10 @@ bench: install
 # vLLM's CPU build in a venv of its own (.cache/peers/vllm), the peer of bench/engine.py --peer vllm.
 bench-peers:
 	bash bench/peers/setup_vllm.sh
+
+# pdserve serve against vllm serve under load, one client (vLLM's); needs bench-peers.
+bench-serving: install
+	$(PY) bench/serving.py --json bench/out/serving.json
 
 # The long soak: 10 minutes of mixed traffic, random cancels, 4 worker kills.
 soak: install

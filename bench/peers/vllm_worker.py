@@ -44,6 +44,9 @@ def main() -> int:
         max_num_seqs=args.max_num_seqs,
         seed=0,
         disable_log_stats=True,
+        # Every turn repeats the same prompts: with vLLM's default prefix caching, turns after
+        # the first would reuse their KV and time a fraction of the prefill.
+        enable_prefix_caching=False,
     )
     answers.write(json.dumps({"ready": True, "version": vllm.__version__}) + "\n")
     for line in sys.stdin:
