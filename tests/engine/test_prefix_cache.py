@@ -211,3 +211,18 @@ def test_caching_off_names_nothing(model_dir: Path, reference: list[list[int]]) 
     assert _run_one(engine, "b", PROMPTS[1]) == reference[1]
     assert engine.stats.num_prefix_cache_hits == 0 == engine.stats.num_prefix_cache_queries
     assert engine.block_manager.num_cached_pages == 0
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_share_the_cached_pages(tiny_model_dir: Path) -> None:
+    """Under TP every rank holds its heads of the same page ids: rank 0's cache decisions hold
+    for all of them."""
+    expected = [hf_greedy(tiny_model_dir, p, GREEDY.max_tokens) for p in PROMPTS[:2]]
+    engine = make_engine(tiny_model_dir, enable_prefix_caching=True, tensor_parallel_size=2)
+    try:
+        assert _run_one(engine, "a", PROMPTS[0]) == expected[0]
+        assert _run_one(engine, "b", PROMPTS[1]) == expected[1]
+        assert engine.stats.num_prefix_cache_hits == 2 * PAGE
+        _pool_full(engine)
+    finally:
+        engine.close()

@@ -4,7 +4,8 @@ Why: ``F.linear`` on CPU calls MKL's GEMM, which re-reads the plain [out, in] we
 and, for the few-row GEMMs of decode steps, hardly uses a second thread. oneDNN's linear over a
 weight reordered once into its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, the
 path PyTorch's own CPU inference freezing takes) runs SmolLM2-135M's projections 1.3-4x faster
-at 16-64 rows, and the 49152-wide LM head 2-4x faster (bench/RESULTS.md, "Serving under load").
+at 16-64 rows, and the 49152-wide LM head 2-4x faster (bench/history/RESULTS-notebook.md,
+"Against vLLM's CPU build").
 
 A packed weight is an opaque ``torch._mkldnn`` tensor of the same shape and dtype: `linear`
 dispatches on it, `dense` gives the plain tensor back (tests, tools). Packed: 2-D float32
