@@ -92,19 +92,24 @@ class WorkerActor:
         configure_logging(origin=self.spec.worker_id)
 
     def start(self) -> dict[str, Any]:
+        from workers.engine.compute_thread import build_on_passing_thread
         from workers.engine.config import EngineConfig
         from workers.service.factory import create_backend
         from workers.service.server import WorkerServer, WorkerServicer
 
         spec = self.spec
         config = EngineConfig(**spec.engine)
-        self._backend = create_backend(
-            spec.role,
-            spec.model_dir,
-            config,
-            provider=spec.provider,
-            node=spec.fabric_node,
-            transfer=spec.transfer,
+        # Loaded on a thread that ends: the step loop's OpenMP team is then the process's only
+        # one (see `workers.engine.compute_thread`).
+        self._backend = build_on_passing_thread(
+            lambda: create_backend(
+                spec.role,
+                spec.model_dir,
+                config,
+                provider=spec.provider,
+                node=spec.fabric_node,
+                transfer=spec.transfer,
+            )
         )
         address = ""
         if spec.role != "prefill":

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from workers.engine.compute_thread import build_on_passing_thread
 from workers.engine.config import EngineConfig
 from workers.kv.prefill_messenger import PrefillMessengerConfig
 from workers.log import configure_logging
@@ -43,12 +44,16 @@ def build_prefill_worker(options: dict[str, Any]) -> PrefillWorker:
     num_threads = options.get("num_threads")
     if num_threads is not None:
         torch.set_num_threads(int(num_threads))
-    return PrefillWorker(
-        options["model_dir"],
-        EngineConfig(**options.get("engine", {})),
-        provider=options.get("provider", "tcp;ofi_rxm"),
-        node=options.get("node", "127.0.0.1"),
-        messenger_config=PrefillMessengerConfig(**options.get("messenger", {})),
+    # Loaded on a thread that ends: the step loop's OpenMP team is then the process's only one
+    # (see `workers.engine.compute_thread`).
+    return build_on_passing_thread(
+        lambda: PrefillWorker(
+            options["model_dir"],
+            EngineConfig(**options.get("engine", {})),
+            provider=options.get("provider", "tcp;ofi_rxm"),
+            node=options.get("node", "127.0.0.1"),
+            messenger_config=PrefillMessengerConfig(**options.get("messenger", {})),
+        )
     )
 
 
