@@ -47,6 +47,9 @@ LONG_CASES = {
     "decode-spread": ([300, 4, 140, 15, 299, 63, 150, 0, 16], [1] * 9),
     "decode-spread-with-chunks": ([300, 4, 0, 140, 31, 299], [1, 1, 20, 1, 9, 1]),
     "decode-equal-lengths": ([200, 200, 200], [1, 1, 1]),
+    # Lengths close enough for the sparse path to pad rows to the longest (a masked softmax).
+    "decode-near-lengths": ([290, 256, 300, 271, 299], [1] * 5),
+    "decode-near-lengths-with-chunks": ([290, 0, 256, 300, 40], [1, 30, 1, 1, 8]),
 }
 
 
@@ -132,3 +135,24 @@ def test_factory_names() -> None:
         create_attention_backend("flash", cache, 16, 1.0)
     with pytest.raises(RuntimeError, match="CUDA"):
         create_attention_backend("flashinfer", cache, 16, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("context_lens", "softmax"),
+    [([200, 200, 200], "dense"), ([290, 256, 300], "padded"), ([300, 4, 140], "segmented")],
+)
+def test_sparse_softmax_shape_follows_the_length_spread(
+    context_lens: list[int], softmax: str
+) -> None:
+    """Equal lengths: one dense softmax; close ones: rows padded to the longest and masked;
+    far apart: a segmented softmax (padding would multiply the work)."""
+    case = make_mixed_case(context_lens, [1] * len(context_lens), num_pages=160)
+    scale = 32**-0.5
+    backend = TorchAttentionBackend(case.kv_cache, 16, scale, sparse_decode=True)
+    backend.begin_step(case.batch)
+    out = backend.forward(1, case.q, case.k, case.v, case.batch)
+    torch.testing.assert_close(out.double(), reference_attention(case, scale), atol=1e-5, rtol=1e-5)
+    sparse = backend._sparse
+    assert sparse is not None
+    shape = "segmented" if sparse.width is None else "dense" if sparse.padding is None else "padded"
+    assert shape == softmax

@@ -7,7 +7,10 @@ Per step (`begin_step`) the batch is split once into
     listed in a per-step CSR pattern, and the output is a weighted sum of the cache's V rows
     (``F.embedding_bag`` with the probabilities as per-row weights): K and V are read once from
     where they lie, never copied. On CPU this was 1.25-1.9x faster per layer than gathering
-    pages and calling SDPA (batch 8-32, 48-1200 tokens), float32 results within 1e-6 of it;
+    pages and calling SDPA (batch 8-32, 48-1200 tokens), float32 results within 1e-6 of it.
+    The softmax is one dense call when every row has as many entries: equal lengths, or
+    lengths close enough (`_PADDED_SOFTMAX_SLACK`) that shorter rows are padded with a masked
+    repeat of their first key; otherwise a segmented softmax over rows of their own lengths;
   - *gather* (other devices and dtypes): sequences sorted by length are cut into groups of
     similar length and bounded size; per layer each group's pages are gathered with one
     ``index_select`` into a reused buffer and attended by one 4-D
@@ -48,6 +51,10 @@ _BUCKET_SLACK_FRACTION = 8
 # the 2-vCPU Xeon VM of bench/history/RESULTS-notebook.md, batch 32 x 800 tokens: one 52 MB gather per layer was
 # ~25 % slower than 2-16 MB groups (which measured within noise of each other).
 _GATHER_GROUP_BYTES = 8 << 20
+# The sparse decode path pads every row to the batch's longest sequence (one dense, masked
+# softmax) while that adds at most this factor of entries over the unpadded total; beyond it,
+# a segmented softmax over rows of their own lengths.
+_PADDED_SOFTMAX_SLACK = 1.5
 
 # The sparse path only uses CSR construction and `sampled_addmm`; torch warns once per process
 # that CSR support is "beta". A module-level filter (not `catch_warnings`, which swaps the
@@ -79,8 +86,13 @@ class _SparseDecode:
     pattern: torch.Tensor  # sparse CSR [Bd * Hq, cache rows] of the keys' rows (values unused)
     value_rows: torch.Tensor  # [nnz] the matching V rows
     offsets: torch.Tensor  # [Bd * Hq] first entry of each row
-    row_lens: torch.Tensor  # [Bd * Hq] keys per row
-    equal_len: int | None  # every row's length when all are equal (a dense softmax), else None
+    row_lens: torch.Tensor  # [Bd * Hq] entries per row
+    # Entries per row when every row has as many (a dense softmax over [rows, width]), else None
+    # (a segmented softmax over `row_lens`).
+    width: int | None
+    # [Bd * Hq, width] True for padding entries (a shorter sequence's row padded to the longest:
+    # they repeat its first key and are masked out of the softmax); None without padding.
+    padding: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -256,13 +268,26 @@ class TorchAttentionBackend(AttentionBackend):
         token_rows = pages * (2 * num_kv_heads * page_size) + positions % page_size
         head_rows = torch.arange(num_heads, device=device) // group * page_size
         rows = token_rows[:, None, :] + head_rows[None, :, None]  # [Bd, Hq, max_len]
-        equal_len = max_len if all(n == max_len for n in lens_list) else None
-        if equal_len is None:
+        padding = None
+        if all(n == max_len for n in lens_list):
+            width: int | None = max_len
+            key_rows = rows.reshape(-1)
+        elif len(lens_list) * max_len <= _PADDED_SOFTMAX_SLACK * sum(lens_list):
+            # Pad shorter rows to the longest: a dense softmax with a mask costs less than the
+            # segmented one while the padding stays small. Padding entries repeat the row's
+            # first key, so nothing outside the sequence's own pages is read.
+            width = max_len
+            valid = positions[None, :] < lens[:, None]  # [Bd, max_len]
+            key_rows = torch.where(valid[:, None, :], rows, rows[:, :, :1]).reshape(-1)
+            padding = ~valid.repeat_interleave(num_heads, dim=0)
+        else:
+            width = None
             valid = (positions[None, :] < lens[:, None])[:, None, :].expand_as(rows)
             key_rows = rows[valid]
+        if width is None:
+            row_lens = lens.repeat_interleave(num_heads)
         else:
-            key_rows = rows.reshape(-1)
-        row_lens = lens.repeat_interleave(num_heads)
+            row_lens = torch.full((len(lens_list) * num_heads,), width, device=device)
         crow = torch.zeros(row_lens.numel() + 1, dtype=torch.long, device=device)
         torch.cumsum(row_lens, 0, out=crow[1:])
         cache_rows = self.kv_cache[0].numel() // self.kv_cache.shape[-1]
@@ -278,7 +303,8 @@ class TorchAttentionBackend(AttentionBackend):
             value_rows=key_rows + num_kv_heads * page_size,
             offsets=crow[:-1],
             row_lens=row_lens,
-            equal_len=equal_len,
+            width=width,
+            padding=padding,
         )
 
     def _chunk_plan(self, batch: AttentionBatch, seq: int, start: int, end: int) -> _ChunkPlan:
@@ -391,8 +417,11 @@ class TorchAttentionBackend(AttentionBackend):
         scores = torch.sparse.sampled_addmm(
             sparse.pattern, queries, rows.t(), beta=0.0, alpha=self.scale
         ).values()
-        if sparse.equal_len is not None:
-            probs = torch.softmax(scores.view(-1, sparse.equal_len), dim=-1).view(-1)
+        if sparse.width is not None:
+            scores = scores.view(-1, sparse.width)
+            if sparse.padding is not None:
+                scores = scores.masked_fill_(sparse.padding, float("-inf"))
+            probs = torch.softmax(scores, dim=-1).view(-1)
             out = F.embedding_bag(
                 sparse.value_rows, rows, sparse.offsets, mode="sum", per_sample_weights=probs
             )
