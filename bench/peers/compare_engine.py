@@ -5,6 +5,9 @@ For each dtype: our `EngineCore` in this process and one resident vLLM engine in
 each; the turns alternate so that a change in the machine's load hits both sides alike, and vLLM's
 processes are stopped (SIGSTOP) during our turns: idle, its engine still takes about a fifth of a
 core, which slowed our decode steps by about a third (117 to 161 ms) when it ran beside them.
+Both engines get as many OpenMP threads (ours: ``--threads``, else torch's default; vLLM's are
+bound to as many CPUs, `vllm_peer.thread_binding`): left to itself vLLM keeps a core for its
+front end, which on 2 vCPUs made its engine one thread against our two.
 - prefill tok/s: one 512-token prompt, time to its first token (vLLM: ``generate`` with one new
   token);
 - decode tok/s at each batch: ``new_tokens`` greedy tokens per prompt, EOS ignored; ours is the
@@ -18,6 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import engine as bench_engine  # bench/engine.py: the same prompts and timing as the HF table
+import torch
 
 from peers.vllm_peer import PeerUnavailable, VllmPeer, vllm_python
 from workers.engine.config import EngineConfig
@@ -64,8 +68,11 @@ def measure_dtype(
     ours_engine = EngineCore(model_dir, config, detokenize=False)
     vocab = min(ours_engine.model_config.vocab_size, 32000)
     rows: list[Row] = []
-    with VllmPeer(model_dir, dtype, max_num_seqs=max_batch) as peer:
-        print(f"vLLM {peer.version}, {dtype}: measuring", flush=True)
+    # As many threads for vLLM's engine as ours has (`torch.get_num_threads`, set by
+    # ``--threads``): by default vLLM would keep cores for its front end.
+    threads = torch.get_num_threads()
+    with VllmPeer(model_dir, dtype, max_num_seqs=max_batch, threads=threads) as peer:
+        print(f"vLLM {peer.version}, {dtype}, {threads} threads each: measuring", flush=True)
         prompt = bench_engine.random_prompts(1, bench_engine.PREFILL_LEN, vocab, seed=0)
         peer.pause()
         ours, theirs = alternate(
@@ -111,7 +118,10 @@ def print_peer_table(
     rows: list[Row] = []
     for dtype in dtypes:
         rows += measure_dtype(model_dir, dtype, batches, new_tokens, repeats, prompt_len)
-    print(f"\nmodel: {model_dir}; decode: {prompt_len}-token prompts, {new_tokens} new tokens\n")
+    print(
+        f"\nmodel: {model_dir}; decode: {prompt_len}-token prompts, {new_tokens} new tokens; "
+        f"{torch.get_num_threads()} threads each\n"
+    )
     print(f"| {'dtype':<9} | {'metric':<24} | {'pdserve':>9} | {'vLLM':>9} | {'ratio':>6} |")
     print(f"|{'-' * 11}|{'-' * 26}|{'-' * 11}|{'-' * 11}|{'-' * 8}|")
     for dtype, metric, ours, theirs in rows:

@@ -30,11 +30,32 @@ def vllm_python(venv: Path | None = None) -> Path:
     return python
 
 
+def thread_binding(threads: int, cpus: set[int] | None = None) -> dict[str, str]:
+    """vLLM environment that gives its CPU engine ``threads`` OpenMP threads on the first
+    ``threads`` CPUs this process may use. Left alone, vLLM binds its engine to all cores but one
+    per rank and keeps the rest for its front end: on 2 vCPUs, one thread against our N."""
+    allowed = sorted(cpus if cpus is not None else os.sched_getaffinity(0))
+    if not 1 <= threads <= len(allowed):
+        raise ValueError(
+            f"{threads} threads for vLLM, but this process may use {len(allowed)} CPUs"
+        )
+    return {
+        "VLLM_CPU_OMP_THREADS_BIND": ",".join(str(cpu) for cpu in allowed[:threads]),
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    }
+
+
 class VllmPeer:
-    """One vLLM engine (``LLM``) in its own process, for the life of the object."""
+    """One vLLM engine (``LLM``) in its own process, for the life of the object. ``threads``:
+    its engine's OpenMP threads (`thread_binding`); None keeps vLLM's own binding."""
 
     def __init__(
-        self, model_dir: Path, dtype: str, max_num_seqs: int, max_model_len: int = 2048
+        self,
+        model_dir: Path,
+        dtype: str,
+        max_num_seqs: int,
+        max_model_len: int = 2048,
+        threads: int | None = None,
     ) -> None:
         command = [
             str(vllm_python()),
@@ -51,6 +72,8 @@ class VllmPeer:
         env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
         # The CPU build sizes its KV cache from this (GiB); the benchmark needs little.
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+        if threads is not None:
+            env.update(thread_binding(threads))
         print(f"starting vLLM ({dtype}) ...", file=sys.stderr, flush=True)
         # A session of its own, so that pause() reaches vLLM's engine and worker processes too.
         self._process = subprocess.Popen(

@@ -71,3 +71,17 @@ def test_bad_arguments_are_refused_before_anything_loads(args: list[str], messag
     )
     assert result.returncode == 2
     assert message in result.stderr
+
+
+def test_vllm_gets_as_many_engine_threads_as_ours(peers_on_path: None) -> None:
+    """vLLM's CPU engine is bound to the first N CPUs this process may use, none kept back for
+    its front end (by default it keeps one per rank: one thread against our two on 2 vCPUs)."""
+    from peers.vllm_peer import thread_binding
+
+    assert thread_binding(2, {4, 1, 7}) == {
+        "VLLM_CPU_OMP_THREADS_BIND": "1,4",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    }
+    assert thread_binding(1, {3})["VLLM_CPU_OMP_THREADS_BIND"] == "3"
+    with pytest.raises(ValueError, match="3 threads for vLLM, but this process may use 2 CPUs"):
+        thread_binding(3, {0, 1})
