@@ -68,9 +68,7 @@ def measure_dtype(
     ours_engine = EngineCore(model_dir, config, detokenize=False)
     vocab = min(ours_engine.model_config.vocab_size, 32000)
     rows: list[Row] = []
-    # As many threads for vLLM's engine as ours has (`torch.get_num_threads`, set by
-    # ``--threads``): by default vLLM would keep cores for its front end.
-    threads = torch.get_num_threads()
+    threads = torch.get_num_threads()  # vLLM's engine gets as many (module docstring)
     with VllmPeer(model_dir, dtype, max_num_seqs=max_batch, threads=threads) as peer:
         print(f"vLLM {peer.version}, {dtype}, {threads} threads each: measuring", flush=True)
         prompt = bench_engine.random_prompts(1, bench_engine.PREFILL_LEN, vocab, seed=0)
