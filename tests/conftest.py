@@ -44,6 +44,32 @@ def small_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def deepseek_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """DeepSeek-V3 preset ``deepseek-tiny``: MLA with q LoRA, a dense then MoE layers
+    (noaux_tc routing, a shared expert), one MTP module."""
+    from workers.engine.presets import write_random_checkpoint
+
+    return write_random_checkpoint("deepseek-tiny", tmp_path_factory.mktemp("deepseek"))
+
+
+@pytest.fixture(scope="session")
+def deepseek_v2_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """DeepSeek-V2 preset ``deepseek-v2-tiny``: MLA without q LoRA, softmax routing limited to
+    groups, YaRN RoPE with mscale."""
+    from workers.engine.presets import write_random_checkpoint
+
+    return write_random_checkpoint("deepseek-v2-tiny", tmp_path_factory.mktemp("deepseek-v2"))
+
+
+@pytest.fixture(scope="session")
+def qwen3_moe_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3-MoE preset ``qwen3-moe-tiny``: Qwen3 attention, a dense layer, 8 experts top-2."""
+    from workers.engine.presets import write_random_checkpoint
+
+    return write_random_checkpoint("qwen3-moe-tiny", tmp_path_factory.mktemp("qwen3-moe"))
+
+
+@pytest.fixture(scope="session")
 def ray_local() -> Iterator[None]:
     """In-process Ray for the served-cluster tests (tests/system, the API's end-to-end tests):
     started once per session, on first use; each module places and removes its own workers."""

@@ -70,7 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("make-model", help="write a random-initialised HF-format checkpoint")
-    p.add_argument("--preset", required=True, choices=["tiny", "small", "qwen3-tiny"])
+    p.add_argument(
+        "--preset",
+        required=True,
+        choices=["tiny", "small", "qwen3-tiny", "deepseek-tiny", "qwen3-moe-tiny"],
+    )
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_make_model)

@@ -357,7 +357,7 @@ class ClusterConfig(Section):
         """A pool given in bytes must hold one request of max_model_len, as one given in pages
         must (`_check_pages_fit`): the same rule, once the bytes are pages."""
         limits = group.limits
-        element = _DTYPE_BYTES.get(model.torch_dtype if self.dtype == "auto" else self.dtype)
+        element = DTYPE_BYTES.get(model.torch_dtype if self.dtype == "auto" else self.dtype)
         if limits.kv_memory_bytes is None or element is None:
             return
         # A rank's pool holds its share of the KV heads (one head when they are replicated).
@@ -448,7 +448,7 @@ class ClusterConfig(Section):
         return cls.model_validate(raw, context={"base_dir": base_dir})
 
 
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def _check_tp(group: GroupConfig, model: ModelConfig) -> None:

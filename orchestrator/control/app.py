@@ -21,7 +21,7 @@ import signal
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.config.cluster import ClusterConfig
+from orchestrator.config.cluster import DTYPE_BYTES, ClusterConfig
 from orchestrator.control.embedded_ray import (
     EmbeddedRay,
     abandon_ray,
@@ -287,10 +287,11 @@ def describe(config: ClusterConfig, registry: Any, seed: int | None) -> tuple[An
     # A prompt must fit the KV pool of its decode worker and, disaggregated, of its prefill one.
     roles = (role, "prefill") if config.is_disaggregated else (role,)
     pages = min(w.load.num_total_kv_pages for r in roles for w in registry.of_role(r))
+    dtype = config.dtype if config.dtype != "auto" else model.torch_dtype
     model_info = pb.GetModelInfoResponse(
         model_name=config.model.name,
         architecture=model.architecture,
-        dtype=config.dtype if config.dtype != "auto" else model.torch_dtype,
+        dtype=dtype,
         vocab_size=model.vocab_size,
         max_model_len=max_model_len,
         num_layers=model.num_layers,
@@ -300,6 +301,8 @@ def describe(config: ClusterConfig, registry: Any, seed: int | None) -> tuple[An
         serving_mode=(
             pb.SERVING_MODE_DISAGGREGATED if config.is_disaggregated else pb.SERVING_MODE_MIXED
         ),
+        kv_bytes_per_token=model.kv_page_bytes(1, DTYPE_BYTES.get(dtype, 4)),
+        kv_latent=model.is_mla,
     )
     settings = RouterSettings(
         serving_role=role,

@@ -15,7 +15,7 @@ class MixedCase:
     batch: AttentionBatch
     q: torch.Tensor
     k: torch.Tensor
-    v: torch.Tensor
+    v: torch.Tensor  # latent cases: k itself (the backend is given None)
     # Per sequence: full K and V [seq_len, Hk, D] (cached context + new tokens), for the reference.
     full_k: list[torch.Tensor]
     full_v: list[torch.Tensor]
@@ -35,11 +35,17 @@ def make_mixed_case(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
     seed: int = 0,
+    latent: bool = False,
 ) -> MixedCase:
     """Sequences with ``context_lens[i]`` tokens already cached (written straight into the cache)
-    and ``query_lens[i]`` new tokens; pages are handed out in a scrambled order."""
+    and ``query_lens[i]`` new tokens; pages are handed out in a scrambled order.
+
+    ``latent``: a single-plane cache (MLA), whose one row per token is its key and its value."""
     gen = torch.Generator().manual_seed(seed)
-    cache = torch.randn(num_layers, num_pages, 2, num_kv_heads, page_size, head_dim, generator=gen)
+    planes = 1 if latent else 2
+    cache = torch.randn(
+        num_layers, num_pages, planes, num_kv_heads, page_size, head_dim, generator=gen
+    )
     free = torch.randperm(num_pages, generator=gen).tolist()
     tables: list[list[int]] = []
     full_k: list[torch.Tensor] = []
@@ -52,12 +58,13 @@ def make_mixed_case(
         pages = [free.pop() for _ in range(-(-total // page_size))]
         tables.append(pages)
         seq_k = torch.randn(total, num_kv_heads, head_dim, generator=gen)
-        seq_v = torch.randn(total, num_kv_heads, head_dim, generator=gen)
+        seq_v = seq_k if latent else torch.randn(total, num_kv_heads, head_dim, generator=gen)
         for pos in range(total):
             page, offset = pages[pos // page_size], pos % page_size
             if pos < context:
                 cache[layer, page, 0, :, offset] = seq_k[pos]
-                cache[layer, page, 1, :, offset] = seq_v[pos]
+                if not latent:
+                    cache[layer, page, 1, :, offset] = seq_v[pos]
             else:
                 slots.append(page * page_size + offset)
         full_k.append(seq_k)

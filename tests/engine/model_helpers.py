@@ -38,14 +38,14 @@ class PagedRunner:
         self.kv_cache = torch.zeros(
             config.num_layers,
             num_pages,
-            2,
+            config.kv_planes,
             config.num_kv_heads,
             page_size,
             config.head_dim,
             dtype=model.dtype,
         )
         self.backend: AttentionBackend = create_attention_backend(
-            backend, self.kv_cache, page_size, config.head_dim**-0.5
+            backend, self.kv_cache, page_size, config.attention_scale
         )
         generator = torch.Generator().manual_seed(123)
         self.free_pages = torch.randperm(num_pages, generator=generator).tolist()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -15,7 +17,7 @@ from workers.engine.kv_cache import (
     page_nbytes,
     read_pages,
 )
-from workers.engine.model_config import ModelConfig
+from workers.engine.model_config import MLAConfig, ModelConfig
 
 
 def _model_config() -> ModelConfig:
@@ -152,3 +154,27 @@ def test_copy_pages_between_pools_with_different_ids() -> None:
     raw = page_layer_bytes(src, layer=2, page_id=4)
     assert len(raw) == 2 * 2 * 4 * 4 * 4
     assert raw == src[2, 4].numpy().tobytes()
+
+
+def test_mla_pool_has_one_latent_plane() -> None:
+    """Under MLA a page holds one latent row per token (no V): half a dense page's planes."""
+    mla = MLAConfig(
+        kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4, q_lora_rank=None
+    )
+    config = dataclasses.replace(
+        _model_config(), architecture="DeepseekV2ForCausalLM", num_kv_heads=1, head_dim=12, mla=mla
+    )
+    assert config.kv_planes == 1
+    per_page = page_nbytes(config, page_size=4, dtype=torch.float32)
+    assert per_page == 3 * 1 * 1 * 4 * 12 * 4
+    src = allocate_kv_cache(config, num_pages=6, page_size=4, dtype=torch.float32)
+    dst = allocate_kv_cache(config, num_pages=5, page_size=4, dtype=torch.float32)
+    assert src.shape == (3, 6, 1, 1, 4, 12)
+    assert src.numel() * src.element_size() == 6 * per_page
+    src.copy_(torch.randn_like(src))
+    copy_pages(src, [1, 4], dst, [3, 0])
+    assert torch.equal(dst[:, 3], src[:, 1]) and torch.equal(dst[:, 0], src[:, 4])
+    assert torch.equal(read_pages(dst, [0, 3]), src[:, [4, 1]])
+    raw = page_layer_bytes(src, layer=1, page_id=4)
+    assert len(raw) == per_page // 3
+    assert raw == src[1, 4].numpy().tobytes()

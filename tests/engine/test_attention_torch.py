@@ -1,11 +1,13 @@
-"""The torch attention backend against dense attention, plus the backend factory."""
+"""The torch attention backend against dense attention (K|V caches and MLA's single-plane
+latent cache), plus the backend factory."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from tests.engine.attention_cases import make_mixed_case, reference_attention
+from tests.engine.attention_cases import MixedCase, make_mixed_case, reference_attention
 from workers.engine.attention import create_attention_backend
 from workers.engine.attention.torch_backend import TorchAttentionBackend
 
@@ -156,3 +158,126 @@ def test_sparse_softmax_shape_follows_the_length_spread(
     assert sparse is not None
     shape = "segmented" if sparse.width is None else "dense" if sparse.padding is None else "padded"
     assert shape == softmax
+
+
+# --- latent mode: a single-plane cache (MLA), whose rows are the keys and the values -----------
+
+LATENT_HEADS, LATENT_DIM = 8, 48  # one latent "KV head" of width kv_lora_rank + qk_rope_head_dim
+LATENT_SCALE = 24**-0.5  # MLA's scale is that of the up-projected head, not of the latent width
+LATENT_CASES = {
+    # (cached context lengths, new token counts) per sequence
+    "decode-equal-lengths": ([200, 200, 200], [1, 1, 1]),
+    "decode-near-lengths": ([290, 256, 300, 271, 299], [1] * 5),
+    "decode-far-lengths": ([300, 4, 140, 15, 0], [1] * 5),
+    "prefill-only": ([0, 0], [23, 16]),
+    "chunk-with-context": ([32, 16], [16, 7]),
+    "mixed": ([0, 17, 31, 5, 16, 0, 290], [1, 12, 1, 40, 1, 9, 1]),
+}
+
+
+def latent_case(context_lens: list[int], query_lens: list[int], num_layers: int = 2) -> MixedCase:
+    return make_mixed_case(
+        context_lens,
+        query_lens,
+        num_heads=LATENT_HEADS,
+        num_kv_heads=1,
+        head_dim=LATENT_DIM,
+        num_pages=160,
+        num_layers=num_layers,
+        latent=True,
+    )
+
+
+def latent_reference(case: MixedCase, scale: float) -> torch.Tensor:
+    """Causal MQA per sequence with the values being the keys: SDPA with ``value=key``."""
+    outputs = []
+    for i, (start, n) in enumerate(
+        zip(case.batch.query_start_loc.tolist(), case.batch.query_lens_list, strict=False)
+    ):
+        keys = case.full_k[i].transpose(0, 1)[None]  # [1, 1, L, D]
+        total = keys.shape[2]
+        mask = torch.arange(total)[None, :] <= torch.arange(total - n, total)[:, None]
+        query = case.q[start : start + n].transpose(0, 1)[None]  # [1, Hq, n, D]
+        out = F.scaled_dot_product_attention(
+            query, keys, keys, attn_mask=mask, scale=scale, enable_gqa=True
+        )
+        outputs.append(out[0].transpose(0, 1))
+    return torch.cat(outputs)
+
+
+@pytest.mark.parametrize("sparse_decode", [True, False], ids=["sparse", "gather"])
+@pytest.mark.parametrize("name", list(LATENT_CASES))
+def test_latent_mode_matches_mqa_with_values_equal_to_keys(name: str, sparse_decode: bool) -> None:
+    context_lens, query_lens = LATENT_CASES[name]
+    case = latent_case(context_lens, query_lens)
+    assert case.kv_cache.shape[2] == 1
+    before = case.kv_cache.clone()
+    backend = TorchAttentionBackend(
+        case.kv_cache, 16, LATENT_SCALE, gather_group_bytes=64 << 10, sparse_decode=sparse_decode
+    )
+    assert backend.latent and backend.sparse_decode == sparse_decode
+    backend.begin_step(case.batch)
+    out = backend.forward(1, case.q, case.k, None, case.batch)
+
+    assert out.shape == case.q.shape == (sum(query_lens), LATENT_HEADS, LATENT_DIM)
+    torch.testing.assert_close(out, latent_reference(case, LATENT_SCALE), atol=1e-5, rtol=1e-5)
+    # The new latents landed as is at their slots of layer 1 (the one plane); nothing else moved.
+    slots = case.batch.slot_mapping
+    pages, offsets = slots // 16, slots % 16
+    assert torch.equal(case.kv_cache[1, pages, 0, :, offsets], case.k)
+    written = torch.zeros(case.kv_cache.shape[1:], dtype=torch.bool)
+    written[pages, 0, :, offsets] = True
+    assert torch.equal(case.kv_cache[1][~written], before[1][~written])
+    assert torch.equal(case.kv_cache[0], before[0])
+
+
+@pytest.mark.parametrize(
+    ("context_lens", "softmax"),
+    [([200, 200, 200], "dense"), ([290, 256, 300], "padded"), ([300, 4, 140], "segmented")],
+)
+def test_latent_sparse_decode_reads_values_from_the_key_rows(
+    context_lens: list[int], softmax: str
+) -> None:
+    """Every softmax shape of the sparse path, with the value rows being the key rows."""
+    case = latent_case(context_lens, [1] * len(context_lens))
+    backend = TorchAttentionBackend(case.kv_cache, 16, LATENT_SCALE, sparse_decode=True)
+    out = backend.forward(1, case.q, case.k, None, case.batch)
+    torch.testing.assert_close(out, latent_reference(case, LATENT_SCALE), atol=1e-5, rtol=1e-5)
+    sparse = backend._sparse
+    assert sparse is not None
+    shape = "segmented" if sparse.width is None else "dense" if sparse.padding is None else "padded"
+    assert shape == softmax
+    assert torch.equal(sparse.value_rows, sparse.pattern.col_indices())
+
+
+def test_latent_mode_non_contiguous_cache_stores_through_indexing() -> None:
+    case = latent_case([0, 17, 40], [5, 1, 1], num_layers=4)
+    strided = case.kv_cache[::2]
+    assert not strided.is_contiguous()
+    strided[0].copy_(case.kv_cache[1])
+    backend = TorchAttentionBackend(strided, 16, LATENT_SCALE)
+    out = backend.forward(0, case.q, case.k, None, case.batch)
+    torch.testing.assert_close(out, latent_reference(case, LATENT_SCALE), atol=1e-5, rtol=1e-5)
+    pages, offsets = case.batch.slot_mapping // 16, case.batch.slot_mapping % 16
+    assert torch.equal(strided[0, pages, 0, :, offsets], case.k)
+
+
+def test_v_must_match_the_cache_planes() -> None:
+    dense = make_mixed_case([0, 4], [3, 1])
+    backend = TorchAttentionBackend(dense.kv_cache, 16, 32**-0.5)
+    with pytest.raises(ValueError, match=r"two-plane \(K\|V\) KV cache needs v"):
+        backend.forward(1, dense.q, dense.k, None, dense.batch)
+    latent = latent_case([0, 4], [3, 1])
+    backend = TorchAttentionBackend(latent.kv_cache, 16, LATENT_SCALE)
+    with pytest.raises(ValueError, match="takes no v"):
+        backend.forward(1, latent.q, latent.k, latent.k, latent.batch)
+    with pytest.raises(ValueError, match="1 or 2 planes"):
+        TorchAttentionBackend(torch.zeros(1, 4, 3, 1, 16, 8), 16, 1.0)
+
+
+def test_factory_keeps_latent_caches_on_torch() -> None:
+    cache = torch.zeros(1, 4, 1, 1, 16, 8)
+    assert isinstance(create_attention_backend("auto", cache, 16, 1.0), TorchAttentionBackend)
+    # Refused before any device check: the paged FlashInfer wrapper reads K and V planes.
+    with pytest.raises(NotImplementedError, match="MLA latent caches run on the torch backend"):
+        create_attention_backend("flashinfer", cache, 16, 1.0)

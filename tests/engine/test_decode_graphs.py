@@ -125,3 +125,9 @@ def test_static_attention_with_padded_rows_and_pages_matches_the_reference(
     torch.testing.assert_close(after[1, slots // 16, 1, :, slots % 16], case.v, atol=0, rtol=0)
     after[1, slots // 16, :, :, slots % 16] = before[1, slots // 16, :, :, slots % 16]
     assert torch.equal(after, before)
+
+
+def test_static_attention_refuses_a_latent_cache() -> None:
+    """MLA's single-plane cache (values = keys) runs on the torch backend, never in graphs."""
+    with pytest.raises(NotImplementedError, match="MLA latent caches run on the torch backend"):
+        StaticDecodeAttention(torch.zeros(1, 4, 1, 1, 16, 8), 16, 1.0)

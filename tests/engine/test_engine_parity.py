@@ -18,9 +18,11 @@ from workers.engine.sampling_params import SamplingParams
 MIXED_LENGTHS = [1, 2, 7, 16, 17, 50, 128, 300]
 
 
-@pytest.fixture(scope="module", params=["tiny", "qwen3"])
-def model_dir(request: pytest.FixtureRequest, tiny_model_dir: Path, qwen3_model_dir: Path) -> Path:
-    return tiny_model_dir if request.param == "tiny" else qwen3_model_dir
+@pytest.fixture(scope="module", params=["tiny", "qwen3", "deepseek", "deepseek-v2", "qwen3-moe"])
+def model_dir(request: pytest.FixtureRequest) -> Path:
+    # Only the parametrised checkpoint is written.
+    name = str(request.param).replace("-", "_")
+    return Path(request.getfixturevalue(f"{name}_model_dir"))
 
 
 @pytest.fixture(scope="module")

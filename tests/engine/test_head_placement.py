@@ -26,6 +26,8 @@ def test_sharded_replicated_and_mla_groups_place_heads_by_rank() -> None:
     mla = GroupSharding(4, 1, is_mla=True)
     assert mla.heads_per_rank == 1 and mla.num_replica_sets == 4
     assert {mla.head_start(rank) for rank in range(4)} == {0}
+    # A page holds K and V, or MLA's single latent.
+    assert (sharded.kv_planes, replicated.kv_planes, mla.kv_planes) == (2, 2, 1)
 
 
 def test_ranks_outside_the_group_are_rejected() -> None:

@@ -19,8 +19,15 @@ ATOL = 1e-4
 
 
 @pytest.fixture(
-    params=["tiny_model_dir", "qwen3_model_dir", "qwen2_model_dir"],
-    ids=["llama", "qwen3", "qwen2-bias"],
+    params=[
+        "tiny_model_dir",
+        "qwen3_model_dir",
+        "qwen2_model_dir",
+        "deepseek_model_dir",
+        "deepseek_v2_model_dir",
+        "qwen3_moe_model_dir",
+    ],
+    ids=["llama", "qwen3", "qwen2-bias", "deepseek-v3", "deepseek-v2", "qwen3-moe"],
 )
 def model_dir(request: pytest.FixtureRequest) -> Path:
     path: Path = request.getfixturevalue(request.param)
@@ -59,9 +66,13 @@ def test_two_chunks_equal_one_pass(tiny_model_dir: Path) -> None:
     torch.testing.assert_close(torch.cat([first, rest]), whole, atol=ATOL, rtol=0)
 
 
-def test_mixed_batch_matches_per_sequence_hf(qwen3_model_dir: Path) -> None:
+@pytest.mark.parametrize(
+    "fixture", ["qwen3_model_dir", "deepseek_model_dir", "qwen3_moe_model_dir"]
+)
+def test_mixed_batch_matches_per_sequence_hf(fixture: str, request: pytest.FixtureRequest) -> None:
     """Two prefill chunks (one with cached context, one fresh) and three decode tokens in one step."""
-    model, config = load_model(qwen3_model_dir)
+    model_dir = Path(request.getfixturevalue(fixture))
+    model, config = load_model(model_dir)
     seqs = {i: random_tokens(n, seed=10 + i) for i, n in enumerate([30, 41, 17, 5, 60])}
     runner = PagedRunner(model, config, page_size=8)
     # Step 1: seq 0 prefills its first 12 tokens, seqs 2, 3, 4 prefill all but their last token.
@@ -76,12 +87,14 @@ def test_mixed_batch_matches_per_sequence_hf(qwen3_model_dir: Path) -> None:
     ]
     outputs = runner.step(chunks)
     for (seq_id, new_tokens), ours in zip(chunks, outputs, strict=True):
-        expected = hf_logits(qwen3_model_dir, seqs[seq_id])[-len(new_tokens) :]
+        expected = hf_logits(model_dir, seqs[seq_id])[-len(new_tokens) :]
         torch.testing.assert_close(ours, expected, atol=ATOL, rtol=0, msg=f"sequence {seq_id}")
 
 
-def test_batched_decode_steps_match_hf(tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("fixture", ["tiny_model_dir", "deepseek_model_dir"])
+def test_batched_decode_steps_match_hf(fixture: str, request: pytest.FixtureRequest) -> None:
     """Several decode steps over sequences of different lengths (pages partly filled)."""
+    tiny_model_dir = Path(request.getfixturevalue(fixture))
     model, config = load_model(tiny_model_dir)
     seqs = {i: random_tokens(n, seed=20 + i) for i, n in enumerate([9, 33, 16])}
     num_decode = 4

@@ -25,6 +25,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
         ("tiny_model_dir", "LlamaForCausalLM", (256, 4, 8, 2)),
         ("small_model_dir", "LlamaForCausalLM", (512, 6, 8, 4)),
         ("qwen3_model_dir", "Qwen3ForCausalLM", (256, 4, 8, 2)),
+        ("deepseek_model_dir", "DeepseekV3ForCausalLM", (256, 3, 4, 4)),
+        ("qwen3_moe_model_dir", "Qwen3MoeForCausalLM", (256, 3, 8, 2)),
     ],
 )
 def test_hf_loads_preset_offline(

@@ -96,15 +96,14 @@ def _run(engine: EngineCore, prompts: list[list[int]]) -> tuple[list[list[int]],
 
 @pytest.fixture(
     scope="module",
-    params=[("tiny", 2), ("tiny", 4), ("small", 2)],
+    params=[("tiny", 2), ("tiny", 4), ("small", 2), ("deepseek", 2), ("qwen3_moe", 2)],
     ids=lambda p: f"{p[0]}-tp{p[1]}",
 )
-def case(
-    request: pytest.FixtureRequest, tiny_model_dir: Path, small_model_dir: Path
-) -> Iterator[tuple[Path, EngineCore, EngineCore]]:
-    """(checkpoint, TP engine, TP=1 engine) with identical engine settings."""
+def case(request: pytest.FixtureRequest) -> Iterator[tuple[Path, EngineCore, EngineCore]]:
+    """(checkpoint, TP engine, TP=1 engine) with identical engine settings. DeepSeek: heads
+    split, the latent replicated on both ranks, experts split; Qwen3-MoE: experts split."""
     name, tp = request.param
-    model_dir = tiny_model_dir if name == "tiny" else small_model_dir
+    model_dir = Path(request.getfixturevalue(f"{name}_model_dir"))
     reference = make_engine(model_dir, num_pages=64, max_num_batched_tokens=BUDGET)
     engine = make_engine(
         model_dir, num_pages=64, max_num_batched_tokens=BUDGET, tensor_parallel_size=tp

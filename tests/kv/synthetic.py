@@ -27,12 +27,13 @@ from workers.kv.writes import PoolLayout
 
 
 def logical_kv(case: dict[str, Any]) -> np.ndarray:
-    """Every head's KV of every source page: ``[L, pages, 2, H, P, D]`` float32 (seeded)."""
+    """Every head's KV of every source page: ``[L, pages, planes, H, P, D]`` float32 (seeded);
+    one plane (the latent, no V) under MLA."""
     rng = np.random.default_rng(case["seed"])
     shape = (
         case["layers"],
         case["src_num_pages"],
-        2,
+        1 if case["mla"] else 2,
         case["heads"],
         case["page_size"],
         case["head_dim"],
@@ -78,7 +79,7 @@ def _push_case(engine: TransferEngine, case: dict[str, Any]) -> dict[str, Any]:
                 (
                     layout.num_layers,
                     layout.num_pages,
-                    2,
+                    layout.kv_planes,
                     layout.kv_heads_local,
                     layout.page_size,
                     layout.head_dim,

@@ -73,7 +73,7 @@ def _page_ids(num_pages: int, pool_pages: int, rng: random.Random) -> list[int]:
         (4, 2, 2, False),  # replicated source: the prefill picks one of 2 source sets
         (2, 4, 2, False),  # replicated destination: 2 destination sets
         (1, 4, 4, False),
-        (2, 4, 1, True),  # MLA: one source rank sends to every destination rank
+        (2, 4, 1, True),  # MLA: each destination rank from a source rank of its own
     ],
 )
 @pytest.mark.parametrize("coalesce", [True, False])
@@ -133,7 +133,7 @@ def test_prefill_sums_equal_decoder_sums(
     area = np.frombuffer(sums.area(hidden), dtype=np.uint8)
     assert len(area) == area_bytes(len(plan.shards))
     # The decoder's plan: the same destination side whatever source sets the prefill chose.
-    num_picks = 1 if mla else dst_group.num_replica_sets
+    num_picks = dst_group.num_replica_sets  # under MLA: one per destination rank
     decoder_plan = make_transfer_plan(src_group, dst_group, geometry, source_sets=(0,) * num_picks)
     verify(decoder_plan, dst_pages, dst_views, dst_layout, hidden, area)
 

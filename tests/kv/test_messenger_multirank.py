@@ -29,7 +29,8 @@ PROVIDERS = ["tcp;ofi_rxm", "shm"]
 CASES = [
     (p, d, heads, False) for p, d in [(2, 1), (1, 2), (2, 2), (1, 4), (4, 2)] for heads in (2, 4)
 ]
-CASES += [(4, 2, 1, True), (1, 2, 1, True)]  # MLA: one latent "head" on every rank
+# MLA: one latent "head" (one plane) on every rank, each decode rank fed by a source of its own.
+CASES += [(4, 2, 1, True), (1, 2, 1, True), (2, 4, 1, True)]
 SRC_PAGES = [2, 3, 4, 9, 10, 11, 5]  # two gaps: 3 runs when coalescing
 DST_PAGES = [10, 11, 12, 13, 1, 2, 3]
 
@@ -81,7 +82,7 @@ def test_multirank_pages_bit_exact_and_count(
     geometry = geometry_of(case)
     plan = make_transfer_plan(src, dst, geometry, rng=random.Random(case["seed"]), segment_pages=2)
     dst_layout = PoolLayout.for_group(dst, geometry, case["dst_num_pages"])
-    shape = (3, case["dst_num_pages"], 2, dst.heads_per_rank, 4, 8)
+    shape = (3, case["dst_num_pages"], dst.kv_planes, dst.heads_per_rank, 4, 8)
     pools = [np.zeros(shape, dtype=np.float32) for _ in range(d)]
     registered = RegisteredPools.register(decoder, pools, dst_layout)
     # Decode ranks allocate independently: give each rank its own (shifted) page list.

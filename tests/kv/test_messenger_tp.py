@@ -19,7 +19,9 @@ engine, their pools in shared memory mapped into the leader and registered with 
 Matrix: all six (p, d) ∈ {(1,1), (2,1), (1,2), (2,2), (1,4), (4,2)} on both checkpoints:
 ``tiny`` (2 KV heads: TP 4 replicates heads, so (1,4) splits into 2 replica sets and (4,2)
 chooses one of 2 source sets) and ``small`` (4 KV heads: sharded everywhere, (4,2)
-reconstructs and (1,4) splits pages with K/V as separate writes). Cost is dominated by process
+reconstructs and (1,4) splits pages with K/V as separate writes); and (1,1), (2,1), (1,2), (2,2)
+on ``deepseek-tiny`` (MLA: one latent plane, the same on every rank, so every destination rank
+takes whole pages from one source rank, ``d · runs`` writes per layer). Cost is dominated by process
 start-up (torch import, checkpoint load per rank); every process runs one intra-op thread.
 """
 
@@ -61,6 +63,9 @@ PREFILL_PAGES = 64
 DECODE_PAGES = 80
 PAIRS = [(1, 1), (2, 1), (1, 2), (2, 2), (1, 4), (4, 2)]
 CASES = [(checkpoint, p, d) for checkpoint in ("tiny", "small") for p, d in PAIRS]
+# DeepSeek (MLA): the latent is one "head" on every rank; each decode rank's pages come whole
+# from one prefill rank drawn for it.
+CASES += [("deepseek", p, d) for p, d in [(1, 1), (2, 1), (1, 2), (2, 2)]]
 CONTEXT_CHECKED = (3, 4)  # the 17- and 500-token prompts: one and several chunks
 
 
@@ -93,14 +98,14 @@ def prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def references(
-    tiny_model_dir: Path, small_model_dir: Path, prompts: list[list[int]]
+    request: pytest.FixtureRequest, prompts: list[list[int]]
 ) -> Iterator[dict[str, Reference]]:
     """Colocated TP=1 tokens (== HF greedy) and HF hidden states, once per checkpoint, lazily."""
-    dirs = {"tiny": tiny_model_dir, "small": small_model_dir}
 
     class Lazy(dict[str, Reference]):
         def __missing__(self, name: str) -> Reference:
-            self[name] = reference = _reference(dirs[name], prompts)
+            model_dir = Path(request.getfixturevalue(f"{name}_model_dir"))
+            self[name] = reference = _reference(model_dir, prompts)
             return reference
 
     yield Lazy()

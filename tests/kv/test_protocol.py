@@ -116,6 +116,17 @@ def test_invalid_request_fields_are_rejected(field: str, value: object) -> None:
         make_request(**{field: value})
 
 
+def test_mla_request_carries_one_source_rank_per_decode_rank() -> None:
+    """Under MLA every decode rank is a replica set: ``source_sets[k]`` is the source rank of
+    decode rank ``k``."""
+    mla = make_request(num_kv_heads=1, is_mla=True, source_sets=(1, 0))
+    assert decode_message(encode_message(mla)) == mla
+    assert mla.decode_sharding.num_replica_sets == 2 and mla.decode_sharding.kv_planes == 1
+    make_request(num_kv_heads=1, is_mla=True, source_sets=())  # the prefill side chooses
+    with pytest.raises(ProtocolError, match="source_sets needs 0 or 2"):
+        make_request(num_kv_heads=1, is_mla=True, source_sets=(1,))
+
+
 def test_invalid_small_messages_are_rejected() -> None:
     with pytest.raises(ProtocolError):
         PrefillAccepted("r", 1, 0)  # zero writes: nothing would ever complete the transfer

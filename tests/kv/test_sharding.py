@@ -8,9 +8,17 @@ import random
 import numpy as np
 import pytest
 
+from workers.fabric import MemoryRegionDescriptor
 from workers.kv.errors import ShardingError
 from workers.kv.pages import sendable_pages
-from workers.kv.sharding import GroupSharding, PageGeometry, TransferPlan, make_transfer_plan
+from workers.kv.pools import layout_from_descriptor
+from workers.kv.sharding import (
+    GroupSharding,
+    PageGeometry,
+    PageSpan,
+    TransferPlan,
+    make_transfer_plan,
+)
 from workers.kv.writes import (
     PoolLayout,
     expected_write_count,
@@ -38,11 +46,12 @@ def rank_heads(sharding: GroupSharding, rank: int) -> slice:
     return slice(start, start + sharding.heads_per_rank)
 
 
-def make_global_kv(num_heads: int, seed: int) -> np.ndarray:
+def make_global_kv(num_heads: int, seed: int, planes: int = 2) -> np.ndarray:
+    """Every head's KV of every source page; ``planes`` 1: MLA's latent, no V."""
     shape = (
         GEOMETRY.num_layers,
         NUM_SRC_PAGES,
-        2,
+        planes,
         num_heads,
         GEOMETRY.page_size,
         GEOMETRY.head_dim,
@@ -65,10 +74,8 @@ def simulate(
     ]
     dst_layout = PoolLayout.for_group(plan.dst, GEOMETRY, NUM_DST_PAGES)
     src_layout = PoolLayout.for_group(plan.src, GEOMETRY, NUM_SRC_PAGES)
-    dst_pools = [
-        np.zeros((GEOMETRY.num_layers, NUM_DST_PAGES, 2, plan.dst.heads_per_rank, 4, 3), np.uint16)
-        for _ in range(plan.dst.tp_size)
-    ]
+    shape = (GEOMETRY.num_layers, NUM_DST_PAGES, plan.dst.kv_planes, plan.dst.heads_per_rank, 4, 3)
+    dst_pools = [np.zeros(shape, np.uint16) for _ in range(plan.dst.tp_size)]
     assert all(pool.nbytes == dst_layout.num_bytes for pool in dst_pools)
     src_bytes = [pool.reshape(-1).view(np.uint8) for pool in src_pools]
     dst_bytes = [pool.reshape(-1).view(np.uint8) for pool in dst_pools]
@@ -121,7 +128,9 @@ def test_plan_reconstructs_destination_bit_exact(
 ) -> None:
     src = GroupSharding(src_tp, num_heads, is_mla)
     dst = GroupSharding(dst_tp, num_heads, is_mla)
-    global_kv = make_global_kv(num_heads, seed=num_heads * 100 + src_tp * 10 + dst_tp)
+    global_kv = make_global_kv(
+        num_heads, seed=num_heads * 100 + src_tp * 10 + dst_tp, planes=src.kv_planes
+    )
     rng = random.Random(src_tp * 7 + dst_tp)
     for src_pages, dst_pages in PAGE_LISTS:
         plan = make_transfer_plan(src, dst, GEOMETRY, rng=rng)
@@ -190,8 +199,9 @@ def test_random_source_choice_covers_every_source_rank(
     for _ in range(64):
         plan = make_transfer_plan(src, dst, GEOMETRY, rng=rng)
         used.update(s.src_rank for s in plan.shards)
-        if is_mla:  # one source rank per request
-            assert len({s.src_rank for s in plan.shards}) == 1
+        if is_mla:  # one source rank per destination rank, all of them when dst_tp >= src_tp
+            assert [s.dst_rank for s in plan.shards] == list(range(dst_tp))
+            assert len({s.src_rank for s in plan.shards}) == min(src_tp, dst_tp)
     assert used == set(range(src_tp))
 
 
@@ -295,3 +305,82 @@ def test_mismatched_inputs_are_rejected() -> None:
         expected_write_count(plan, [1, 1], [0, 1], 2, 0)
     with pytest.raises(ShardingError, match="num_layers"):
         expected_write_count(plan, [1], [0], 3, 0)
+
+
+# --- MLA: one latent plane per page, the same on every rank ------------------------------------
+
+MLA_PAIRS = [(1, 1), (2, 1), (1, 2), (2, 2), (2, 4)]
+
+
+@pytest.mark.parametrize(("src_tp", "dst_tp"), MLA_PAIRS)
+def test_mla_plan_sends_each_destination_rank_whole_pages_from_one_source(
+    src_tp: int, dst_tp: int
+) -> None:
+    src, dst = GroupSharding(src_tp, 1, is_mla=True), GroupSharding(dst_tp, 1, is_mla=True)
+    assert src.kv_planes == dst.kv_planes == 1
+    plan = make_transfer_plan(src, dst, GEOMETRY, rng=random.Random(src_tp * 10 + dst_tp))
+    # source_sets[k]: the source rank of destination rank k.
+    assert len(plan.source_sets) == dst_tp and all(0 <= s < src_tp for s in plan.source_sets)
+    assert [(s.src_rank, s.dst_rank) for s in plan.shards] == [
+        (plan.source_sets[rank], rank) for rank in range(dst_tp)
+    ]
+    page_bytes = GEOMETRY.head_bytes  # one plane of one latent "head"
+    assert plan.spans == ((PageSpan(0, 0, page_bytes),),) * dst_tp
+    assert plan.coalescable and plan.writes_per_page == dst_tp
+    # Dealt round-robin from a shuffle: balanced within the request.
+    counts = [plan.source_sets.count(rank) for rank in range(src_tp)]
+    assert max(counts) - min(counts) <= 1
+    # The decoder rebuilds the same plan from the source sets the request carries.
+    again = make_transfer_plan(src, dst, GEOMETRY, source_sets=plan.source_sets)
+    assert again.shards == plan.shards and again.spans == plan.spans
+    src_pages, dst_pages = [0, 1, 2, 7, 8, 11], [3, 4, 9, 10, 11, 0]  # 4 runs
+    assert expected_write_count(plan, src_pages, dst_pages, 2, 1) == 2 * 4 * dst_tp + 1
+    global_kv = make_global_kv(1, seed=src_tp * 10 + dst_tp, planes=1)
+    pools, num_writes = simulate(plan, global_kv, src_pages, dst_pages)
+    assert_destination_matches(plan, global_kv, src_pages, dst_pages, pools)
+    assert num_writes == 2 * 4 * dst_tp
+
+
+@pytest.mark.parametrize(("src_tp", "dst_tp"), MLA_PAIRS)
+def test_mla_every_source_rank_is_chosen_across_requests(src_tp: int, dst_tp: int) -> None:
+    src, dst = GroupSharding(src_tp, 1, is_mla=True), GroupSharding(dst_tp, 1, is_mla=True)
+    rng = random.Random(99)
+    chosen: dict[int, set[int]] = {rank: set() for rank in range(dst_tp)}
+    for _ in range(64):
+        plan = make_transfer_plan(src, dst, GEOMETRY, rng=rng)
+        for shard in plan.shards:
+            chosen[shard.dst_rank].add(shard.src_rank)
+    assert all(sources == set(range(src_tp)) for sources in chosen.values())
+
+
+def test_mla_source_sets_need_one_entry_per_destination_rank() -> None:
+    src, dst = GroupSharding(2, 1, is_mla=True), GroupSharding(4, 1, is_mla=True)
+    with pytest.raises(ShardingError, match="4 values in \\[0, 2\\)"):
+        make_transfer_plan(src, dst, GEOMETRY, source_sets=[1])
+    with pytest.raises(ShardingError, match="source_sets"):
+        make_transfer_plan(src, dst, GEOMETRY, source_sets=[0, 1, 2, 0])
+
+
+def test_pool_layout_has_one_plane_under_mla() -> None:
+    mla, dense = GroupSharding(2, 1, is_mla=True), GroupSharding(2, 1)
+    layout = PoolLayout.for_group(mla, GEOMETRY, NUM_DST_PAGES)
+    assert layout.kv_planes == 1 and dense.kv_planes == 2
+    assert layout.page_bytes == 1 * 1 * 4 * 3 * 2
+    assert PoolLayout.for_group(dense, GEOMETRY, NUM_DST_PAGES).page_bytes == 2 * layout.page_bytes
+    assert layout.num_bytes == GEOMETRY.num_layers * NUM_DST_PAGES * layout.page_bytes
+    assert layout.page_offset(1, 2) == (NUM_DST_PAGES + 2) * layout.page_bytes
+    assert layout.matches(mla, GEOMETRY) and not layout.matches(dense, GEOMETRY)
+    with pytest.raises(ShardingError, match="kv_planes"):
+        PoolLayout(2, 4, 1, 4, 3, 2, kv_planes=3)
+
+
+@pytest.mark.parametrize("is_mla", [True, False])
+def test_layout_from_descriptor_round_trip(is_mla: bool) -> None:
+    sharding = GroupSharding(2, 1, is_mla)
+    layout = PoolLayout.for_group(sharding, GEOMETRY, NUM_DST_PAGES)
+    descriptor = MemoryRegionDescriptor("tcp;ofi_rxm", 0, layout.num_bytes, 1, False)
+    assert layout_from_descriptor(descriptor, sharding, GEOMETRY) == layout
+    # A length that is no whole number of all-layer pages is refused.
+    odd = MemoryRegionDescriptor("tcp;ofi_rxm", 0, layout.num_bytes + layout.page_bytes, 1, False)
+    with pytest.raises(ShardingError, match="whole number"):
+        layout_from_descriptor(odd, sharding, GEOMETRY)

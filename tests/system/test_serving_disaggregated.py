@@ -222,3 +222,39 @@ def test_two_by_two_with_tensor_parallel_two(tiny_model_dir: Path, cluster: Serv
         serving_checks.check_cancel_and_deadline(served.address)
     finally:
         served.close()
+
+
+def test_deepseek_latent_kv_from_two_prefill_ranks(
+    deepseek_model_dir: Path, cluster: ServedCluster
+) -> None:
+    """DeepSeek (MLA + MoE): a TP 2 prefill worker pushes the replicated latent to TP 1
+    decoders (any source rank will do); answers equal the colocated engine's, the pushed bytes
+    are the latent's (4x less than per-head K and V here), and every pool is full again."""
+    groups = disaggregated_groups(1, 2)
+    groups["prefill"]["tp"] = 2
+    served = ServedCluster(cluster_config(deepseek_model_dir, groups))
+    try:
+        with grpc.insecure_channel(served.address) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+            assert info.architecture == "DeepseekV3ForCausalLM"
+            assert (info.num_kv_heads, info.kv_latent) == (1, True)
+            # 3 layers x 80 latent values x 4 bytes.
+            assert info.kv_bytes_per_token == 3 * 80 * 4
+            serving_checks.check_parity(served.address, deepseek_model_dir)
+
+            workers = served.app.controller.registry.workers
+            before = scrape(workers["prefill-0"].metrics_port)["pdserve_kv_transfer_bytes_sum"]
+            prompt = list(range(1, 101))  # 100 tokens: 7 pages of 16
+            request = pb.GenerateRequest(
+                prompt_token_ids=prompt, sampling=pb.SamplingParams(max_tokens=2)
+            )
+            list(stub.Generate(request, timeout=60))
+            moved = scrape(workers["prefill-0"].metrics_port)["pdserve_kv_transfer_bytes_sum"]
+            latent_pages = 7 * info.kv_bytes_per_token * 16
+            # Whole latent pages of the prompt, plus the small context write (hidden state).
+            assert latent_pages <= moved - before < latent_pages + (64 << 10)
+            assert moved - before < 4 * latent_pages  # what per-head K and V would take
+            wait_until(lambda: pools_full(stub, pb), timeout=30)
+    finally:
+        served.close()

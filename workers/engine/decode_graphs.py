@@ -21,7 +21,9 @@ the same K/V the replay writes again), and kept; all graphs share one memory poo
 
 With ``capture=False`` the same fixed-shape pass runs eagerly: that is how CPU tests check it
 token for token against HF. Not used for models with dynamic RoPE scaling, whose tables depend
-on each step's lengths (the engine then runs every step eagerly).
+on each step's lengths (the engine then runs every step eagerly), nor for MLA's single-plane
+latent cache (`StaticDecodeAttention` reads K and V planes; latent caches run on the torch
+backend).
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ class StaticDecodeAttention(AttentionBackend):
     name = "static-decode"
 
     def __init__(self, kv_cache: torch.Tensor, page_size: int, scale: float) -> None:
+        if kv_cache.shape[2] != 2:
+            raise NotImplementedError("MLA latent caches run on the torch backend, not in graphs")
         super().__init__(kv_cache, page_size, scale)
         self._page_index = torch.empty(0, dtype=torch.long, device=kv_cache.device)
         self._slot_in_page = torch.empty(0, dtype=torch.long, device=kv_cache.device)
@@ -73,9 +77,11 @@ class StaticDecodeAttention(AttentionBackend):
         layer: int,
         q: torch.Tensor,
         k: torch.Tensor,
-        v: torch.Tensor,
+        v: torch.Tensor | None,
         batch: AttentionBatch,
     ) -> torch.Tensor:
+        if v is None:
+            raise ValueError("a two-plane (K|V) KV cache needs v")
         cache = self.kv_cache[layer]  # [pages, 2, kv_heads, page_size, head_dim]
         cache[self._page_index, 0, :, self._slot_in_page] = k.to(cache.dtype)
         cache[self._page_index, 1, :, self._slot_in_page] = v.to(cache.dtype)

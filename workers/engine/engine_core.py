@@ -127,7 +127,7 @@ class EngineCore:
             config.attention_backend,
             self.kv_cache,
             config.page_size,
-            scale=self.model_config.head_dim**-0.5,
+            scale=self.model_config.attention_scale,
         )
         self.layer_progress = create_layer_progress(self.model_config.num_layers, self.device)
         self.block_manager = BlockManager(self.num_pages, config.page_size)
@@ -142,12 +142,16 @@ class EngineCore:
             )
         )
         # Not under tensor parallelism: a replayed graph would skip the step's broadcast to
-        # the followers (`ParallelModelRunner.prepare`).
+        # the followers (`ParallelModelRunner.prepare`). Not for MoE models either (the expert
+        # loop's shape depends on the routing: data-dependent, not capturable) nor MLA ones
+        # (latent caches run on the torch backend).
         if (
             self.tp is None
             and self.device.type == "cuda"
             and config.cuda_graph_max_batch > 0
             and not self.model.rotary.is_dynamic
+            and self.model_config.moe is None
+            and self.model_config.mla is None
         ):
             self.runner.decode_graphs = DecodeGraphs(
                 self.model,

@@ -6,7 +6,8 @@ For a model with ``H`` KV heads split over a group of TP size ``tp``:
   ``H % tp == 0``.
 - ``tp > H`` (replicated): each head lives on ``tp/H`` *consecutive* ranks, rank ``r`` holds head
   ``r // (tp/H)``; needs ``tp % H == 0``.
-- MLA-style (``is_mla``): every rank holds the identical KV of all ``H`` heads.
+- MLA-style (``is_mla``): every rank holds the identical KV of all ``H`` heads (in practice one
+  latent "head"), in one plane per head instead of K and V (`GroupSharding.kv_planes`).
 
 A *replica set* is a set of ranks that together hold every head exactly once: replica set ``k``
 is the ranks ``{h * tp/H + k}`` (one per head) when replicated, the whole group when sharded, and
@@ -44,6 +45,11 @@ class GroupSharding:
                 f"TP size {self.tp_size} must divide or be a multiple of the "
                 f"{self.num_kv_heads} KV heads"
             )
+
+    @property
+    def kv_planes(self) -> int:
+        """Planes of a KV page: K and V (2), or MLA's single latent (1)."""
+        return 1 if self.is_mla else 2
 
     @property
     def heads_per_rank(self) -> int:

@@ -2,9 +2,11 @@
 
 Layout (see ``attention/base.py``)::
 
-    kv_cache[layer, page, 0 (K) | 1 (V), kv_head, slot_in_page, head_dim]
+    kv_cache[layer, page, plane, kv_head, slot_in_page, head_dim]
 
-One page of one layer is one contiguous byte range, which is what the KV messenger moves.
+with two planes, 0 (K) and 1 (V), for dense attention, or one plane holding MLA's latent
+(``ModelConfig.kv_planes``). One page of one layer is one contiguous byte range, which is what
+the KV messenger moves.
 """
 
 from __future__ import annotations
@@ -27,12 +29,15 @@ class KVCacheShape:
     num_kv_heads: int
     page_size: int
     head_dim: int
+    # K and V (2), or MLA's single latent (1): `ModelConfig.kv_planes`.
+    kv_planes: int
 
     def as_tuple(self) -> tuple[int, int, int, int, int, int]:
+        """``[layer, page, plane, kv_head, slot, head_dim]``."""
         return (
             self.num_layers,
             self.num_pages,
-            2,
+            self.kv_planes,
             self.num_kv_heads,
             self.page_size,
             self.head_dim,
@@ -40,7 +45,7 @@ class KVCacheShape:
 
 
 def page_nbytes(model_config: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
-    """Bytes one page occupies across all layers (K and V)."""
+    """Bytes one page occupies across all layers (K and V, or MLA's latent)."""
     return model_config.kv_page_bytes(page_size, torch.empty((), dtype=dtype).element_size())
 
 
@@ -69,6 +74,7 @@ def allocate_kv_cache(
         num_kv_heads=model_config.num_kv_heads,
         page_size=page_size,
         head_dim=model_config.head_dim,
+        kv_planes=model_config.kv_planes,
     )
     # Zeroed rather than empty: no backend reads unwritten slots, but garbage NaNs there would
     # poison any kernel that masks by multiplication.
@@ -84,7 +90,7 @@ def allocate_kv_cache(
 
 
 def read_pages(kv_cache: torch.Tensor, page_ids: Sequence[int]) -> torch.Tensor:
-    """A copy of the given pages, all layers: ``[num_layers, len(page_ids), 2, H, P, D]``."""
+    """A copy of the given pages, all layers: ``[num_layers, len(page_ids), planes, H, P, D]``."""
     index = torch.tensor(list(page_ids), dtype=torch.long, device=kv_cache.device)
     return kv_cache.index_select(1, index)
 

@@ -1,4 +1,5 @@
-"""Building blocks of the Llama-family decoder: RMSNorm, attention, SwiGLU MLP, decoder layer.
+"""Building blocks of the decoder: attention, SwiGLU MLP, decoder layer (Llama family; the
+DeepSeek / Qwen3-MoE layer swaps in `workers.engine.mla` and `workers.engine.moe`).
 
 Parameters are allocated uninitialised (`torch.empty`); the loader fills them. Projections that
 read the same input are fused into one GEMM (``qkv_proj`` = q|k|v rows, ``gate_up_proj`` =
@@ -13,8 +14,6 @@ down_proj (see `workers.engine.parallel`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,29 +21,14 @@ from torch import nn
 from workers.engine.attention.base import AttentionBackend, AttentionBatch
 from workers.engine.cpu_gemm import linear
 from workers.engine.layer_progress import LayerProgress
+from workers.engine.mla import MLAttention
 from workers.engine.model_config import ModelConfig
+from workers.engine.moe import MoE
+from workers.engine.rms_norm import Reduce, RMSNorm
+from workers.engine.rms_norm import empty_parameter as _empty
 from workers.engine.rope import RotaryTables
 
-# In-place sum of a tensor over the tensor-parallel ranks (None on a single device).
-Reduce = Callable[[torch.Tensor], None]
-
-
-def _empty(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = _empty(size, dtype=dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # Like HF LlamaRMSNorm: normalise in float32, cast back, then apply the weight.
-        normed = F.rms_norm(x.to(torch.float32), self.weight.shape, None, self.eps)
-        return self.weight * normed.to(x.dtype)
+__all__ = ["MLP", "Attention", "DecoderLayer", "RMSNorm", "Reduce"]
 
 
 class Attention(nn.Module):
@@ -126,14 +110,31 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """``index``: the layer's position, which picks a dense or an expert MLP in MoE models
+    (`MoEConfig.moe_layers`; a DeepSeek MTP module's layer, past the last, is an expert one).
+    ``tp_size`` / ``tp_rank``: which share of the experts this rank holds."""
+
     def __init__(
-        self, config: ModelConfig, dtype: torch.dtype, reduce: Reduce | None = None
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        reduce: Reduce | None = None,
+        index: int = 0,
+        tp_size: int = 1,
+        tp_rank: int = 0,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = Attention(config, dtype, reduce)
+        self.self_attn: Attention | MLAttention = (
+            MLAttention(config, dtype, reduce) if config.mla else Attention(config, dtype, reduce)
+        )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = MLP(config, dtype, reduce)
+        moe = config.moe
+        self.mlp: MLP | MoE = (
+            MoE(config.hidden_size, moe, dtype, reduce, tp_size, tp_rank)
+            if moe is not None and (index >= len(moe.moe_layers) or moe.moe_layers[index])
+            else MLP(config, dtype, reduce)
+        )
 
     def forward(
         self,

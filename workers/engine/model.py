@@ -1,4 +1,5 @@
-"""Llama-architecture causal LM (Llama / Mistral / Qwen2 / Qwen3) over a paged KV cache.
+"""Decoder-only causal LM over a paged KV cache: Llama / Mistral / Qwen2 / Qwen3, Qwen3-MoE,
+DeepSeek-V2 / V3 (their layers differ in `workers.engine.layers.DecoderLayer`).
 
 One forward pass takes the flattened batch of the step (prefill chunks and decode tokens
 together, see `attention.base`) and returns the final-norm hidden states of every token;
@@ -17,6 +18,7 @@ from workers.engine.cpu_gemm import linear
 from workers.engine.layer_progress import LayerProgress
 from workers.engine.layers import DecoderLayer, Reduce, RMSNorm
 from workers.engine.model_config import ModelConfig
+from workers.engine.mtp import MTPModule
 from workers.engine.rope import RotaryEmbedding
 
 
@@ -25,8 +27,10 @@ class CausalLM(nn.Module):
 
     With ``tie_word_embeddings`` the LM head is the embedding matrix itself (one Parameter;
     the loader gives a CPU model a packed copy of it, `workers.engine.cpu_gemm`).
-    Under tensor parallelism ``config`` is the rank's local config and ``reduce`` the all-reduce
-    of the row-parallel projections (`workers.engine.parallel`).
+    Under tensor parallelism ``config`` is the rank's local config, ``reduce`` the all-reduce
+    of the row-parallel projections and ``tp_size`` / ``tp_rank`` pick the rank's experts
+    (`workers.engine.parallel`). DeepSeek-V3's MTP modules, when the checkpoint has them, are
+    in ``mtp`` (not run by `forward`; the loader empties it when the checkpoint lacks them).
     """
 
     def __init__(
@@ -34,6 +38,8 @@ class CausalLM(nn.Module):
         config: ModelConfig,
         dtype: torch.dtype = torch.float32,
         reduce: Reduce | None = None,
+        tp_size: int = 1,
+        tp_rank: int = 0,
     ) -> None:
         super().__init__()
         self.config = config
@@ -42,7 +48,12 @@ class CausalLM(nn.Module):
             torch.empty(config.vocab_size, config.hidden_size, dtype=dtype), requires_grad=False
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, dtype, reduce) for _ in range(config.num_layers)
+            DecoderLayer(config, dtype, reduce, index, tp_size, tp_rank)
+            for index in range(config.num_layers)
+        )
+        self.mtp = nn.ModuleList(
+            MTPModule(config, dtype, index, reduce, tp_size, tp_rank)
+            for index in range(config.num_mtp_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = (

@@ -10,6 +10,11 @@ Sharding (Megatron-style, vLLM's head placement; see `workers.engine.head_placem
 - o_proj and down_proj are row-parallel: each rank multiplies its slice and the partial outputs
   are summed with an all-reduce, after which every rank holds the identical full hidden state.
 - Embedding, norms and LM head are replicated; only the leader computes logits.
+- MLA (DeepSeek): query heads, ``kv_b_proj`` rows and ``o_proj`` columns are split by head;
+  the latent projection is replicated, so every rank caches the identical latent (one "KV head"
+  on every rank, `GroupSharding.is_mla`).
+- MoE: routed experts are split over the ranks, the shared experts by columns like any MLP
+  (`workers.engine.moe`).
 
 Each rank runs a `CausalLM` built from `ShardSpec.local_config` (the model with local head and
 MLP counts), so the model code is the single-device code plus the all-reduce hook.
@@ -71,11 +76,12 @@ class ShardSpec:
     mlp_start: int
     mlp_size: int
     total_kv_heads: int
+    is_mla: bool = False
 
     @property
     def kv_sharding(self) -> GroupSharding:
         """The placement rule shared with the KV messenger's transfer plans."""
-        return GroupSharding(self.tp_size, self.total_kv_heads)
+        return GroupSharding(self.tp_size, self.total_kv_heads, self.is_mla)
 
     def local_config(self, config: ModelConfig) -> ModelConfig:
         """``config`` with this rank's head and MLP counts: the shape of the rank's model."""
@@ -98,8 +104,16 @@ def check_tensor_parallel(config: ModelConfig, tp_size: int) -> GroupSharding:
         problems.append(
             f"intermediate size {config.intermediate_size} is not divisible by {tp_size}"
         )
+    moe = config.moe
+    if moe is not None and moe.num_experts % tp_size:
+        problems.append(f"{moe.num_experts} routed experts are not divisible by {tp_size}")
+    if moe is not None and (moe.num_shared_experts * moe.intermediate_size) % tp_size:
+        problems.append(
+            f"shared experts' intermediate size {moe.num_shared_experts * moe.intermediate_size}"
+            f" is not divisible by {tp_size}"
+        )
     try:
-        sharding = GroupSharding(tp_size, config.num_kv_heads)
+        sharding = GroupSharding(tp_size, config.num_kv_heads, config.is_mla)
     except HeadPlacementError as exc:
         problems.append(str(exc))
     if problems:
@@ -123,6 +137,7 @@ def shard_spec(config: ModelConfig, tp_size: int, rank: int) -> ShardSpec:
         mlp_start=rank * mlp,
         mlp_size=mlp,
         total_kv_heads=config.num_kv_heads,
+        is_mla=config.is_mla,
     )
 
 

@@ -200,6 +200,7 @@ def start_tensor_parallel(
         local_config.num_kv_heads,
         config.page_size,
         local_config.head_dim,
+        local_config.kv_planes,
     ).as_tuple()
     device = device or torch.device("cpu")
     on_cuda = device.type == "cuda"

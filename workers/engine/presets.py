@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +18,9 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from workers.engine.loader import expected_tensor_names
 from workers.engine.model_config import ModelConfig
 from workers.engine.tokenizer import DEFAULT_CHAT_TEMPLATE, bytes_to_unicode
+from workers.engine.weight_map import expected_tensor_names
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,30 @@ _QWEN2: dict[str, Any] = {
 }
 
 
+_DEEPSEEK_V3: dict[str, Any] = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+    "rope_interleave": True,
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "moe_layer_freq": 1,
+}
+_QWEN3_MOE: dict[str, Any] = {
+    **_QWEN3,
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "tie_word_embeddings": False,
+    "decoder_sparse_step": 1,
+}
+
+
 def _shape(hidden: int, layers: int, heads: int, kv_heads: int, inter: int) -> dict[str, Any]:
     return {
         "hidden_size": hidden,
@@ -84,6 +109,74 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     # Not offered by the CLI; exercises the q/k/v bias path of Qwen2 in tests.
     "qwen2-tiny": {**_QWEN2, **_shape(256, 3, 8, 2, 512), "max_position_embeddings": 2048},
+    # DeepSeek-V3 in miniature: MLA with a q LoRA, one dense layer then MoE layers (8 routed
+    # experts, top-2 over 2 of 4 groups, noaux_tc, one shared expert), one MTP module.
+    "deepseek-tiny": {
+        **_DEEPSEEK_V3,
+        **_shape(256, 3, 4, 4, 512),
+        "max_position_embeddings": 2048,
+        "q_lora_rank": 96,
+        "kv_lora_rank": 64,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 16,
+        "v_head_dim": 32,
+        "head_dim": 16,
+        "moe_intermediate_size": 128,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "n_group": 4,
+        "topk_group": 2,
+        "first_k_dense_replace": 1,
+        "num_nextn_predict_layers": 1,
+    },
+    # Not offered by the CLI: DeepSeek-V2's variant (no q LoRA, softmax routing limited to
+    # groups, two shared experts, YaRN RoPE whose mscale also scales the softmax).
+    "deepseek-v2-tiny": {
+        **_DEEPSEEK_V3,
+        **_shape(256, 2, 4, 4, 512),
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v2",
+        "max_position_embeddings": 4096,
+        "q_lora_rank": None,
+        "kv_lora_rank": 64,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 16,
+        "v_head_dim": 32,
+        "head_dim": 16,
+        "moe_intermediate_size": 128,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 2,
+        "n_group": 4,
+        "topk_group": 2,
+        "first_k_dense_replace": 0,
+        "scoring_func": "softmax",
+        "topk_method": "group_limited_greedy",
+        "norm_topk_prob": False,
+        "routed_scaling_factor": 1.0,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 1024,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+        },
+    },
+    # Qwen3-MoE in miniature: Qwen3 attention, a dense first layer, 8 experts top-2.
+    "qwen3-moe-tiny": {
+        **_QWEN3_MOE,
+        **_shape(256, 3, 8, 2, 512),
+        "head_dim": 32,
+        "max_position_embeddings": 2048,
+        "moe_intermediate_size": 128,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "mlp_only_layers": [0],
+    },
 }
 
 
@@ -112,11 +205,15 @@ def random_weights(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
         shape = _tensor_shape(config, name)
         if name.endswith("norm.weight"):
             tensor = 1.0 + 0.1 * torch.randn(shape, generator=generator)
-        elif name == "lm_head.weight" or (
-            name == "model.embed_tokens.weight" and config.tie_word_embeddings
+        elif name.endswith("e_score_correction_bias"):
+            tensor = 0.1 * torch.randn(shape, generator=generator)
+        elif (
+            name.endswith("shared_head.head.weight")
+            or name == "lm_head.weight"
+            or (name == "model.embed_tokens.weight" and config.tie_word_embeddings)
         ):
             tensor = torch.randn(shape, generator=generator) * (2.0 / hidden**0.5)
-        elif name == "model.embed_tokens.weight":
+        elif name.endswith("embed_tokens.weight"):
             tensor = torch.randn(shape, generator=generator)
         elif name.endswith(".bias"):
             tensor = 0.1 * torch.randn(shape, generator=generator)
@@ -130,11 +227,11 @@ def random_weights(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
 def _tensor_shape(config: ModelConfig, name: str) -> tuple[int, ...]:
     hidden, head_dim = config.hidden_size, config.head_dim
     q_size, kv_size = config.num_heads * head_dim, config.num_kv_heads * head_dim
-    inter = config.intermediate_size
+    inter, vocab = config.intermediate_size, config.vocab_size
     suffix = name.split(".", 3)[-1] if name.startswith("model.layers.") else name
     shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (config.vocab_size, hidden),
-        "lm_head.weight": (config.vocab_size, hidden),
+        "model.embed_tokens.weight": (vocab, hidden),
+        "lm_head.weight": (vocab, hidden),
         "model.norm.weight": (hidden,),
         "input_layernorm.weight": (hidden,),
         "post_attention_layernorm.weight": (hidden,),
@@ -151,7 +248,44 @@ def _tensor_shape(config: ModelConfig, name: str) -> tuple[int, ...]:
         "mlp.gate_proj.weight": (inter, hidden),
         "mlp.up_proj.weight": (inter, hidden),
         "mlp.down_proj.weight": (hidden, inter),
+        # DeepSeek's MTP modules.
+        "embed_tokens.weight": (vocab, hidden),
+        "enorm.weight": (hidden,),
+        "hnorm.weight": (hidden,),
+        "eh_proj.weight": (hidden, 2 * hidden),
+        "shared_head.norm.weight": (hidden,),
+        "shared_head.head.weight": (vocab, hidden),
     }
+    mla, moe = config.mla, config.moe
+    if mla is not None:
+        heads, qk = config.num_heads, mla.qk_head_dim
+        shapes |= {
+            "self_attn.q_proj.weight": (heads * qk, hidden),
+            "self_attn.q_a_proj.weight": (mla.q_lora_rank or 0, hidden),
+            "self_attn.q_a_layernorm.weight": (mla.q_lora_rank or 0,),
+            "self_attn.q_b_proj.weight": (heads * qk, mla.q_lora_rank or 0),
+            "self_attn.kv_a_proj_with_mqa.weight": (mla.latent_dim, hidden),
+            "self_attn.kv_a_layernorm.weight": (mla.kv_lora_rank,),
+            "self_attn.kv_b_proj.weight": (
+                heads * (mla.qk_nope_head_dim + mla.v_head_dim),
+                mla.kv_lora_rank,
+            ),
+            "self_attn.o_proj.weight": (hidden, heads * mla.v_head_dim),
+        }
+    if moe is not None:
+        expert, shared = moe.intermediate_size, moe.num_shared_experts * moe.intermediate_size
+        shapes |= {
+            "mlp.gate.weight": (moe.num_experts, hidden),
+            "mlp.gate.e_score_correction_bias": (moe.num_experts,),
+            "mlp.shared_experts.gate_proj.weight": (shared, hidden),
+            "mlp.shared_experts.up_proj.weight": (shared, hidden),
+            "mlp.shared_experts.down_proj.weight": (hidden, shared),
+            "mlp.experts.gate_proj.weight": (expert, hidden),
+            "mlp.experts.up_proj.weight": (expert, hidden),
+            "mlp.experts.down_proj.weight": (hidden, expert),
+        }
+        # One entry for every expert: drop the expert index.
+        suffix = re.sub(r"^mlp\.experts\.\d+\.", "mlp.experts.", suffix)
     return shapes[suffix]
 
 

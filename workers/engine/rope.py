@@ -86,13 +86,13 @@ def _yarn_inv_freq(
 
 
 def compute_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
-    """Static inverse frequencies [head_dim // 2] (float32) and the cos/sin scale factor.
+    """Static inverse frequencies [rope_dim // 2] (float32) and the cos/sin scale factor.
 
     For ``dynamic`` this is the unscaled table; `RotaryEmbedding` rescales long sequences.
     """
     params = config.rope_scaling or {}
     rope_type = str(params.get("rope_type") or params.get("type") or "default")
-    base, dim = config.rope_theta, config.head_dim
+    base, dim = config.rope_theta, config.rope_dim
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedCheckpointError(
             f"rope_scaling type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}"
@@ -140,7 +140,7 @@ class RotaryEmbedding(torch.nn.Module):
         # Plain attributes, not buffers: ``module.to(bfloat16)`` must never round the angles.
         # They follow the device of the positions they are asked for.
         self.inv_freq = inv_freq
-        self.cos_sin_cache = torch.empty(0, config.head_dim)
+        self.cos_sin_cache = torch.empty(0, config.rope_dim)
         # Long-context models (128k-1M positions) would spend hundreds of MB up front.
         self._grow(min(config.max_position_embeddings, _INITIAL_TABLE_POSITIONS), inv_freq.device)
 

@@ -2,9 +2,10 @@
 
 One messenger and one transfer engine serve a whole TP group from the leader (docs/design.md §4), so
 the leader must be able to address every rank's KV pool. On CPU each follower's pool
-``[L, N, 2, H_local, P, D]`` is a file in ``/dev/shm`` that the follower and the leader both map
-(``MAP_SHARED``): the follower's attention writes land directly in memory the leader can
-register with libfabric.
+``[L, N, planes, H_local, P, D]`` (planes: K and V, or MLA's one latent; the leader builds the
+shape from the model, `workers.engine.kv_cache.KVCacheShape`, and hands it to every rank) is a
+file in ``/dev/shm`` that the follower and the leader both map (``MAP_SHARED``): the follower's
+attention writes land directly in memory the leader can register with libfabric.
 
 Life cycle (named per group, so concurrent groups never collide):
 

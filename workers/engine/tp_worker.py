@@ -132,7 +132,7 @@ def _build(spec: FollowerSpec, group: TPGroup) -> tuple[CausalLM, AttentionBacke
     else:
         kv_cache = map_pool(Path(spec.pool_path), spec.pool_shape, dtype)
     backend = create_attention_backend(
-        spec.attention_backend, kv_cache, spec.page_size, scale=config.head_dim**-0.5
+        spec.attention_backend, kv_cache, spec.page_size, scale=config.attention_scale
     )
     return model, backend
 

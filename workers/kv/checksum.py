@@ -45,7 +45,7 @@ def max_shards(dst: GroupSharding) -> int:
 
     A plan has ``dst sets · max(source ranges, destination ranges)`` shards with at most ``H``
     ranges per set and ``max(1, d/H)`` destination sets, so at most ``max(H, d)``; under MLA
-    one per destination rank (``d``).
+    one per destination rank (``d``), each from the source rank drawn for it.
     """
     return max(dst.num_kv_heads, dst.tp_size)
 

@@ -104,9 +104,11 @@ class RequestPlanner:
         elif self._checksum:
             # Only the destination side is used; it is the same whichever source replica set
             # the prefill worker picks, so any choice (the first) stands in for its.
-            num_picks = 1 if src.is_mla else self._sharding.num_replica_sets
             checksum_plan = make_transfer_plan(
-                src, self._sharding, geometry, source_sets=(0,) * num_picks
+                src,
+                self._sharding,
+                geometry,
+                source_sets=(0,) * self._sharding.num_replica_sets,
             )
         max_run = self._fabric.max_pages_per_run(self._pools.layout.page_bytes) or 0
         message = PrefillRequest(

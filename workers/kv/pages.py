@@ -2,8 +2,9 @@
 
 A *run* is a maximal sequence of consecutive request page indices where the source page id and
 the destination page id both increase by exactly 1. In the pool layout
-``[num_layers, num_pages, 2, kv_heads_local, page_size, head_dim]`` consecutive page ids of one
-layer are consecutive bytes, so a run of whole pages is one RDMA write.
+``[num_layers, num_pages, kv_planes, kv_heads_local, page_size, head_dim]`` (planes K and V, or
+MLA's one latent) consecutive page ids of one layer are consecutive bytes, so a run of whole
+pages is one RDMA write.
 
 Runs may additionally be cut at *segment* boundaries: request page indices that are multiples of
 ``segment_pages``. Chunked prefill produces a layer's KV one chunk at a time, so a run cannot be

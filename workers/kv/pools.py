@@ -1,10 +1,11 @@
 """A TP group's KV pools as its leader's single `TransferEngine` sees them.
 
-Each rank of a group owns one pool ``[num_layers, num_pages, 2, kv_heads_local, page_size,
-head_dim]`` (`workers.kv.writes.PoolLayout`). With tensor parallelism the other ranks' pools
-live in shared memory mapped into the leader (CPU) or are imported device allocations (GPU), so
-the leader registers every rank's pool with its one engine: rank ``r``'s writes use
-``handles[r]`` as source, and peers write into rank ``r`` through ``descriptors[r]``.
+Each rank of a group owns one pool ``[num_layers, num_pages, kv_planes, kv_heads_local,
+page_size, head_dim]`` (`workers.kv.writes.PoolLayout`; planes K and V, or MLA's one latent).
+With tensor parallelism the other ranks' pools live in shared memory mapped into the leader
+(CPU) or are imported device allocations (GPU), so the leader registers every rank's pool with
+its one engine: rank ``r``'s writes use ``handles[r]`` as source, and peers write into rank
+``r`` through ``descriptors[r]``.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def layout_from_descriptor(
     descriptor: MemoryRegionDescriptor, sharding: GroupSharding, geometry: PageGeometry
 ) -> PoolLayout:
     """The pool layout a peer rank's descriptor implies (its page count from its length)."""
-    page_bytes = 2 * sharding.heads_per_rank * geometry.head_bytes
+    page_bytes = sharding.kv_planes * sharding.heads_per_rank * geometry.head_bytes
     pool_page_bytes = geometry.num_layers * page_bytes
     if descriptor.length % pool_page_bytes:
         raise ShardingError(
@@ -93,7 +94,11 @@ def register_engine_pools(
     """The group layout of ``engine`` (TP 1 unless ``sharding`` says otherwise) and every rank's
     pool registered with ``fabric``; ``rank_pools`` defaults to the engine's own pool."""
     model = engine.model_config
-    sharding = sharding or GroupSharding(1, model.num_kv_heads)
+    sharding = sharding or GroupSharding(1, model.num_kv_heads, model.is_mla)
+    if sharding.is_mla != model.is_mla:
+        # The pools' plane count follows the model; a placement claiming otherwise would make
+        # every page offset wrong.
+        raise ShardingError(f"{sharding} does not match the model (is_mla={model.is_mla})")
     geometry = PageGeometry(
         model.num_layers, engine.config.page_size, model.head_dim, engine.kv_cache.element_size()
     )

@@ -233,7 +233,8 @@ class PrefillRequest(_Message):
     ``dst_page_ids`` holds one list (the decode group's ranks share one page table) or one per
     decode rank, each with the pages of ``len(token_ids)`` tokens. ``source_sets`` is the
     decoder's choice of source replica set per destination replica set (empty: the prefill side
-    chooses). ``segment_pages`` / ``max_pages_per_run`` 0 means no cut / no limit (run rule of
+    chooses); under MLA, where every rank is a replica set, the source rank per decode rank
+    (``decode_tp_size`` entries). ``segment_pages`` / ``max_pages_per_run`` 0 means no cut / no limit (run rule of
     `workers.kv.pages`; the decoder sets the limit from its ``max_msg_size`` and a prefill
     worker whose own limit is lower rejects with INCOMPATIBLE). ``expected_write_count``
     0 means the decoder waits for the count in `PrefillAccepted` (coalescing depends on the
@@ -298,7 +299,8 @@ class PrefillRequest(_Message):
             sharding = GroupSharding(self.decode_tp_size, self.num_kv_heads, self.is_mla)
         except (ShardingError, HeadPlacementError) as e:
             raise ProtocolError(f"decode group layout: {e}") from e
-        num_picks = 1 if self.is_mla else sharding.num_replica_sets
+        # One per decode replica set: under MLA (every rank a set) one per decode rank.
+        num_picks = sharding.num_replica_sets
         if len(self.source_sets) not in (0, num_picks):
             raise ProtocolError(f"source_sets needs 0 or {num_picks} entries")
         if len(self.dst_page_ids) not in (1, self.decode_tp_size):

@@ -9,12 +9,16 @@ engine's `HeadPlacementError`; everything this module rejects is a `ShardingErro
 A transfer plan maps every destination replica set onto one source replica set -- chosen by a
 seeded ``random.Random`` (shuffled, then dealt round-robin) so that across requests every source
 rank initiates writes -- and, inside each pair, intersects the head ranges of source and
-destination positions. Under MLA one random source rank sends to every destination rank. The
-result, a tuple of `ShardWrite`, is the same for every page and layer of the request.
+destination positions. Under MLA every rank is a replica set holding the whole latent, so each
+destination rank gets its pages from one source rank of its own, drawn the same way (with
+``dst_tp >= src_tp`` every source rank sends). The result, a tuple of `ShardWrite`, is the same
+for every page and layer of the request.
 
-Byte consequence of the ``[2 (K, V), kv_heads_local, page_size, head_dim]`` page: a head range is
-contiguous only within K or within V. A shard that covers the whole page on both sides moves in
-one write (and adjacent pages coalesce); any other shard takes two writes per page, K and V.
+Byte consequence of the ``[planes, kv_heads_local, page_size, head_dim]`` page (planes K and V,
+or MLA's one latent: `GroupSharding.kv_planes`): a head range is contiguous only within one
+plane. A shard that covers the whole page on both sides moves in one write (and adjacent pages
+coalesce); any other shard takes one write per plane per page, K and V (MLA's shards always
+cover the whole page).
 """
 
 from __future__ import annotations
@@ -54,7 +58,8 @@ class PageGeometry:
 
     @property
     def head_bytes(self) -> int:
-        """Bytes of one head of K (or V) of one page: ``[page_size, head_dim]``."""
+        """Bytes of one head of one plane (K, V or the latent) of one page:
+        ``[page_size, head_dim]``."""
         return self.page_size * self.head_dim * self.element_size
 
 
@@ -90,9 +95,10 @@ class PageSpan:
 class TransferPlan:
     """Everything both sides need to derive the same writes for one request.
 
-    ``source_sets[k]`` is the source replica set sending to destination replica set ``k``
-    (under MLA: a single source rank). ``spans[i]`` are the byte ranges of one page that
-    ``shards[i]`` moves: one span (whole page) or two (K part, V part).
+    ``source_sets[k]`` is the source replica set sending to destination replica set ``k``; under
+    MLA, where every rank is a replica set, the source rank sending to destination rank ``k``
+    (``dst.tp_size`` entries in ``[0, src.tp_size)``). ``spans[i]`` are the byte ranges of one
+    page that ``shards[i]`` moves: one span (whole page) or one per plane (K part, V part).
     ``coalesce_pages``, ``segment_pages`` and ``max_pages_per_run`` parameterize the run rule
     of `workers.kv.pages`; both sides must use the same values (they travel in the request).
     """
@@ -145,7 +151,7 @@ def make_transfer_plan(
     if (src.num_kv_heads, src.is_mla) != (dst.num_kv_heads, dst.is_mla):
         raise ShardingError(f"prefill {src} and decode {dst} disagree on the KV heads")
     chosen = _source_sets(src, dst, rng, source_sets)
-    shards = _mla_shards(src, dst, chosen[0]) if src.is_mla else _sharded_shards(src, dst, chosen)
+    shards = _shards(src, dst, chosen)
     spans = tuple(_page_spans(src, dst, geometry, shard) for shard in shards)
     return TransferPlan(
         src, dst, geometry, chosen, shards, spans, coalesce_pages, segment_pages, max_pages_per_run
@@ -158,10 +164,9 @@ def _source_sets(
     rng: random.Random | None,
     given: Sequence[int] | None,
 ) -> tuple[int, ...]:
-    # Under MLA the choice is one source rank; otherwise one source set per destination set.
-    num_choices, num_picks = (
-        (src.tp_size, 1) if src.is_mla else (src.num_replica_sets, dst.num_replica_sets)
-    )
+    # One source set per destination set; under MLA (every rank a set) one source rank per
+    # destination rank.
+    num_choices, num_picks = src.num_replica_sets, dst.num_replica_sets
     if given is not None:
         chosen = tuple(given)
         if len(chosen) != num_picks or not all(0 <= s < num_choices for s in chosen):
@@ -177,14 +182,11 @@ def _source_sets(
     return tuple(order[k % num_choices] for k in range(num_picks))
 
 
-def _mla_shards(src: GroupSharding, dst: GroupSharding, src_rank: int) -> tuple[ShardWrite, ...]:
-    heads = src.num_kv_heads
-    return tuple(ShardWrite(src_rank, rank, 0, 0, heads) for rank in range(dst.tp_size))
-
-
-def _sharded_shards(
+def _shards(
     src: GroupSharding, dst: GroupSharding, source_sets: tuple[int, ...]
 ) -> tuple[ShardWrite, ...]:
+    # Under MLA a replica set is one rank holding every head: the intersection below is then one
+    # whole-page shard from source rank ``source_sets[k]`` to destination rank ``k``.
     src_heads, dst_heads = src.heads_per_rank, dst.heads_per_rank
     shards: list[ShardWrite] = []
     for dst_set, src_set in enumerate(source_sets):
@@ -213,14 +215,15 @@ def _page_spans(
     src: GroupSharding, dst: GroupSharding, geometry: PageGeometry, shard: ShardWrite
 ) -> tuple[PageSpan, ...]:
     head_bytes = geometry.head_bytes
-    src_half = src.heads_per_rank * head_bytes  # bytes of K (= of V) of one source page
-    dst_half = dst.heads_per_rank * head_bytes
+    planes = src.kv_planes  # equal on both sides: make_transfer_plan checked is_mla
+    src_plane = src.heads_per_rank * head_bytes  # bytes of one plane (K, V) of a source page
+    dst_plane = dst.heads_per_rank * head_bytes
     if shard.num_heads == src.heads_per_rank == dst.heads_per_rank:
-        return (PageSpan(0, 0, 2 * src_half),)
+        return (PageSpan(0, 0, planes * src_plane),)
     src_at = shard.src_head_start * head_bytes
     dst_at = shard.dst_head_start * head_bytes
     length = shard.num_heads * head_bytes
-    return (
-        PageSpan(src_at, dst_at, length),
-        PageSpan(src_half + src_at, dst_half + dst_at, length),
+    return tuple(
+        PageSpan(plane * src_plane + src_at, plane * dst_plane + dst_at, length)
+        for plane in range(planes)
     )

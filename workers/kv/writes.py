@@ -33,8 +33,9 @@ PageIds = Sequence[int] | Mapping[int, Sequence[int]]
 
 @dataclass(frozen=True)
 class PoolLayout:
-    """Byte layout of one rank's KV pool ``[num_layers, num_pages, 2, kv_heads_local,
-    page_size, head_dim]`` (C-contiguous). Offsets are relative to the pool's first byte."""
+    """Byte layout of one rank's KV pool ``[num_layers, num_pages, kv_planes, kv_heads_local,
+    page_size, head_dim]`` (C-contiguous). Offsets are relative to the pool's first byte.
+    ``kv_planes``: K and V (2), or MLA's single latent (1)."""
 
     num_layers: int
     num_pages: int
@@ -42,6 +43,7 @@ class PoolLayout:
     page_size: int
     head_dim: int
     element_size: int
+    kv_planes: int = 2
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_pages", "kv_heads_local", "page_size", "head_dim"):
@@ -49,6 +51,8 @@ class PoolLayout:
                 raise ShardingError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.element_size < 1:
             raise ShardingError(f"element_size must be >= 1, got {self.element_size}")
+        if self.kv_planes not in (1, 2):
+            raise ShardingError(f"kv_planes must be 1 or 2, got {self.kv_planes}")
 
     @classmethod
     def for_group(
@@ -61,11 +65,14 @@ class PoolLayout:
             geometry.page_size,
             geometry.head_dim,
             geometry.element_size,
+            sharding.kv_planes,
         )
 
     @property
     def page_bytes(self) -> int:
-        return 2 * self.kv_heads_local * self.page_size * self.head_dim * self.element_size
+        """Bytes of one page of one layer: every plane of every local head."""
+        heads = self.kv_planes * self.kv_heads_local
+        return heads * self.page_size * self.head_dim * self.element_size
 
     @property
     def num_bytes(self) -> int:
@@ -82,6 +89,7 @@ class PoolLayout:
     def matches(self, sharding: GroupSharding, geometry: PageGeometry) -> bool:
         return (
             self.kv_heads_local == sharding.heads_per_rank
+            and self.kv_planes == sharding.kv_planes
             and self.num_layers == geometry.num_layers
             and self.page_size == geometry.page_size
             and self.head_dim == geometry.head_dim

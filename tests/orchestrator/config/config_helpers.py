@@ -12,7 +12,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[3]
 CONFIGS = REPO / "configs"
-SHIPPED = ("local-1p3d", "local-mixed", "local-2p2d-tp2")
+SHIPPED = ("local-1p3d", "local-mixed", "local-2p2d-tp2", "local-1p3d-deepseek")
 
 # Head counts of the models the shipped configs name (SmolLM2-135M: 9 / 3; preset tiny: 8 / 2).
 SMOLLM2_SHAPE = {"heads": 9, "kv_heads": 3, "max_positions": 8192}

@@ -35,6 +35,7 @@ def test_shipped_config_loads_with_model_rules(name: str, tmp_path: Path) -> Non
         "local-1p3d": {"prefill": (1, 1), "decode": (3, 1)},
         "local-mixed": {"mixed": (4, 1)},
         "local-2p2d-tp2": {"prefill": (2, 2), "decode": (2, 2)},
+        "local-1p3d-deepseek": {"prefill": (1, 1), "decode": (3, 1)},
     }[name]
     assert roles == expected
     assert config.is_disaggregated == ("mixed" not in roles)

@@ -6,14 +6,21 @@ token dimension ``T``. Sequence ``i`` owns tokens ``query_start_loc[i]:query_sta
 
 The KV cache is one tensor per engine, layout HND per page per layer::
 
-    kv_cache[layer, page, 0 (K) | 1 (V), kv_head, slot_in_page, head_dim]
+    kv_cache[layer, page, plane, kv_head, slot_in_page, head_dim]
 
-so one page of one layer (``[2, kv_heads, page_size, head_dim]``) is one contiguous byte range and
-adjacent page ids are adjacent in memory (the KV messenger relies on both).
+so one page of one layer (``[planes, kv_heads, page_size, head_dim]``) is one contiguous byte
+range and adjacent page ids are adjacent in memory (the KV messenger relies on both).
+
+The plane axis has two planes, 0 (K) and 1 (V), for dense attention, or one (*latent mode*) for
+MLA: one latent row per token and head (``num_kv_heads`` 1, ``head_dim`` the latent width) that
+serves as the key and as the value. In latent mode ``forward`` gets ``v=None`` and computes
+``softmax(scale * q . k) @ k`` over the cached rows (MQA with V = K) at the full width
+``head_dim``; the model slices out the part it needs. Backends that cannot do that refuse a
+single-plane cache at construction.
 
 A backend, for each layer:
-1. writes the new tokens' K and V into the cache at ``slot_mapping`` (slot = page * page_size +
-   offset), and then
+1. writes the new tokens' K and V (or the latent) into the cache at ``slot_mapping``
+   (slot = page * page_size + offset), and then
 2. computes causal attention of each new token over its sequence's cached prefix plus the new
    tokens up to and including itself, reading K/V through the sequence's page table.
 """
@@ -81,10 +88,12 @@ class AttentionBackend(ABC):
         layer: int,
         q: torch.Tensor,
         k: torch.Tensor,
-        v: torch.Tensor,
+        v: torch.Tensor | None,
         batch: AttentionBatch,
     ) -> torch.Tensor:
         """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (RoPE applied).
 
+        ``v`` is None exactly when the cache has one plane (latent mode: ``k`` is the latent,
+        stored as is, and the values are the keys); a two-plane cache needs it (ValueError).
         Returns [T, num_heads, head_dim].
         """

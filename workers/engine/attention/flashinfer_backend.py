@@ -8,7 +8,9 @@ wrapper is planned once per step in `begin_step` (page-table CSR built from the
 layer) and run for every layer on ``kv_cache[layer]``, whose
 ``[pages, 2, kv_heads, page_size, head_dim]`` shape is FlashInfer's HND paged layout.
 
-FlashInfer kernels take float16 / bfloat16 caches only. Tested only on CUDA machines.
+FlashInfer kernels take float16 / bfloat16 caches only, with K and V planes: an MLA latent cache
+(one plane) is refused (`NotImplementedError`) and runs on the torch backend. Tested only on
+CUDA machines.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         num_qo_heads: int | None = None,
     ) -> None:
         super().__init__(kv_cache, page_size, scale)
+        if kv_cache.shape[2] != 2:
+            # The paged wrapper reads separate K and V planes; latent mode (V = K) is not wired.
+            raise NotImplementedError("MLA latent caches run on the torch backend, not flashinfer")
         if not kv_cache.is_cuda:
             raise RuntimeError("the flashinfer attention backend needs the KV cache on CUDA")
         if kv_cache.dtype not in (torch.float16, torch.bfloat16):
@@ -98,9 +103,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         layer: int,
         q: torch.Tensor,
         k: torch.Tensor,
-        v: torch.Tensor,
+        v: torch.Tensor | None,
         batch: AttentionBatch,
     ) -> torch.Tensor:
+        if v is None:
+            raise ValueError("a two-plane (K|V) KV cache needs v")
         if self._batch is not batch:
             self.begin_step(batch)
         if self._planned is not batch or self._planned_heads != q.shape[1]:

@@ -21,6 +21,10 @@ Per step (`begin_step`) the batch is split once into
   without cached context attends over its own new K/V directly, without touching the cache.
 GQA is handled by grouping query heads per KV head, never by copying K/V per query head.
 
+A single-plane cache (``kv_cache.shape[2] == 1``, MLA's latent) puts the backend in *latent
+mode*: each token's one cached row serves as its key and as its value (MQA with V = K), so every
+path reads plane 0 twice instead of planes 0 and 1, and only the keys are stored.
+
 Why groups: padding every decode sequence to the longest of the batch copies and attends over
 padding (about half the work with contexts of 100-1200 tokens), while one kernel call per
 sequence costs ~10-20 us each; similar lengths share a call, with padding bounded per sequence
@@ -81,10 +85,11 @@ class _SparseDecode:
     """Decode attention read straight from the cache (CPU float32, see `_decode_sparse`).
 
     Row r = (sequence, query head) of the decode queries; its entries are the cache rows (of the
-    layer's cache viewed as [pages * 2 * Hk * P, D]) of that sequence's keys, in token order."""
+    layer's cache viewed as [pages * planes * Hk * P, D]) of that sequence's keys, in token
+    order."""
 
     pattern: torch.Tensor  # sparse CSR [Bd * Hq, cache rows] of the keys' rows (values unused)
-    value_rows: torch.Tensor  # [nnz] the matching V rows
+    value_rows: torch.Tensor  # [nnz] the matching V rows (the key rows themselves in latent mode)
     offsets: torch.Tensor  # [Bd * Hq] first entry of each row
     row_lens: torch.Tensor  # [Bd * Hq] entries per row
     # Entries per row when every row has as many (a dense softmax over [rows, width]), else None
@@ -116,9 +121,10 @@ class _ChunkPlan:
 
 @dataclass(frozen=True)
 class _StepPlan:
-    # [T, Hk] rows of the layer's cache viewed as [pages * 2 * Hk * P, D] where each new token's
-    # K and V go; None when the cache is not contiguous (indexed store instead).
-    store_rows: tuple[torch.Tensor, torch.Tensor] | None
+    # Per plane (K, V; the latent alone in latent mode), [T, Hk] rows of the layer's cache viewed
+    # as [pages * planes * Hk * P, D] where each new token's row goes; None when the cache is
+    # not contiguous (indexed store instead).
+    store_rows: tuple[torch.Tensor, ...] | None
     page_index: torch.Tensor  # [T] page of each new token
     slot_in_page: torch.Tensor  # [T]
     decode: _DecodePlan | None
@@ -139,8 +145,17 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> None:
         """``sparse_decode``: read decode K/V straight from the cache (`_decode_sparse`) instead
         of gathering pages; None picks it for a contiguous float32 CPU cache, where it was
-        measured fastest; it needs a contiguous cache."""
+        measured fastest; it needs a contiguous cache.
+
+        The cache's plane axis (``kv_cache.shape[2]``) picks the mode: 2 (K and V) or 1 (latent
+        mode, see the module docstring)."""
         super().__init__(kv_cache, page_size, scale)
+        self.kv_planes = kv_cache.shape[2]
+        if self.kv_planes not in (1, 2):
+            raise ValueError(f"KV cache needs 1 or 2 planes, got {self.kv_planes}")
+        self.latent = self.kv_planes == 1
+        # The plane values are read from: V's, or in latent mode the keys' own.
+        self._value_plane = self.kv_planes - 1
         self.num_kv_heads = kv_cache.shape[3]
         self.gather_group_bytes = gather_group_bytes
         if sparse_decode is None:
@@ -165,11 +180,13 @@ class TorchAttentionBackend(AttentionBackend):
         store_rows = None
         if self.kv_cache.is_contiguous():
             heads = torch.arange(self.num_kv_heads, device=slots.device)
-            # Row of (page, K, head, slot) in [pages, 2, Hk, P] order; V's is Hk * P further.
+            # Row of (page, plane 0, head, slot) in [pages, planes, Hk, P] order; plane p's is
+            # p * Hk * P further.
             k_rows = (
-                page_index[:, None] * (2 * self.num_kv_heads) + heads[None, :]
+                page_index[:, None] * (self.kv_planes * self.num_kv_heads) + heads[None, :]
             ) * self.page_size + slot_in_page[:, None]
-            store_rows = (k_rows, k_rows + self.num_kv_heads * self.page_size)
+            plane_rows = self.num_kv_heads * self.page_size
+            store_rows = tuple(k_rows + plane * plane_rows for plane in range(self.kv_planes))
         starts = [0]
         for query_len in batch.query_lens_list:
             starts.append(starts[-1] + query_len)
@@ -265,7 +282,7 @@ class TorchAttentionBackend(AttentionBackend):
         positions = torch.arange(max_len, device=device)
         pages = table[:, positions // page_size].clamp_min(0)  # -1 padding: masked out below
         # Cache row of K of (sequence, kv head 0, token); kv head h is h * P rows further.
-        token_rows = pages * (2 * num_kv_heads * page_size) + positions % page_size
+        token_rows = pages * (self.kv_planes * num_kv_heads * page_size) + positions % page_size
         head_rows = torch.arange(num_heads, device=device) // group * page_size
         rows = token_rows[:, None, :] + head_rows[None, :, None]  # [Bd, Hq, max_len]
         padding = None
@@ -300,7 +317,7 @@ class TorchAttentionBackend(AttentionBackend):
         )
         return _SparseDecode(
             pattern=pattern,
-            value_rows=key_rows + num_kv_heads * page_size,
+            value_rows=key_rows + self._value_plane * num_kv_heads * page_size,
             offsets=crow[:-1],
             row_lens=row_lens,
             width=width,
@@ -326,14 +343,18 @@ class TorchAttentionBackend(AttentionBackend):
         layer: int,
         q: torch.Tensor,
         k: torch.Tensor,
-        v: torch.Tensor,
+        v: torch.Tensor | None,
         batch: AttentionBatch,
     ) -> torch.Tensor:
+        if self.latent and v is not None:
+            raise ValueError("a single-plane (latent) KV cache takes no v: the keys are values")
+        if not self.latent and v is None:
+            raise ValueError("a two-plane (K|V) KV cache needs v")
         if self._plan is None or self._plan_batch is not batch:
             self.begin_step(batch)
         plan = self._plan
         assert plan is not None
-        cache = self.kv_cache[layer]  # [pages, 2, kv_heads, page_size, head_dim]
+        cache = self.kv_cache[layer]  # [pages, planes, kv_heads, page_size, head_dim]
         # Write first: new tokens must attend to themselves (contract in base.py).
         self._store(cache, plan, k, v)
 
@@ -350,20 +371,22 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     def _store(
-        self, cache: torch.Tensor, plan: _StepPlan, k: torch.Tensor, v: torch.Tensor
+        self, cache: torch.Tensor, plan: _StepPlan, k: torch.Tensor, v: torch.Tensor | None
     ) -> None:
+        planes = (k,) if v is None else (k, v)
         if plan.store_rows is None:
-            new_kv = torch.stack((k, v), dim=1).to(cache.dtype)  # [T, 2, Hk, D]
+            new_kv = torch.stack(planes, dim=1).to(cache.dtype)  # [T, planes, Hk, D]
             cache[plan.page_index, :, :, plan.slot_in_page] = new_kv
             return
-        # Two row stores into the flat view: no stacked copy of K and V, no 4-index scatter.
+        # One row store per plane into the flat view: no stacked copy of K and V, no 4-index
+        # scatter.
         rows = cache.view(-1, cache.shape[-1])
-        rows.index_put_((plan.store_rows[0],), k.to(cache.dtype))
-        rows.index_put_((plan.store_rows[1],), v.to(cache.dtype))
+        for plane_rows, values in zip(plan.store_rows, planes, strict=True):
+            rows.index_put_((plane_rows,), values.to(cache.dtype))
 
     def _gather(self, cache: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
-        """[2, Hk, len(page_ids), P, D]: K and V of the pages, heads outermost, in the reused
-        buffer (valid until the next gather)."""
+        """[planes, Hk, len(page_ids), P, D]: K and V (or the latent) of the pages, heads
+        outermost, in the reused buffer (valid until the next gather)."""
         _, kv, heads, page_size, head_dim = cache.shape
         shape = (kv, heads, page_ids.numel(), page_size, head_dim)
         numel = kv * heads * page_ids.numel() * page_size * head_dim
@@ -384,14 +407,14 @@ class TorchAttentionBackend(AttentionBackend):
         outputs = []
         for group in plan.groups:
             kv = self._gather(cache, group.page_ids).to(q.dtype)  # no copy when equal
-            # [2, Hk, n * pages, P, D] -> [2, n, Hk, pages * P, D] (views only).
+            # [planes, Hk, n * pages, P, D] -> [planes, n, Hk, pages * P, D] (views only).
             kv = kv.unflatten(2, (group.end - group.start, group.num_pages))
             kv = kv.flatten(3, 4).transpose(1, 2)
             outputs.append(
                 F.scaled_dot_product_attention(
                     queries[group.start : group.end],
                     kv[0, :, :, : group.kv_len],
-                    kv[1, :, :, : group.kv_len],
+                    kv[self._value_plane, :, :, : group.kv_len],
                     attn_mask=group.attn_mask,
                     scale=self.scale,
                 )
@@ -405,8 +428,9 @@ class TorchAttentionBackend(AttentionBackend):
         """Decode attention without copying K/V: scores are a sampled matmul of the queries with
         the cache's K rows (``sampled_addmm`` on the step's CSR pattern computes only the entries
         listed: one dot product per (query head, key)), and the output is a weighted sum of the
-        cache's V rows (``embedding_bag`` with the probabilities as per-row weights). Each K and V
-        byte is read from the cache once per query head sharing it; nothing is gathered."""
+        cache's V rows (``embedding_bag`` with the probabilities as per-row weights; the key rows
+        again in latent mode). Each K and V byte is read from the cache once per query head
+        sharing it; nothing is gathered."""
         num_seqs, num_heads, head_dim = q.shape
         if self._sparse is None:
             assert self._plan_batch is not None
@@ -444,7 +468,7 @@ class TorchAttentionBackend(AttentionBackend):
         cache: torch.Tensor,
         q: torch.Tensor,
         k: torch.Tensor,
-        v: torch.Tensor,
+        v: torch.Tensor | None,
         chunk: _ChunkPlan,
     ) -> torch.Tensor:
         # SDPA takes its fused CPU kernels only for 4-D inputs; 3-D ones fall back to the slow
@@ -452,7 +476,7 @@ class TorchAttentionBackend(AttentionBackend):
         query = q[chunk.start : chunk.end].transpose(0, 1)  # [Hq, n, D]
         if chunk.page_ids is None:
             keys = k[chunk.start : chunk.end].transpose(0, 1)
-            values = v[chunk.start : chunk.end].transpose(0, 1)
+            values = keys if v is None else v[chunk.start : chunk.end].transpose(0, 1)
             out = F.scaled_dot_product_attention(
                 query[None],
                 keys[None],
@@ -462,12 +486,12 @@ class TorchAttentionBackend(AttentionBackend):
                 enable_gqa=True,
             )[0]
         else:
-            kv = self._gather(cache, chunk.page_ids).to(q.dtype)  # [2, Hk, pages, P, D]
+            kv = self._gather(cache, chunk.page_ids).to(q.dtype)  # [planes, Hk, pages, P, D]
             kv = kv.flatten(2, 3)
             out = F.scaled_dot_product_attention(
                 query[None],
                 kv[0][None],
-                kv[1][None],
+                kv[self._value_plane][None],
                 attn_mask=chunk.attn_mask,
                 scale=self.scale,
                 enable_gqa=True,
