@@ -229,7 +229,8 @@ def test_deepseek_latent_kv_from_two_prefill_ranks(
 ) -> None:
     """DeepSeek (MLA + MoE): a TP 2 prefill worker pushes the replicated latent to TP 1
     decoders (any source rank will do); answers equal the colocated engine's, the pushed bytes
-    are the latent's (4x less than per-head K and V here), and every pool is full again."""
+    are the latent's (4x less than per-head K and V here), and every pool is full again, after
+    cancelled and timed-out requests too."""
     groups = disaggregated_groups(1, 2)
     groups["prefill"]["tp"] = 2
     served = ServedCluster(cluster_config(deepseek_model_dir, groups))
@@ -256,5 +257,6 @@ def test_deepseek_latent_kv_from_two_prefill_ranks(
             assert latent_pages <= moved - before < latent_pages + (64 << 10)
             assert moved - before < 4 * latent_pages  # what per-head K and V would take
             wait_until(lambda: pools_full(stub, pb), timeout=30)
+        serving_checks.check_cancel_and_deadline(served.address)
     finally:
         served.close()
