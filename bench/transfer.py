@@ -1,14 +1,16 @@
 """KV messenger benchmark: transfer goodput vs the raw TransferEngine, and exposed transfer time.
 
     .venv/bin/python bench/transfer.py [--provider tcp;ofi_rxm] [--lengths 256,...,8192]
-                                       [--repeats 3] [--checksum]
+                                       [--repeats 3] [--checksum] [--preset deepseek-tiny]
 
 ``--checksum`` runs the decoder in checksum mode (`workers.kv.checksum`: CRC-32 of every write
 on the prefill's push thread, verified on the decoder when its counter fires) to measure its
 cost against a run without.
 
 Setup: preset ``small`` (hidden 512, 6 layers, 4 KV heads of 64, float32; its config is
-widened to 8704 positions so an 8192-token prompt fits), page size 16, one prefill worker in a
+widened to 8704 positions so an 8192-token prompt fits), or with ``--preset deepseek-tiny`` a
+DeepSeek-V3-style model (3 layers, MLA: one latent of 80 values a token and layer, MoE), page
+size 16, one prefill worker in a
 spawned process (budget 8192 tokens: every prompt is one forward pass), one decode worker in
 this process, both on one host (one CLOCK_MONOTONIC). Per prompt length, median of
 ``--repeats`` requests (after a warm-up) in each of two prefill modes:
@@ -19,7 +21,7 @@ this process, both on one host (one CLOCK_MONOTONIC). Per prompt length, median 
 Figures:
 - ``exposed`` = decoder KV-ready time - prefill forward-pass end, per mode.
 - ``exposed fraction`` = exposed(layer-wise) / exposed(deferred): the share of the transfer
-  the forward pass could not hide. Target <= 1/L + 5% (L = 6 layers: 0.217).
+  the forward pass could not hide. Target <= 1/L + 5% (L = 6 layers: 0.217; 3: 0.383).
 - ``messenger GB/s`` = KV bytes / exposed(deferred): with deferred writes the whole transfer
   happens after the pass, messaging, counter and wake-ups included.
 - ``raw GB/s``: the same number of writes of the same sizes (one `submit_writes` call per
@@ -67,6 +69,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from workers.engine.config import EngineConfig
+from workers.engine.model_config import ModelConfig
 from workers.engine.presets import write_random_checkpoint
 from workers.engine.sampling_params import SamplingParams
 from workers.fabric import MemoryRegionDescriptor, TransferEngine
@@ -81,12 +84,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # inherited by the spawned 
 MAX_POSITIONS = 8704
 NUM_PAGES = 600
 RAW_REGION = 128 << 20
-LAYERS = 6
-CONTEXT_BYTES = 512 * 4  # one float32 hidden state of the small preset
+PRESETS = ("small", "deepseek-tiny")
 
 
-def small_checkpoint(root: Path) -> Path:
-    model_dir = write_random_checkpoint("small", root / "small")
+def widened_checkpoint(root: Path, preset: str) -> Path:
+    model_dir = write_random_checkpoint(preset, root / preset)
     config_path = model_dir / "config.json"
     config = json.loads(config_path.read_text())
     config["max_position_embeddings"] = MAX_POSITIONS
@@ -132,6 +134,8 @@ def run_messenger(
     """Median figures per prompt length; with ``raw``, each request is followed by a raw
     measurement of the same writes (same sizes, one call per layer), so both see the same
     machine load."""
+    model = ModelConfig.from_dir(model_dir)
+    layers = model.num_layers
     prefill = Prefill(model_dir, provider, layerwise)
     decode = DecodeWorker(
         model_dir,
@@ -140,7 +144,7 @@ def run_messenger(
         messenger_config=DecodeMessengerConfig(checksum=checksum),
     )
     # The context write's bytes: the hidden state, and the sums of TP 1:1's one shard.
-    context_bytes = CONTEXT_BYTES + (area_bytes(1) if checksum else 0)
+    context_bytes = model.hidden_size * 4 + (area_bytes(1) if checksum else 0)
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0.0, max_tokens=1)
     results: dict[int, dict[str, float]] = {}
@@ -164,11 +168,11 @@ def run_messenger(
                 raw_gbps = 0.0
                 if raw is not None:
                     num_kv_writes = sent["num_writes"] - 1  # minus the context write
-                    per_layer = num_kv_writes // LAYERS
+                    per_layer = num_kv_writes // layers
                     kv_bytes = sent["num_bytes"] - context_bytes
                     # The request's runs: equal split is exact for 1 run per layer, close else.
                     size = kv_bytes // num_kv_writes
-                    raw_gbps = raw.measure(LAYERS, [size] * per_layer)
+                    raw_gbps = raw.measure(layers, [size] * per_layer)
                 exposed_s = ready["kv_ready_s"] - sent["forward_end_s"]
                 # This request's goodput over the raw path's right after it: paired, so that
                 # a drift of the machine during the run moves both sides alike.
@@ -261,13 +265,14 @@ def main() -> None:
     parser.add_argument("--lengths", default="256,512,1024,2048,4096,8192")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--checksum", action="store_true", help="decoder in checksum mode")
+    parser.add_argument("--preset", choices=PRESETS, default="small", help="model (random init)")
     args = parser.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")]
-    layers = LAYERS
     raw = RawBench(args.provider)
     try:
         with tempfile.TemporaryDirectory() as root:
-            model_dir = small_checkpoint(Path(root))
+            model_dir = widened_checkpoint(Path(root), args.preset)
+            model = ModelConfig.from_dir(model_dir)
             layerwise = run_messenger(
                 model_dir, args.provider, lengths, args.repeats, True, checksum=args.checksum
             )
@@ -278,6 +283,8 @@ def main() -> None:
         raw.close()
     mode = ", checksum mode" if args.checksum else ""
     print(f"# provider {args.provider}{mode}, {os.cpu_count()} CPUs, {platform.processor() or '?'}")
+    kv_per_token = model.kv_page_bytes(1, 4)
+    print(f"# preset {args.preset}: {model.num_layers} layers, {kv_per_token} KV bytes a token")
     print(
         "| prompt | KV MiB | writes | forward ms | exposed ms (layer-wise) | exposed ms (deferred) "
         "| exposed fraction | messenger GB/s | raw GB/s | ratio |"
@@ -292,7 +299,7 @@ def main() -> None:
             f"| {lw['exposed_s'] * 1e3:.1f} | {df['exposed_s'] * 1e3:.1f} | {fraction:.2f} "
             f"| {goodput:.2f} | {df['raw_gbps']:.2f} | {df['ratio']:.2f} |"
         )
-    print(f"target: exposed fraction <= {1 / layers + 0.05:.3f}; messenger >= 0.9x raw")
+    print(f"target: exposed fraction <= {1 / model.num_layers + 0.05:.3f}; messenger >= 0.9x raw")
 
 
 if __name__ == "__main__":
