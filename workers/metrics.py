@@ -153,6 +153,17 @@ METRIC_SPECS: tuple[MetricSpec, ...] = (
         "counter",
         "Prompt tokens found in the prefix cache, hence not computed.",
     ),
+    # Speculative decoding (vLLM's spec_decode counters): drafts verified, drafts kept.
+    MetricSpec(
+        "pdserve_spec_decode_num_draft_tokens_total",
+        "counter",
+        "Draft tokens verified by speculative decoding (decode and mixed workers with it on).",
+    ),
+    MetricSpec(
+        "pdserve_spec_decode_num_accepted_tokens_total",
+        "counter",
+        "Of the draft tokens verified, those kept (acceptance = kept / verified).",
+    ),
     MetricSpec(
         "pdserve_request_success_total",
         "counter",
@@ -255,6 +266,10 @@ class Metrics:
         self.generation_tokens = self._bound_counter("pdserve_generation_tokens_total")
         self.prefix_cache_queries = self._bound_counter("pdserve_prefix_cache_queries_total")
         self.prefix_cache_hits = self._bound_counter("pdserve_prefix_cache_hits_total")
+        self.spec_draft_tokens = self._bound_counter("pdserve_spec_decode_num_draft_tokens_total")
+        self.spec_accepted_tokens = self._bound_counter(
+            "pdserve_spec_decode_num_accepted_tokens_total"
+        )
         self.kv_pages_used = self._bound_gauge("pdserve_kv_pages_used")
         self.kv_pages_capacity = self._bound_gauge("pdserve_kv_pages_capacity")
         self.kv_pages_pinned_for_transfer = self._bound_gauge(

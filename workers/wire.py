@@ -51,6 +51,8 @@ class WorkerLoad:
     num_sampled_tokens: int = 0
     num_prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     num_prefix_cache_hits: int = 0  # of them, found cached (not computed)
+    num_spec_draft_tokens: int = 0  # speculative decoding: draft tokens verified
+    num_spec_accepted_tokens: int = 0  # of them, kept
 
 
 def sampling_from_proto(message: wpb.WorkerSamplingParams) -> SamplingParams:

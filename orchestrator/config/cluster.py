@@ -74,6 +74,7 @@ from workers.engine.config import DTYPES, EngineConfig
 from workers.engine.device import DeviceError, check_device_name
 from workers.engine.errors import UnsupportedCheckpointError
 from workers.engine.model_config import ModelConfig
+from workers.engine.speculative import SpeculativeConfig
 
 __all__ = [
     "FABRIC_PROVIDERS",
@@ -392,7 +393,9 @@ class ClusterConfig(Section):
 
     def engine_config(self, role: str) -> EngineConfig:
         """The `EngineConfig` each worker of the ``role`` group runs with."""
-        limits = self.group(role).limits
+        group = self.group(role)
+        limits = group.limits
+        spec = group.speculative
         return EngineConfig(
             role=role,  # type: ignore[arg-type]  # checked against GROUP_ROLES
             page_size=self.page_size,
@@ -405,6 +408,7 @@ class ClusterConfig(Section):
             max_model_len=self.limits.max_model_len,
             dtype=self.dtype,
             device=self.device,
+            speculative=SpeculativeConfig(**spec.model_dump()) if spec is not None else None,
         )
 
     def with_overrides(

@@ -23,6 +23,8 @@ from orchestrator.config.base import (
     mapping,
     resolve_path,
 )
+from workers.engine.speculative import MAX_SPECULATIVE_TOKENS
+from workers.engine.speculative import METHODS as SPECULATIVE_METHODS
 from workers.netaddr import WILDCARD_HOSTS
 
 __all__ = [
@@ -40,6 +42,7 @@ __all__ = [
     "Limits",
     "Resources",
     "RouterConfig",
+    "SpeculativeSection",
     "TLSConfig",
     "TransferConfig",
 ]
@@ -162,6 +165,28 @@ class FabricConfig(Section):
     127.0.0.1, because ``tcp;ofi_rxm`` otherwise binds the first Ethernet interface."""
 
 
+class SpeculativeSection(Section):
+    """Speculative decoding on a decode or mixed group (`workers.engine.speculative`): drafts
+    proposed cheaply and verified by the model in one step; outputs are unchanged (greedy:
+    token-identical; sampling: the same distribution)."""
+
+    method: Annotated[str, OneOf(SPECULATIVE_METHODS)] = "ngram"
+    """The proposer: ``ngram`` (prompt lookup: what followed the latest earlier occurrence of
+    the sequence's last n tokens)."""
+    num_speculative_tokens: int = Field(default=3, ge=1, le=MAX_SPECULATIVE_TOKENS)
+    """Drafts per step; a step emits between 1 and this many + 1 tokens."""
+    prompt_lookup_min: int = Field(default=1, ge=1)
+    """Shortest n-gram ngram looks up."""
+    prompt_lookup_max: int = Field(default=3, ge=1)
+    """Longest n-gram ngram looks up (tried first)."""
+
+    @model_validator(mode="after")
+    def _lookup_range(self) -> SpeculativeSection:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError("prompt_lookup_min", "must not exceed prompt_lookup_max")
+        return self
+
+
 class GroupConfig(Section):
     """``replicas`` identical workers of one role, each a TP group of ``tp`` ranks."""
 
@@ -185,9 +210,13 @@ class GroupConfig(Section):
     separate machines it does nothing. Only lowering is allowed: raising needs privileges."""
     threads: int = Field(default=1, ge=1)
     """Intra-op (torch / OpenMP) threads of each rank's process."""
+    speculative: SpeculativeSection | None = None
+    """Speculative decoding (decode and mixed groups); null: off."""
 
     @model_validator(mode="after")
     def _fabric_by_role(self) -> GroupConfig:
+        if self.role == "prefill" and self.speculative is not None:
+            raise ConfigError("speculative", "a prefill group never samples; set it on decode")
         if self.role == "mixed" and self.fabric is not None:
             raise ConfigError("fabric", "mixed workers move no KV between workers; remove it")
         if self.role != "mixed" and self.fabric is None:

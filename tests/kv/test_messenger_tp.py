@@ -50,6 +50,7 @@ from workers.engine.config import EngineConfig
 from workers.engine.model_config import ModelConfig
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.shared_kv import POOL_FILE_PREFIX, SHM_DIR
+from workers.engine.speculative import SpeculativeConfig
 from workers.service.kv_worker import DecodeWorker
 
 pytestmark = pytest.mark.slow
@@ -187,7 +188,9 @@ def _kill(pids: Sequence[int]) -> None:
 class TPPair:
     """A TP-``p`` prefill worker process and a TP-``d`` decode worker in this process."""
 
-    def __init__(self, model_dir: Path, p: int, d: int) -> None:
+    def __init__(
+        self, model_dir: Path, p: int, d: int, speculative: SpeculativeConfig | None = None
+    ) -> None:
         self.prefill: RemotePrefill | None = None
         self.decode: DecodeWorker | None = None
         self.prefill_pids: list[int] = []
@@ -207,7 +210,9 @@ class TPPair:
             )
             self.decode = DecodeWorker(
                 model_dir,
-                EngineConfig(num_pages=DECODE_PAGES, tensor_parallel_size=d),
+                EngineConfig(
+                    num_pages=DECODE_PAGES, tensor_parallel_size=d, speculative=speculative
+                ),
                 provider=PROVIDER,
             )
             tp = self.decode.engine.tp
@@ -267,6 +272,26 @@ def test_tp_greedy_parity_and_write_count(
     finally:
         pair.close()
     # A TP rank that outlives its worker fails this wait.
+    wait_until(
+        lambda: not pair.alive_ranks(), timeout=10, what="every TP rank gone with its worker"
+    )
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("p", "d"), [(1, 1), (2, 2)])
+def test_speculating_decoder_keeps_greedy_parity(
+    p: int, d: int, references: dict[str, Reference], prompts: list[list[int]]
+) -> None:
+    """A decoder with ngram speculative decoding, fed over the fabric: the same tokens, the
+    same writes; drafts were proposed and verified (the KV that arrived is what they extend)."""
+    reference = references["tiny"]
+    pair = TPPair(reference.model_dir, p, d, SpeculativeConfig(num_speculative_tokens=3))
+    try:
+        _check_case(pair, reference, prompts, p, d, reference.config)
+        assert pair.decode is not None
+        assert pair.decode.engine.stats.num_draft_tokens > 0
+    finally:
+        pair.close()
     wait_until(
         lambda: not pair.alive_ranks(), timeout=10, what="every TP rank gone with its worker"
     )

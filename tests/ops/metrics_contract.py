@@ -60,6 +60,9 @@ EXPORTED_BY: dict[str, tuple[str, ...]] = {
     # Prefix caching runs on mixed workers only so far.
     "pdserve_prefix_cache_queries_total": ("mixed",),
     "pdserve_prefix_cache_hits_total": ("mixed",),
+    # Speculative decoding runs where tokens are sampled.
+    "pdserve_spec_decode_num_draft_tokens_total": ("decode", "mixed"),
+    "pdserve_spec_decode_num_accepted_tokens_total": ("decode", "mixed"),
     "pdserve_request_success_total": _ROUTER,
     "pdserve_kv_pages_used": ("prefill", "decode", "mixed"),
     "pdserve_kv_pages_capacity": ("prefill", "decode", "mixed"),

@@ -236,6 +236,8 @@ class _FakeBackend:
             num_sampled_tokens=5,
             num_prefix_cache_queries=48,
             num_prefix_cache_hits=32,
+            num_spec_draft_tokens=30,
+            num_spec_accepted_tokens=12,
         )
 
 

@@ -137,6 +137,32 @@ def test_a_mixed_worker_with_prefix_caching_counts_cached_tokens_apart(
         backend.close()
 
 
+def test_a_mixed_worker_with_speculative_decoding_counts_drafts(tiny_model_dir: Path) -> None:
+    from workers.engine.speculative import SpeculativeConfig
+
+    config = EngineConfig(num_pages=64, speculative=SpeculativeConfig(num_speculative_tokens=3))
+    backend = MixedBackend(tiny_model_dir, config)
+    drafts = "pdserve_spec_decode_num_draft_tokens_total"
+    kept = "pdserve_spec_decode_num_accepted_tokens_total"
+    try:
+        with _exported(backend, "mixed", tiny_model_dir) as port:
+            phrase = prompts_of_lengths([6], seed=8)[0]
+            assert _serve(backend, [phrase * 8], [30]) == [30]
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+                body = answer.read().decode()
+            values = {
+                sample.name: sample.value
+                for family in text_string_to_metric_families(body)
+                for sample in family.samples
+                if sample.name in (drafts, kept)
+            }
+            stats = backend.engine.stats
+            assert stats.num_draft_tokens > 0
+            assert values == {drafts: stats.num_draft_tokens, kept: stats.num_accepted_tokens}
+    finally:
+        backend.close()
+
+
 def test_a_prompt_recomputed_after_preemption_counts_again(tiny_model_dir: Path) -> None:
     # Four 1-page prompts growing to 3 pages each in a 4-page pool: sequences are preempted
     # (recompute) once they have sampled; each recomputes its whole prompt in one step (no

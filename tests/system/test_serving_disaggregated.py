@@ -228,11 +228,14 @@ def test_deepseek_latent_kv_from_two_prefill_ranks(
     deepseek_model_dir: Path, cluster: ServedCluster
 ) -> None:
     """DeepSeek (MLA + MoE): a TP 2 prefill worker pushes the replicated latent to TP 1
-    decoders (any source rank will do); answers equal the colocated engine's, the pushed bytes
+    decoders (any source rank will do) that decode speculatively; answers equal the colocated
+    engine's (without speculation), the pushed bytes
     are the latent's (4x less than per-head K and V here), and every pool is full again, after
     cancelled and timed-out requests too."""
     groups = disaggregated_groups(1, 2)
     groups["prefill"]["tp"] = 2
+    # The decoders speculate (ngram): several tokens a step through the router, same answers.
+    groups["decode"]["speculative"] = {"method": "ngram", "num_speculative_tokens": 3}
     served = ServedCluster(cluster_config(deepseek_model_dir, groups))
     try:
         with grpc.insecure_channel(served.address) as channel:
@@ -256,6 +259,12 @@ def test_deepseek_latent_kv_from_two_prefill_ranks(
             # Whole latent pages of the prompt, plus the small context write (hidden state).
             assert latent_pages <= moved - before < latent_pages + (64 << 10)
             assert moved - before < 4 * latent_pages  # what per-head K and V would take
+            drafts = [
+                scrape(record.metrics_port)["pdserve_spec_decode_num_draft_tokens_total"]
+                for record in workers.values()
+                if record.role == "decode"
+            ]
+            assert sum(drafts) > 0
             wait_until(lambda: pools_full(stub, pb), timeout=30)
         serving_checks.check_cancel_and_deadline(served.address)
     finally:

@@ -7,10 +7,12 @@ written back here.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, cast
 
 from workers.engine.device import check_device_name
+from workers.engine.speculative import SpeculativeConfig
 
 Role = Literal["mixed", "prefill", "decode"]
 
@@ -40,6 +42,8 @@ class EngineConfig:
         graphs (`workers.engine.decode_graphs`); 0 runs every step eagerly. Ignored on CPU.
     enable_prefix_caching: reuse the KV of full pages whose tokens (from the sequence's start)
         match an earlier sequence's (`workers.engine.prefix_cache`); mixed role only so far.
+    speculative: speculative decoding (`workers.engine.speculative`): drafts verified by the
+        model, lossless; mixed and decode roles, not with prefix caching yet. None: off.
     tensor_parallel_size: ranks (processes) the model is split over; rank 0 runs the engine.
         Whether the model's heads divide is checked when it is loaded. With TP, ``num_pages``
         / ``kv_memory_bytes`` size each rank's pool (its share of the KV heads).
@@ -60,6 +64,7 @@ class EngineConfig:
     seed: int = 0
     tensor_parallel_size: int = 1
     enable_prefix_caching: bool = False
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -98,6 +103,17 @@ class EngineConfig:
             raise ValueError(
                 f"enable_prefix_caching is supported on the mixed role only, not {self.role!r}"
             )
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            # As it arrives from a serialised config (a worker's spec): a plain mapping.
+            raw = cast(Mapping[str, Any], self.speculative)
+            object.__setattr__(self, "speculative", SpeculativeConfig.from_dict(dict(raw)))
+        if self.speculative is not None:
+            if self.role == "prefill":
+                raise ValueError("speculative decoding runs on mixed and decode workers")
+            if self.enable_prefix_caching:
+                raise ValueError(
+                    "speculative decoding with enable_prefix_caching is not supported yet"
+                )
         if self.tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"

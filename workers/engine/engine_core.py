@@ -56,6 +56,7 @@ from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from workers.engine.sequence import FinishReason, SequenceStatus
 from workers.engine.sequence import Sequence as Seq
+from workers.engine.speculative import SpeculativeConfig, accepted_prefix, propose_ngram
 from workers.engine.step_trace import StepShapeCounts, shape_of
 from workers.engine.stop_checker import StopChecker
 from workers.engine.validation import validate_request
@@ -309,6 +310,8 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
+        if self.config.speculative is not None:
+            self._propose_drafts(self.config.speculative)
         scheduled = self.scheduler.schedule()
         self.stats.num_preemptions += len(scheduled.preempted)
         for seq in scheduled.hopeless:
@@ -335,35 +338,93 @@ class EngineCore:
                 outputs.append(self._finish(seq, FinishReason.PREFILLED, emit=False))
         return outputs
 
+    def _propose_drafts(self, spec: SpeculativeConfig) -> None:
+        """Drafts for every running sequence about to decode (`workers.engine.speculative`),
+        never past its ``max_tokens`` or the model length (the step emits up to k + 1)."""
+        for seq in self.scheduler.running:
+            if seq.prefill_only or seq.num_remaining_tokens != 1:
+                continue
+            room = min(
+                seq.params.max_tokens - seq.num_output_tokens - 1,
+                self.max_model_len - seq.num_tokens - 1,
+            )
+            k = min(spec.num_speculative_tokens, room)
+            if k > 0:
+                seq.spec_token_ids = propose_ngram(
+                    seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max
+                )
+
     def _append_sampled(self, seqs: list[Seq], logits: torch.Tensor) -> list[RequestOutput]:
-        rows = [
-            SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator) for s in seqs
-        ]
+        # One row per sequence, or 1 + k for one verifying k drafts: row i of a sequence is
+        # sampled as if the drafts before it were kept (penalties see them as outputs).
+        rows = []
+        for s in seqs:
+            emitted = s.output_token_ids
+            for i in range(1 + len(s.spec_token_ids)):
+                history = emitted + s.spec_token_ids[:i] if i else emitted
+                rows.append(SamplingRow(s.params, s.prompt_token_ids, history, s.generator))
         sampled = self.sampler(logits, rows)
         now = time.perf_counter()
         outputs = []
-        for i, seq in enumerate(seqs):
-            wants_logprob = sampled.logprobs is not None and seq.params.logprobs
-            logprob = sampled.logprobs[i] if wants_logprob and sampled.logprobs else None
-            seq.append_token(sampled.token_ids[i], logprob, now)
+        row = 0
+        for seq in seqs:
+            drafts, seq.spec_token_ids = seq.spec_token_ids, []
+            tokens = sampled.token_ids[row : row + 1 + len(drafts)]
+            logprobs = sampled.logprobs[row : row + 1 + len(drafts)] if sampled.logprobs else None
+            row += 1 + len(drafts)
+            if drafts:
+                kept = self._verify(seq, drafts, tokens)
+                # The kept drafts, then the target's token after them.
+                tokens = drafts[:kept] + tokens[kept : kept + 1]
+                logprobs = logprobs[: kept + 1] if logprobs else None
+            outputs.append(self._emit(seq, tokens, logprobs if seq.params.logprobs else None, now))
+        return outputs
+
+    def _verify(self, seq: Seq, drafts: list[int], sampled: list[int]) -> int:
+        """Keep the drafts the target agrees with; roll back the KV of the others."""
+        kept = accepted_prefix(drafts, sampled)
+        stats = self.stats
+        stats.num_draft_tokens += len(drafts)
+        stats.num_accepted_tokens += kept
+        per_pos = stats.num_accepted_tokens_per_pos
+        per_pos.extend([0] * (len(drafts) - len(per_pos)))
+        for position in range(kept):
+            per_pos[position] += 1
+        # The step computed the last token and every draft; only the kept drafts' KV is valid
+        # (the rejected slots are rewritten by the next step). Pages past what the next step
+        # needs (the kept tokens plus the one emitted after them) go back to the pool.
+        seq.num_computed_tokens -= len(drafts) - kept
+        needed = self.block_manager.pages_for_tokens(seq.num_tokens + kept + 1)
+        if len(seq.page_ids) > needed:
+            self.block_manager.free(seq.page_ids[needed:])
+            del seq.page_ids[needed:]
+        return kept
+
+    def _emit(
+        self, seq: Seq, tokens: list[int], logprobs: list[float] | None, now: float
+    ) -> RequestOutput:
+        """Append a step's tokens one by one, each checked for a stop; the rest are dropped."""
+        new_text, reason, emitted = "", None, 0
+        for i, token in enumerate(tokens):
+            seq.append_token(token, logprobs[i] if logprobs is not None else None, now)
             self.stats.num_sampled_tokens += 1
-            new_text, reason = self.stop_checker.check(seq)
+            emitted += 1
+            text, reason = self.stop_checker.check(seq)
+            new_text += text
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 self._forget(seq)
-            outputs.append(
-                RequestOutput(
-                    request_id=seq.request_id,
-                    new_token_ids=[seq.token_ids[-1]],
-                    token_times=[now],
-                    logprobs=[logprob] if logprob is not None else None,
-                    new_text=new_text,
-                    finished=reason is not None,
-                    finish_reason=reason.value if reason is not None else None,
-                    num_prompt_tokens=seq.num_prompt_tokens,
-                )
-            )
-        return outputs
+                break
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=seq.token_ids[-emitted:],
+            token_times=[now] * emitted,
+            logprobs=logprobs[:emitted] if logprobs is not None else None,
+            new_text=new_text,
+            finished=reason is not None,
+            finish_reason=reason.value if reason is not None else None,
+            num_prompt_tokens=seq.num_prompt_tokens,
+        )
 
     # --- helpers ---------------------------------------------------------------------------
 

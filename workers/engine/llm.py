@@ -14,6 +14,7 @@ from workers.engine.config import EngineConfig
 from workers.engine.engine_core import EngineCore
 from workers.engine.errors import InvalidRequestError
 from workers.engine.sampling_params import SamplingParams
+from workers.engine.speculative import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,14 @@ class LLM:
     """``LLM(model_dir, **EngineConfig options).generate(prompts, SamplingParams(...))``."""
 
     def __init__(self, model_dir: str | Path, *, detokenize: bool = True, **engine_options: Any):
+        """``engine_options``: `EngineConfig`'s fields; ``speculative_config`` (a mapping, as
+        vLLM's) is its ``speculative``, e.g. ``{"method": "ngram", "num_speculative_tokens":
+        3}``."""
+        spec = engine_options.pop("speculative_config", None)
+        if spec is not None and not isinstance(spec, SpeculativeConfig):
+            spec = SpeculativeConfig.from_dict(dict(spec))
+        if spec is not None:
+            engine_options["speculative"] = spec
         config = EngineConfig(**engine_options)
         if config.role != "mixed":
             raise ValueError("LLM runs the mixed role; drive EngineCore directly for the others")

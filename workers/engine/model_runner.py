@@ -37,7 +37,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, step: SchedulerOutput) -> torch.Tensor | None:
-        """One forward pass; returns float32 logits of the sequences that sample, in order.
+        """One forward pass; returns float32 logits of the sequences that sample, in order:
+        one row each, or ``1 + k`` for a sequence verifying ``k`` drafts (its last rows).
 
         Returns None when no sequence samples (the prefill role): the LM head is skipped.
         """
@@ -47,10 +48,12 @@ class ModelRunner:
         hidden = self.model.forward(input_ids, positions, batch, self.backend, self.layer_progress)
         sample_rows: list[int] = []
         end = 0
-        for chunk, query_len in zip(step.chunks, batch.query_lens_list, strict=True):
+        for seq, chunk, query_len in zip(
+            step.seqs, step.chunks, batch.query_lens_list, strict=True
+        ):
             end += query_len
             if chunk.samples:
-                sample_rows.append(end - 1)
+                sample_rows.extend(range(end - 1 - len(seq.spec_token_ids), end))
         if not sample_rows:
             return None
         if len(sample_rows) == hidden.shape[0]:
@@ -71,7 +74,7 @@ class ModelRunner:
         for seq, num_new in zip(step.seqs, step.num_new_tokens, strict=True):
             start = seq.num_computed_tokens
             end = start + num_new
-            input_ids.extend(seq.token_ids[start:end])
+            input_ids.extend(seq.step_token_ids(start, end))
             positions.extend(range(start, end))
             pages = seq.page_ids
             slots.extend(

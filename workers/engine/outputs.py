@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,11 @@ class EngineStats:
     # decoder computes one per request (the last prompt token), a prefill worker the others.
     num_computed_prompt_tokens: int = 0
     num_sampled_tokens: int = 0  # never on the prefill role
+    # Speculative decoding (vLLM's names): drafts verified, drafts kept, and kept per draft
+    # position (index i: drafts at position i + 1 after the last sampled token).
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     # Prefix caching: tokens of admitted sequences looked up, and found in cached pages.
     num_prefix_cache_queries: int = 0
     num_prefix_cache_hits: int = 0

@@ -232,6 +232,8 @@ class Scheduler:
 
     def _chunk_size(self, seq: Sequence, budget: int) -> int:
         """Tokens of ``seq`` to run this step within ``budget``; 0 when none fit."""
+        if seq.spec_token_ids and seq.num_remaining_tokens > budget:
+            seq.spec_token_ids = []  # drafts are verified whole or not at all
         remaining = seq.num_remaining_tokens
         if remaining <= budget:
             return remaining
@@ -262,7 +264,7 @@ class Scheduler:
                 start=start,
                 end=end,
                 page_ids=tuple(seq.page_ids[first_page : last_page + 1]),
-                samples=not seq.prefill_only and end == seq.num_tokens,
+                samples=not seq.prefill_only and end == seq.num_tokens + len(seq.spec_token_ids),
             )
         )
 

@@ -71,6 +71,9 @@ class Sequence:
         self.status = status
         self.num_computed_tokens = 0
         self.page_ids: list[int] = []
+        # Speculative decoding: draft tokens the next step runs after ``token_ids`` and
+        # verifies (`workers.engine.speculative`); not part of the sequence until kept.
+        self.spec_token_ids: list[int] = []
         # Prefix caching: the chained names of the first full pages of ``token_ids``
         # (`workers.engine.prefix_cache`); tokens never change, so neither do these.
         self.page_hashes: list[bytes] = []
@@ -109,7 +112,14 @@ class Sequence:
 
     @property
     def num_remaining_tokens(self) -> int:
-        return self.target_num_computed - self.num_computed_tokens
+        """Tokens to run: those not computed yet, then any drafts to verify."""
+        return self.target_num_computed + len(self.spec_token_ids) - self.num_computed_tokens
+
+    def step_token_ids(self, start: int, end: int) -> list[int]:
+        """The tokens at positions ``start .. end``, drafts after the sequence's own."""
+        if not self.spec_token_ids:
+            return self.token_ids[start:end]
+        return (self.token_ids + self.spec_token_ids)[start:end]
 
     @property
     def is_finished(self) -> bool:
@@ -135,6 +145,7 @@ class Sequence:
         self._move(SequenceStatus.WAITING)
         self.page_ids = []
         self.num_computed_tokens = 0
+        self.spec_token_ids = []
         self.num_preemptions += 1
 
     def drop_kv(self) -> None:
@@ -148,6 +159,7 @@ class Sequence:
     def finish(self, reason: FinishReason) -> None:
         self._move(SequenceStatus.FINISHED)
         self.finish_reason = reason
+        self.spec_token_ids = []
 
     def append_token(self, token_id: int, logprob: float | None, when: float) -> None:
         self.token_ids.append(token_id)

@@ -46,6 +46,8 @@ def engine_counters(engine: EngineCore) -> dict[str, int]:
         "num_sampled_tokens": stats.num_sampled_tokens,
         "num_prefix_cache_queries": stats.num_prefix_cache_queries,
         "num_prefix_cache_hits": stats.num_prefix_cache_hits,
+        "num_spec_draft_tokens": stats.num_draft_tokens,
+        "num_spec_accepted_tokens": stats.num_accepted_tokens,
     }
 
 

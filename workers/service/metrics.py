@@ -3,6 +3,7 @@ backend when Prometheus scrapes (no polling thread).
 
     num_requests_running / waiting, kv_pages_used / capacity     every role (`WorkerLoad`)
     prompt_tokens_total, generation_tokens_total                  every role (`EngineStats`)
+    spec_decode_num_draft / accepted_tokens_total                 decode / mixed (`EngineStats`)
     kv_pages_pinned_for_transfer, kv_messenger_queue_depth        decode / prefill (messenger)
     kv_transfer_seconds / bytes / exposed_seconds                 prefill (it pushes the KV)
     kv_transfer_failures_total                                    decode / prefill
@@ -111,6 +112,8 @@ class WorkerMetricsExporter:
         self._count_up(metrics.generation_tokens, "generation", load.num_sampled_tokens)
         self._count_up(metrics.prefix_cache_queries, "cache_queries", load.num_prefix_cache_queries)
         self._count_up(metrics.prefix_cache_hits, "cache_hits", load.num_prefix_cache_hits)
+        self._count_up(metrics.spec_draft_tokens, "spec_drafts", load.num_spec_draft_tokens)
+        self._count_up(metrics.spec_accepted_tokens, "spec_kept", load.num_spec_accepted_tokens)
         worker = getattr(self.backend, "worker", None)  # the KV roles' `workers.service.kv_worker`
         if worker is None:
             return

@@ -1,0 +1,265 @@
+"""Speculative decoding (ngram drafts): greedy output token-identical to decoding without it,
+the sampled distribution unchanged (and a biased acceptance rule caught), KV of rejected drafts
+rolled back, preemption and aborts mid-speculation leaving full pools."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.engine.engine_helpers import make_engine, prompts_of_lengths, run_engine
+from workers.engine import engine_core
+from workers.engine.config import EngineConfig
+from workers.engine.sampling_params import SamplingParams
+from workers.engine.speculative import SpeculativeConfig, accepted_prefix, propose_ngram
+
+NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+
+
+def repetitive_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    """Prompts that repeat a short random phrase, so prompt lookup finds what comes next (a
+    random model copies such patterns often enough for drafts to be kept and rejected)."""
+    phrases = prompts_of_lengths([5 + i % 4 for i in range(len(lengths))], seed=seed)
+    return [
+        (phrase * (n // len(phrase) + 1))[:n] for phrase, n in zip(phrases, lengths, strict=True)
+    ]
+
+
+def test_ngram_proposes_what_followed_the_latest_match() -> None:
+    tokens = [1, 2, 3, 4, 9, 2, 3, 5, 6, 7, 2, 3]
+    # "2 3" last occurred followed by 5 6 7 (the latest match wins over the earlier 2 3 4).
+    assert propose_ngram(tokens, 3, 1, 3) == [5, 6, 7]
+    assert propose_ngram(tokens, 1, 1, 3) == [5]
+    # The longest n first: "7 2 3" never occurred before, "2 3" did.
+    assert propose_ngram([7, 2, 3, 8, 1, 7, 2, 3], 2, 1, 3) == [8, 1]
+    assert propose_ngram([1, 2, 3, 4], 3, 1, 3) == []  # nothing repeats
+    assert propose_ngram([5], 3, 1, 3) == []
+    assert propose_ngram([4, 4, 4], 2, 2, 2) == [4]  # a match needs a token after it
+
+
+def test_accepted_prefix_keeps_drafts_while_they_match() -> None:
+    assert accepted_prefix([5, 6, 7], [5, 6, 7, 8]) == 3
+    assert accepted_prefix([5, 6, 7], [5, 9, 7, 8]) == 1
+    assert accepted_prefix([5, 6, 7], [4, 6, 7, 8]) == 0
+
+
+def test_config_refuses_what_does_not_exist() -> None:
+    with pytest.raises(ValueError, match="not available yet"):
+        SpeculativeConfig(method="mtp")
+    with pytest.raises(ValueError, match="must be one of"):
+        SpeculativeConfig(method="eagle9")
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        SpeculativeConfig(num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        SpeculativeConfig(prompt_lookup_min=4, prompt_lookup_max=2)
+    with pytest.raises(ValueError, match="unknown speculative option"):
+        SpeculativeConfig.from_dict({"method": "ngram", "k": 3})
+    with pytest.raises(ValueError, match="mixed and decode"):
+        EngineConfig(role="prefill", speculative=NGRAM)
+    with pytest.raises(ValueError, match="prefix_caching"):
+        EngineConfig(enable_prefix_caching=True, speculative=NGRAM)
+
+
+@pytest.mark.parametrize(
+    "fixture", ["tiny_model_dir", "small_model_dir", "qwen3_model_dir", "deepseek_model_dir"]
+)
+def test_greedy_tokens_equal_decoding_without_speculation(
+    fixture: str, request: pytest.FixtureRequest
+) -> None:
+    model_dir = Path(request.getfixturevalue(fixture))
+    prompts = repetitive_prompts([9, 30, 64, 130]) + prompts_of_lengths([17, 50], seed=2)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    expected = run_engine(make_engine(model_dir, max_num_batched_tokens=64), prompts, params)
+    engine = make_engine(model_dir, max_num_batched_tokens=64, speculative=NGRAM)
+    # Alone, then all together (speculating and prefilling sequences in one step).
+    assert run_engine(engine, prompts[1:2], params) == expected[1:2]
+    assert run_engine(engine, prompts, params) == expected
+    stats = engine.stats
+    assert stats.num_draft_tokens > 0
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # both outcomes exercised
+    per_pos = stats.num_accepted_tokens_per_pos
+    assert sum(per_pos) == stats.num_accepted_tokens
+    assert per_pos == sorted(per_pos, reverse=True)  # a draft is kept only after the ones before
+    # Fewer steps than tokens: some steps emitted several.
+    assert stats.num_sampled_tokens == sum(len(t) for t in expected) + len(expected[1])
+
+
+def test_stop_tokens_and_max_tokens_hold_inside_a_verified_run(tiny_model_dir: Path) -> None:
+    prompts = repetitive_prompts([40, 41, 42])
+    plain = make_engine(tiny_model_dir)
+    reference = run_engine(plain, prompts, SamplingParams(temperature=0.0, max_tokens=20))
+    engine = make_engine(tiny_model_dir, speculative=NGRAM)
+    for max_tokens in (1, 2, 5, 20):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        assert run_engine(engine, prompts, params) == [t[:max_tokens] for t in reference]
+    # A stop id inside a run of kept drafts ends the request there.
+    stop = reference[0][3]
+    params = SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[stop])
+    (got,) = run_engine(engine, prompts[:1], params)
+    assert got == reference[0][: reference[0].index(stop) + 1]
+
+
+def test_preemption_during_speculation_recomputes(tiny_model_dir: Path) -> None:
+    prompts = repetitive_prompts([60, 70, 80, 90, 100])
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    expected = run_engine(make_engine(tiny_model_dir), prompts, params)
+    # 24 pages of 16 tokens for five sequences of up to 140 tokens: they take turns.
+    engine = make_engine(tiny_model_dir, num_pages=24, max_num_batched_tokens=64, speculative=NGRAM)
+    assert run_engine(engine, prompts, params) == expected
+    assert engine.stats.num_preemptions > 0 and engine.stats.num_accepted_tokens > 0
+
+
+def test_abort_mid_speculation_frees_every_page(tiny_model_dir: Path) -> None:
+    engine = make_engine(tiny_model_dir, speculative=NGRAM)
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    for i, prompt in enumerate(repetitive_prompts([30, 50, 70])):
+        engine.add_request(f"r{i}", prompt, params)
+    for _ in range(12):
+        engine.step()
+    assert engine.stats.num_draft_tokens > 0
+    for i in range(3):
+        engine.abort(f"r{i}")
+    while engine.has_unfinished():
+        engine.step()
+    engine.check_invariants()
+    assert engine.block_manager.num_free_pages == engine.num_pages
+
+
+# --- the distribution -------------------------------------------------------------------------
+
+SAMPLES = 300
+POSITION = 1  # the second output token: the first one a draft can decide
+
+
+def _tokens_at_position(model_dir: Path, speculative: SpeculativeConfig | None) -> Counter[int]:
+    engine = make_engine(
+        model_dir, max_num_seqs=128, max_num_batched_tokens=4096, speculative=speculative
+    )
+    # Every byte token once: whatever the first output token, prompt lookup finds it and drafts.
+    prompt = torch.randperm(256, generator=torch.Generator().manual_seed(5)).tolist()
+    counts: Counter[int] = Counter()
+    params = [
+        SamplingParams(
+            temperature=1.0, top_k=6, max_tokens=POSITION + 3, seed=seed, ignore_eos=True
+        )
+        for seed in range(SAMPLES)
+    ]
+    tokens = {f"s{i}": [] for i in range(SAMPLES)}
+    for i, p in enumerate(params):
+        engine.add_request(f"s{i}", prompt, p)
+    while engine.has_unfinished():
+        for output in engine.step():
+            tokens[output.request_id].extend(output.new_token_ids)
+    for sequence in tokens.values():
+        counts[sequence[POSITION]] += 1
+    if speculative is not None:
+        assert engine.stats.num_draft_tokens > 0
+    return counts
+
+
+def _chi_square_differs(a: Counter[int], b: Counter[int]) -> bool:
+    """Two-sample chi-square test of equal distributions at the 0.1% level (categories with
+    fewer than 10 draws in both samples pooled)."""
+    categories = sorted(set(a) | set(b))
+    small = [c for c in categories if a[c] + b[c] < 10]
+    cells = [(a[c], b[c]) for c in categories if c not in small]
+    cells.append((sum(a[c] for c in small), sum(b[c] for c in small)))
+    cells = [cell for cell in cells if sum(cell) > 0]
+    total_a, total_b = sum(a.values()), sum(b.values())
+    statistic = 0.0
+    for count_a, count_b in cells:
+        pooled = (count_a + count_b) / (total_a + total_b)
+        for count, total in ((count_a, total_a), (count_b, total_b)):
+            expected = pooled * total
+            statistic += (count - expected) ** 2 / expected
+    df = len(cells) - 1
+    # Wilson-Hilferty approximation of the chi-square 0.999 quantile (z = 3.09).
+    critical = df * (1 - 2 / (9 * df) + 3.09 * math.sqrt(2 / (9 * df))) ** 3
+    return statistic > critical
+
+
+@pytest.fixture(scope="module")
+def plain_counts(tiny_model_dir: Path) -> Counter[int]:
+    return _tokens_at_position(tiny_model_dir, None)
+
+
+def test_sampling_keeps_the_target_distribution(
+    tiny_model_dir: Path, plain_counts: Counter[int]
+) -> None:
+    counts = _tokens_at_position(tiny_model_dir, NGRAM)
+    assert len(plain_counts) > 1  # a real distribution, not one token
+    assert not _chi_square_differs(plain_counts, counts)
+
+
+def test_a_biased_acceptance_rule_is_caught(
+    tiny_model_dir: Path, plain_counts: Counter[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Keeping every draft whatever the target sampled: the drafts' tokens are over-represented.
+    monkeypatch.setattr(engine_core, "accepted_prefix", lambda drafts, sampled: len(drafts))
+    counts = _tokens_at_position(tiny_model_dir, NGRAM)
+    assert _chi_square_differs(plain_counts, counts)
+
+
+def test_llm_takes_a_speculative_config_mapping(tiny_model_dir: Path) -> None:
+    from workers.engine.llm import LLM
+
+    prompts = repetitive_prompts([20, 33])
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    with LLM(tiny_model_dir, detokenize=False, num_pages=64) as plain:
+        expected = [r.token_ids for r in plain.generate(prompts, params)]
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
+    with LLM(tiny_model_dir, detokenize=False, num_pages=64, speculative_config=spec) as llm:
+        assert llm.engine.config.speculative == SpeculativeConfig(
+            num_speculative_tokens=2, prompt_lookup_max=2
+        )
+        assert [r.token_ids for r in llm.generate(prompts, params)] == expected
+
+
+def test_a_decode_group_takes_speculative_from_the_cluster_config(tmp_path: Path) -> None:
+    from orchestrator.config.base import ConfigError
+    from orchestrator.config.cluster import ClusterConfig
+    from tests.orchestrator.config.config_helpers import TINY_SHAPE, write_model
+
+    model = write_model(tmp_path / "model", **TINY_SHAPE)
+    fabric = {"provider": "tcp;ofi_rxm"}
+    groups: dict[str, dict[str, object]] = {
+        "prefill": {"fabric": fabric},
+        "decode": {"fabric": fabric, "speculative": {"num_speculative_tokens": 4}},
+    }
+    config = ClusterConfig.from_dict({"model": str(model), "groups": groups})
+    assert config.engine_config("decode").speculative == SpeculativeConfig(num_speculative_tokens=4)
+    assert config.engine_config("prefill").speculative is None
+    groups["prefill"]["speculative"] = {}
+    with pytest.raises(ConfigError, match=r"groups\.prefill\.speculative"):
+        ClusterConfig.from_dict({"model": str(model), "groups": groups})
+    del groups["prefill"]["speculative"]
+    groups["decode"]["speculative"] = {"method": "mtp"}
+    with pytest.raises(ConfigError, match=r"groups\.decode\.speculative\.method"):
+        ClusterConfig.from_dict({"model": str(model), "groups": groups})
+
+
+def test_engine_config_round_trips_through_a_mapping() -> None:
+    """Workers receive their config serialised: the nested speculative config comes back."""
+    import dataclasses
+
+    config = EngineConfig(role="decode", speculative=SpeculativeConfig(num_speculative_tokens=5))
+    again = EngineConfig(**dataclasses.asdict(config))
+    assert again == config and isinstance(again.speculative, SpeculativeConfig)
+    with pytest.raises(ValueError, match="unknown speculative option"):
+        EngineConfig(speculative={"method": "ngram", "depth": 2})  # type: ignore[arg-type]
+
+
+def test_tensor_parallel_engine_speculates_with_the_same_tokens(small_model_dir: Path) -> None:
+    prompts = repetitive_prompts([33, 70])
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    expected = run_engine(make_engine(small_model_dir), prompts, params)
+    engine = make_engine(small_model_dir, tensor_parallel_size=2, speculative=NGRAM)
+    try:
+        assert run_engine(engine, prompts, params) == expected
+        assert engine.stats.num_draft_tokens > 0
+    finally:
+        engine.close()
