@@ -56,7 +56,12 @@ from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from workers.engine.sequence import FinishReason, SequenceStatus
 from workers.engine.sequence import Sequence as Seq
-from workers.engine.speculative import SpeculativeConfig, accepted_prefix, propose_ngram
+from workers.engine.speculative import (
+    MAX_SPEC_BACKOFF,
+    SpeculativeConfig,
+    accepted_prefix,
+    propose_ngram,
+)
 from workers.engine.step_trace import StepShapeCounts, shape_of
 from workers.engine.stop_checker import StopChecker
 from workers.engine.validation import validate_request
@@ -344,6 +349,9 @@ class EngineCore:
         for seq in self.scheduler.running:
             if seq.prefill_only or seq.num_remaining_tokens != 1:
                 continue
+            if seq.spec_skip:
+                seq.spec_skip -= 1
+                continue
             room = min(
                 seq.params.max_tokens - seq.num_output_tokens - 1,
                 self.max_model_len - seq.num_tokens - 1,
@@ -390,6 +398,11 @@ class EngineCore:
         per_pos.extend([0] * (len(drafts) - len(per_pos)))
         for position in range(kept):
             per_pos[position] += 1
+        # A sequence whose text the drafts miss (open-ended generation) stops paying for
+        # verifying them: after a step that kept none it proposes again only after 1, 2, 4 ...
+        # 16 steps, and at once again after a step that kept one.
+        seq.spec_backoff = 0 if kept else min(max(1, 2 * seq.spec_backoff), MAX_SPEC_BACKOFF)
+        seq.spec_skip = seq.spec_backoff
         # The step computed the last token and every draft; only the kept drafts' KV is valid
         # (the rejected slots are rewritten by the next step). Pages past what the next step
         # needs (the kept tokens plus the one emitted after them) go back to the pool.

@@ -74,6 +74,10 @@ class Sequence:
         # Speculative decoding: draft tokens the next step runs after ``token_ids`` and
         # verifies (`workers.engine.speculative`); not part of the sequence until kept.
         self.spec_token_ids: list[int] = []
+        # Back-off after verification kept no draft: steps to skip proposing, and the length
+        # of the last back-off (doubling while drafts keep failing).
+        self.spec_skip = 0
+        self.spec_backoff = 0
         # Prefix caching: the chained names of the first full pages of ``token_ids``
         # (`workers.engine.prefix_cache`); tokens never change, so neither do these.
         self.page_hashes: list[bytes] = []

@@ -15,6 +15,11 @@ standard rejection rule (accept with probability ``p(d)``; on rejection draw fro
 target distribution given the tokens before it; greedy decoding emits exactly the tokens
 decoding without speculation would.
 
+A sequence whose drafts keep failing (open-ended text that copies nothing) backs off: after a
+step that kept no draft it skips proposing for 1, then 2, 4 ... up to `MAX_SPEC_BACKOFF` steps,
+and drafts every step again once one is kept. Verifying ``k`` drafts costs ``k`` more rows per
+step, and a multi-token step takes attention's slower chunk path.
+
 The KV written for rejected drafts is rolled back: the sequence's computed count goes back to
 its last kept position (those slots are rewritten by the next step) and pages no token needs
 any more return to the pool.
@@ -33,6 +38,8 @@ from typing import Any
 METHODS = ("ngram",)
 PLANNED_METHODS = ("mtp", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
+# Longest pause (steps) of a sequence's drafting after verifications that kept nothing.
+MAX_SPEC_BACKOFF = 16
 
 
 @dataclass(frozen=True)
