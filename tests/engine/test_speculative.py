@@ -263,3 +263,36 @@ def test_tensor_parallel_engine_speculates_with_the_same_tokens(small_model_dir:
         assert engine.stats.num_draft_tokens > 0
     finally:
         engine.close()
+
+
+def test_penalties_and_logprobs_are_as_without_speculation(tiny_model_dir: Path) -> None:
+    """Each verified position is sampled with the drafts before it in its history: penalties
+    see them, and each emitted token's logprob is its own position's."""
+    prompts = repetitive_prompts([40, 64])
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=20,
+        ignore_eos=True,
+        repetition_penalty=1.05,
+        frequency_penalty=0.05,
+        logprobs=True,
+    )
+
+    def generate(engine: engine_core.EngineCore) -> dict[str, tuple[list[int], list[float]]]:
+        out: dict[str, tuple[list[int], list[float]]] = {}
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, params)
+            out[f"r{i}"] = ([], [])
+        while engine.has_unfinished():
+            for output in engine.step():
+                out[output.request_id][0].extend(output.new_token_ids)
+                out[output.request_id][1].extend(output.logprobs or [])
+        return out
+
+    expected = generate(make_engine(tiny_model_dir))
+    engine = make_engine(tiny_model_dir, speculative=NGRAM)
+    got = generate(engine)
+    assert engine.stats.num_accepted_tokens > 0
+    for request_id, (tokens, logprobs) in expected.items():
+        assert got[request_id][0] == tokens
+        assert got[request_id][1] == pytest.approx(logprobs, abs=1e-4)
