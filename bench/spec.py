@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/spec.py [--model DIR] [--batches 1,8] [--repeats 3] [--new-tokens 96]
                                    [--k 3] [--threads N] [--preset deepseek-tiny]
-                                   [--workload extractive|open]
+                                   [--workload extractive|open] [--method ngram|mtp]
 
 Workloads (``--workload``): ``extractive`` (answers that copy the prompt, where prompt lookup
 pays): eight short passages, each asked back with a chat-templated instruction to quote it /
@@ -11,7 +11,8 @@ story about ..."), whose answers copy little, to show where drafts do not pay. S
 ``--preset deepseek-tiny`` a random-weight DeepSeek-V3-style model instead (its acceptance
 says little: random weights copy little).
 
-For each batch size the engine with ``ngram`` drafts (``--k`` a step) and without take turns,
+For each batch size the engine with drafts (``--method``: ``ngram``, ``--k`` a step, or a DeepSeek
+preset's ``mtp`` module, one a step) and without take turns,
 A B A B, ``--repeats`` times; greedy, ``max_tokens`` ``--new-tokens``, EOS honoured. Reported:
 output tokens / second over the whole batch (prefill included, the same for both), the best of
 the repeats; the ratio; the share of drafts kept; tokens per sequence per step (an estimate: the
@@ -116,7 +117,10 @@ def main() -> int:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=96)
-    parser.add_argument("--k", type=int, default=3, help="draft tokens a step")
+    parser.add_argument("--k", type=int, default=3, help="draft tokens a step (ngram)")
+    parser.add_argument(
+        "--method", choices=["ngram", "mtp"], default="ngram", help="mtp: DeepSeek presets only"
+    )
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument(
         "--workload", choices=["extractive", "open"], default="extractive", help="prompt mix"
@@ -138,30 +142,31 @@ def main() -> int:
 
             model_dir = fetch_demo_model(None)
             label = model_dir.name
-        spec = {"method": "ngram", "num_speculative_tokens": args.k}
+        k = 1 if args.method == "mtp" else args.k
+        spec = {"method": args.method, "num_speculative_tokens": k}
         plain = LLM(model_dir, num_pages=512, detokenize=False)
         fast = LLM(model_dir, num_pages=512, detokenize=False, speculative_config=spec)
         prompts = chat_prompts(plain, args.workload)
         params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens)
-        print(f"# model {label}, float32, {torch.get_num_threads()} threads; ngram k={args.k}")
+        print(f"# model {label}, float32, {torch.get_num_threads()} threads; {args.method} k={k}")
         print(
             f"# {len(prompts)} {args.workload} prompts, up to {args.new_tokens} new tokens, greedy"
         )
         print(
-            "| batch | plain tok/s | ngram tok/s | ratio | drafts kept | tokens / sequence / step "
+            "| batch | plain tok/s | speculative tok/s | ratio | drafts kept | tokens / sequence / step "
             "| identical outputs |"
         )
         print("|---|---|---|---|---|---|---|")
         for batch in (int(b) for b in args.batches.split(",")):
             run(plain, prompts[:batch], batch, params)  # warm-up
             run(fast, prompts[:batch], batch, params)
-            best = {"plain": float("inf"), "ngram": float("inf")}
+            best = {"plain": float("inf"), "spec": float("inf")}
             outputs: dict[str, list] = {}
             stats = fast.engine.stats
             drafts0, kept0 = stats.num_draft_tokens, stats.num_accepted_tokens
             sampled0, steps0 = stats.num_sampled_tokens, stats.num_steps
             for _ in range(args.repeats):
-                for name, llm in (("plain", plain), ("ngram", fast)):
+                for name, llm in (("plain", plain), ("spec", fast)):
                     seconds, outputs[name] = run(llm, prompts, batch, params)
                     best[name] = min(best[name], seconds)
                     print(f"  batch {batch} {name}: {seconds:.2f} s", file=sys.stderr)
@@ -171,9 +176,9 @@ def main() -> int:
             steps = max(1, stats.num_steps - steps0)
             per_step = (stats.num_sampled_tokens - sampled0) / steps / min(batch, len(prompts))
             print(
-                f"| {batch} | {tokens / best['plain']:.1f} | {tokens / best['ngram']:.1f} "
-                f"| {best['plain'] / best['ngram']:.2f}x | {kept / max(1, drafts):.0%} "
-                f"| {per_step:.2f} | {'yes' if outputs['plain'] == outputs['ngram'] else 'NO'} |"
+                f"| {batch} | {tokens / best['plain']:.1f} | {tokens / best['spec']:.1f} "
+                f"| {best['plain'] / best['spec']:.2f}x | {kept / max(1, drafts):.0%} "
+                f"| {per_step:.2f} | {'yes' if outputs['plain'] == outputs['spec'] else 'NO'} |"
             )
         plain.close()
         fast.close()

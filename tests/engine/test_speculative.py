@@ -49,7 +49,7 @@ def test_accepted_prefix_keeps_drafts_while_they_match() -> None:
 
 def test_config_refuses_what_does_not_exist() -> None:
     with pytest.raises(ValueError, match="not available yet"):
-        SpeculativeConfig(method="mtp")
+        SpeculativeConfig(method="draft_model")
     with pytest.raises(ValueError, match="must be one of"):
         SpeculativeConfig(method="eagle9")
     with pytest.raises(ValueError, match="num_speculative_tokens"):
@@ -237,7 +237,7 @@ def test_a_decode_group_takes_speculative_from_the_cluster_config(tmp_path: Path
     with pytest.raises(ConfigError, match=r"groups\.prefill\.speculative"):
         ClusterConfig.from_dict({"model": str(model), "groups": groups})
     del groups["prefill"]["speculative"]
-    groups["decode"]["speculative"] = {"method": "mtp"}
+    groups["decode"]["speculative"] = {"method": "draft_model"}
     with pytest.raises(ConfigError, match=r"groups\.decode\.speculative\.method"):
         ClusterConfig.from_dict({"model": str(model), "groups": groups})
 
@@ -296,3 +296,74 @@ def test_penalties_and_logprobs_are_as_without_speculation(tiny_model_dir: Path)
     for request_id, (tokens, logprobs) in expected.items():
         assert got[request_id][0] == tokens
         assert got[request_id][1] == pytest.approx(logprobs, abs=1e-4)
+
+
+# --- MTP drafts (DeepSeek-V3's multi-token prediction module) ------------------------------------
+
+MTP = SpeculativeConfig(method="mtp", num_speculative_tokens=1)
+
+
+@pytest.mark.parametrize("budget", [16, 64, 2048])
+def test_mtp_drafts_keep_greedy_parity(deepseek_model_dir: Path, budget: int) -> None:
+    prompts = prompts_of_lengths([5, 17, 40, 100], seed=1)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    expected = run_engine(
+        make_engine(deepseek_model_dir, max_num_batched_tokens=budget), prompts, params
+    )
+    engine = make_engine(deepseek_model_dir, max_num_batched_tokens=budget, speculative=MTP)
+    assert run_engine(engine, prompts, params) == expected
+    assert engine.stats.num_draft_tokens > 0
+
+
+def _reference_mtp_draft(model_dir: Path, tokens: list[int]) -> int:
+    """The MTP module's prediction of the token after ``tokens``, computed in one pass: the main
+    model's final hidden states of positions 0 .. m-1 (m = len(tokens) - 1), then the module
+    over those positions with tokens 1 .. m, causal, and its head at the last position."""
+    from tests.engine.model_helpers import PagedRunner
+    from workers.engine.attention import create_attention_backend
+    from workers.engine.cpu_gemm import linear
+    from workers.engine.loader import load_model
+
+    model, config = load_model(model_dir)
+    main = PagedRunner(model, config)
+    ids, positions, batch = main.build_batch([(0, tokens[:-1])])
+    hidden = model(ids, positions, batch, main.backend)
+    module = model.mtp[0]
+    cache = torch.zeros((1, *main.kv_cache.shape[1:]))
+    backend = create_attention_backend("torch", cache, main.page_size, config.attention_scale)
+    embeds = torch.nn.functional.embedding(torch.tensor(tokens[1:]), module.embed_tokens)
+    x = linear(torch.cat((module.enorm(embeds), module.hnorm(hidden)), -1), module.eh_proj_weight)
+    backend.begin_step(batch)
+    x = module.layer(0, x, model.rotary.tables(positions, x.dtype), batch, backend, None)
+    logits = linear(module.shared_head_norm(x[-1:]), module.shared_head_weight)
+    return int(logits.argmax())
+
+
+def test_mtp_draft_is_the_modules_prediction_from_the_whole_sequence(
+    deepseek_model_dir: Path,
+) -> None:
+    """The drafter's MTP KV, built chunk by chunk, decode by decode and across rejected drafts,
+    gives the same draft as one pass over the whole sequence."""
+    engine = make_engine(deepseek_model_dir, max_num_batched_tokens=16, speculative=MTP)
+    (prompt,) = prompts_of_lengths([40], seed=3)
+    engine.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    seen: list[tuple[list[int], int]] = []
+    while engine.has_unfinished():
+        engine.step()
+        seq = engine._requests.get("r")
+        if seq is not None and seq.mtp_draft is not None:
+            seen.append((list(seq.token_ids), seq.mtp_draft))
+    assert len(seen) >= 5
+    for tokens, draft in seen:
+        assert draft == _reference_mtp_draft(deepseek_model_dir, tokens)
+
+
+def test_mtp_needs_a_checkpoint_with_the_module(tiny_model_dir: Path) -> None:
+    from workers.engine.errors import UnsupportedCheckpointError
+
+    with pytest.raises(UnsupportedCheckpointError, match="MTP modules"):
+        make_engine(tiny_model_dir, speculative=MTP)
+    with pytest.raises(ValueError, match="one draft a step"):
+        SpeculativeConfig(method="mtp", num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="mixed role"):
+        EngineConfig(role="decode", speculative=MTP)

@@ -114,6 +114,13 @@ class EngineConfig:
                 raise ValueError(
                     "speculative decoding with enable_prefix_caching is not supported yet"
                 )
+            if self.speculative.method == "mtp" and (
+                self.role != "mixed" or self.tensor_parallel_size != 1
+            ):
+                raise ValueError(
+                    "mtp drafts run on the mixed role with one rank so far (a decoder does not "
+                    "receive the MTP layer's KV; TP followers do not run the module)"
+                )
         if self.tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"

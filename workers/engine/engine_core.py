@@ -45,6 +45,7 @@ from workers.engine.layer_progress import LayerProgress
 from workers.engine.loader import load_model
 from workers.engine.model_config import ModelConfig
 from workers.engine.model_runner import ModelRunner
+from workers.engine.mtp_drafter import MTPDrafter
 from workers.engine.outputs import EngineStats, RequestOutput
 from workers.engine.parallel_runner import (
     ParallelModelRunner,
@@ -169,6 +170,17 @@ class EngineCore:
                 max_model_len=self.max_model_len,
                 capture=True,
             )
+        self.mtp: MTPDrafter | None = None
+        if config.speculative is not None and config.speculative.method == "mtp":
+            if not len(self.model.mtp):
+                raise UnsupportedCheckpointError(
+                    "speculative method mtp needs a checkpoint with MTP modules "
+                    "(num_nextn_predict_layers and their weights)"
+                )
+            self.mtp = MTPDrafter(
+                self.model, self.kv_cache, config.page_size, backend.scale, config.attention_backend
+            )
+            self.runner.keep_hidden = True
         self.sampler = Sampler(config.seed)
         self.stop_checker = StopChecker(
             model_dir, self.model_config, self.max_model_len, detokenize
@@ -338,6 +350,8 @@ class EngineCore:
         ]
         if logits is not None:
             outputs.extend(self._append_sampled(sampling, logits))
+        if self.mtp is not None:
+            self._run_mtp(scheduled)
         for seq in scheduled.seqs:
             if seq.prefill_only and seq.num_remaining_tokens == 0:
                 outputs.append(self._finish(seq, FinishReason.PREFILLED, emit=False))
@@ -357,10 +371,37 @@ class EngineCore:
                 self.max_model_len - seq.num_tokens - 1,
             )
             k = min(spec.num_speculative_tokens, room)
-            if k > 0:
+            if k <= 0:
+                continue
+            if spec.method == "mtp":
+                seq.spec_token_ids = [seq.mtp_draft] if seq.mtp_draft is not None else []
+            else:
                 seq.spec_token_ids = propose_ngram(
                     seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max
                 )
+
+    def _run_mtp(self, scheduled: SchedulerOutput) -> None:
+        """Run the MTP module over the positions this step computed and kept; its prediction
+        at each sequence's newest position is the sequence's next draft (`mtp_drafter`)."""
+        assert self.mtp is not None
+        hidden = self.runner.last_hidden
+        assert hidden is not None
+        work = []
+        row = 0
+        for seq, chunk in zip(scheduled.seqs, scheduled.chunks, strict=True):
+            first_row, row = row, row + chunk.num_tokens
+            seq.mtp_draft = None
+            kept = seq.num_computed_tokens - chunk.start  # < num_tokens after a rollback
+            if seq.is_finished or seq.mtp_computed != chunk.start or kept <= 0:
+                continue  # gone, or its MTP KV does not reach this chunk: no drafts
+            work.append((seq, chunk.start, hidden[first_row : first_row + kept]))
+        if not work:
+            return
+        drafts = self.mtp.run(work)
+        for (seq, _, _), draft in zip(work, drafts, strict=True):
+            seq.mtp_computed = seq.num_computed_tokens
+            # Mid-prompt, the prediction is of a prompt token: no draft.
+            seq.mtp_draft = draft if seq.num_remaining_tokens == 1 else None
 
     def _append_sampled(self, seqs: list[Seq], logits: torch.Tensor) -> list[RequestOutput]:
         # One row per sequence, or 1 + k for one verifying k drafts: row i of a sequence is

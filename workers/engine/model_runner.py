@@ -34,6 +34,9 @@ class ModelRunner:
         self.device = device
         # Pure-decode steps at fixed shapes (CUDA graphs on a GPU), set by the engine.
         self.decode_graphs: DecodeGraphs | None = None
+        # Keep every row's final hidden state of the last step (MTP drafts read them).
+        self.keep_hidden = False
+        self.last_hidden: torch.Tensor | None = None
 
     @torch.inference_mode()
     def run(self, step: SchedulerOutput) -> torch.Tensor | None:
@@ -42,10 +45,16 @@ class ModelRunner:
 
         Returns None when no sequence samples (the prefill role): the LM head is skipped.
         """
-        if self.decode_graphs is not None and self.decode_graphs.accepts(step):
+        if (
+            self.decode_graphs is not None
+            and not self.keep_hidden
+            and self.decode_graphs.accepts(step)
+        ):
             return self.decode_graphs.run(step)
         input_ids, positions, batch = self.prepare(step)
         hidden = self.model.forward(input_ids, positions, batch, self.backend, self.layer_progress)
+        if self.keep_hidden:
+            self.last_hidden = hidden
         sample_rows: list[int] = []
         end = 0
         for seq, chunk, query_len in zip(

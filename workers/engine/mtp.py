@@ -5,7 +5,7 @@ A checkpoint with ``num_nextn_predict_layers = n`` stores ``n`` modules after it
 normalises the previous depth's hidden state (``hnorm``) and the embedding of the next token
 (``enorm``), projects their concatenation (``eh_proj``, embedding first), runs one full decoder
 layer, and scores the result with its own head (``shared_head``). The forward pass of the main
-model does not run them; speculative decoding will.
+model does not run them; `workers.engine.mtp_drafter` does, for speculative decoding.
 """
 
 from __future__ import annotations

@@ -78,6 +78,10 @@ class Sequence:
         # of the last back-off (doubling while drafts keep failing).
         self.spec_skip = 0
         self.spec_backoff = 0
+        # MTP drafts (`workers.engine.mtp_drafter`): positions whose MTP KV is written, and the
+        # module's prediction of the token after the newest (None: none yet).
+        self.mtp_computed = 0
+        self.mtp_draft: int | None = None
         # Prefix caching: the chained names of the first full pages of ``token_ids``
         # (`workers.engine.prefix_cache`); tokens never change, so neither do these.
         self.page_hashes: list[bytes] = []
@@ -150,6 +154,7 @@ class Sequence:
         self.page_ids = []
         self.num_computed_tokens = 0
         self.spec_token_ids = []
+        self.mtp_computed, self.mtp_draft = 0, None
         self.num_preemptions += 1
 
     def drop_kv(self) -> None:
@@ -158,6 +163,7 @@ class Sequence:
             raise IllegalTransitionError(f"request {self.request_id}: drop_kv while {self.status}")
         self.page_ids = []
         self.num_computed_tokens = 0
+        self.mtp_computed, self.mtp_draft = 0, None
         self.num_preemptions += 1
 
     def finish(self, reason: FinishReason) -> None:

@@ -25,8 +25,9 @@ its last kept position (those slots are rewritten by the next step) and pages no
 any more return to the pool.
 
 Proposers: ``ngram`` (prompt lookup: the longest recent n-gram of the sequence found earlier in
-it proposes what followed there; no model, gains on extractive and editing work). ``mtp`` and
-``draft_model`` are named in the config but refused until they exist.
+it proposes what followed there; no model, gains on extractive and editing work); ``mtp``
+(DeepSeek-V3's multi-token-prediction module, `workers.engine.mtp_drafter`: one draft a step,
+mixed role, one rank). ``draft_model`` is named in the config but refused until it exists.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram",)
-PLANNED_METHODS = ("mtp", "draft_model")
+METHODS = ("ngram", "mtp")
+PLANNED_METHODS = ("draft_model",)
 MAX_SPECULATIVE_TOKENS = 16
 # Longest pause (steps) of a sequence's drafting after verifications that kept nothing.
 MAX_SPEC_BACKOFF = 16
@@ -63,6 +64,11 @@ class SpeculativeConfig:
             raise ValueError(
                 f"num_speculative_tokens must be in 1..{MAX_SPECULATIVE_TOKENS}, "
                 f"got {self.num_speculative_tokens}"
+            )
+        if self.method == "mtp" and self.num_speculative_tokens != 1:
+            raise ValueError(
+                "mtp proposes one draft a step (DeepSeek's one MTP module): "
+                f"num_speculative_tokens must be 1, got {self.num_speculative_tokens}"
             )
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(

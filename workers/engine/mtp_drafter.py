@@ -1,0 +1,115 @@
+"""MTP drafts: DeepSeek-V3's multi-token-prediction module proposes the token after next.
+
+The module at position ``j`` takes the main model's final hidden state ``h_j`` (which predicted
+token ``j + 1``) and the embedding of token ``j + 1``, and predicts token ``j + 2``
+(`workers.engine.mtp`). Its decoder layer attends over its own KV of the earlier positions, so
+the drafter keeps a one-layer pool of the main pool's shape, addressed by the same page ids:
+position ``j``'s MTP KV sits in the slot of the main KV of position ``j``.
+
+After every step, once the step's tokens are sampled, the drafter runs the module over every
+position the step computed and kept (a prefill chunk's, a decode's, a verify pass's kept rows),
+whose next token is now known: its KV stays valid exactly as far as the main KV
+(``Sequence.mtp_computed``), and its prediction at a sequence's last position is the draft the
+next step verifies. One module, one draft a step (``num_speculative_tokens`` 1), as DeepSeek
+deploys it.
+
+Limits: mixed role, one rank. A decoder receives the prompt's main KV but not the MTP layer's
+(the transfer does not carry it yet), and under tensor parallelism the followers would have to
+run the module too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from workers.engine.attention import create_attention_backend
+from workers.engine.attention.base import AttentionBatch
+from workers.engine.cpu_gemm import linear
+from workers.engine.model import CausalLM
+from workers.engine.mtp import MTPModule
+from workers.engine.sequence import Sequence as Seq
+
+# (sequence, first position, the main model's final hidden states of the positions from there)
+MTPWork = tuple[Seq, int, torch.Tensor]
+
+
+class MTPDrafter:
+    def __init__(
+        self,
+        model: CausalLM,
+        main_cache: torch.Tensor,
+        page_size: int,
+        scale: float,
+        attention_backend: str,
+    ) -> None:
+        module = model.mtp[0]
+        assert isinstance(module, MTPModule)
+        self.model = model
+        self.module = module
+        self.page_size = page_size
+        # One layer of the main pool's shape: same page ids, same slots.
+        self.kv_cache = torch.zeros(
+            (1, *main_cache.shape[1:]), dtype=main_cache.dtype, device=main_cache.device
+        )
+        self.backend = create_attention_backend(
+            attention_backend, self.kv_cache, page_size, scale=scale
+        )
+
+    @torch.inference_mode()
+    def run(self, work: Sequence[MTPWork]) -> list[int]:
+        """Write the MTP KV of each item's positions; returns, per item, the draft predicted at
+        its last position (the token after the sequence's newest)."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        page_size = self.page_size
+        for seq, start, hidden in work:
+            count = hidden.shape[0]
+            end = start + count
+            # Position j reads token j + 1.
+            input_ids.extend(seq.token_ids[start + 1 : end + 1])
+            positions.extend(range(start, end))
+            pages = seq.page_ids
+            slots.extend(
+                pages[p // page_size] * page_size + p % page_size for p in range(start, end)
+            )
+            query_lens.append(count)
+            seq_lens.append(end)
+        device = self.kv_cache.device
+        max_pages = max(len(seq.page_ids) for seq, _, _ in work)
+        table = [seq.page_ids + [-1] * (max_pages - len(seq.page_ids)) for seq, _, _ in work]
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+
+        def tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=device)
+
+        batch = AttentionBatch(
+            query_start_loc=tensor(starts),
+            seq_lens=tensor(seq_lens),
+            context_lens=tensor([s - q for s, q in zip(seq_lens, query_lens, strict=True)]),
+            page_table=tensor(table),
+            slot_mapping=tensor(slots),
+            query_lens_list=tuple(query_lens),
+            seq_lens_list=tuple(seq_lens),
+        )
+        module, model = self.module, self.model
+        ids, position_tensor = tensor(input_ids), tensor(positions)
+        hidden = torch.cat([h for _, _, h in work])
+        embeds = F.embedding(ids, module.embed_tokens)
+        x = linear(
+            torch.cat((module.enorm(embeds), module.hnorm(hidden)), -1), module.eh_proj_weight
+        )
+        rotary = model.rotary.tables(position_tensor, x.dtype, None, max(seq_lens))
+        self.backend.begin_step(batch)
+        x = module.layer(0, x, rotary, batch, self.backend, None)
+        last = tensor([end - 1 for end in starts[1:]])
+        logits = linear(module.shared_head_norm(x.index_select(0, last)), module.shared_head_weight)
+        drafts: list[int] = logits.argmax(dim=-1).tolist()
+        return drafts
