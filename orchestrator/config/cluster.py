@@ -66,6 +66,7 @@ from orchestrator.config.sections import (
     Limits,
     Resources,
     RouterConfig,
+    SpeculativeSection,
     TLSConfig,
     TransferConfig,
 )
@@ -408,7 +409,7 @@ class ClusterConfig(Section):
             max_model_len=self.limits.max_model_len,
             dtype=self.dtype,
             device=self.device,
-            speculative=SpeculativeConfig(**spec.model_dump()) if spec is not None else None,
+            speculative=_speculative(spec) if spec is not None else None,
         )
 
     def with_overrides(
@@ -502,3 +503,9 @@ def _group(role: str, raw: object, top_limits: dict[str, Any], info: ValidationI
     if role != "mixed" or "fabric" in data:  # GroupConfig rejects a mixed group's fabric
         data["fabric"] = {} if data.get("fabric") is None else data["fabric"]
     return _validated(GroupConfig, data, path, info)
+
+
+def _speculative(section: SpeculativeSection) -> SpeculativeConfig:
+    values = section.model_dump()
+    values["model"] = str(section.model) if section.model is not None else None
+    return SpeculativeConfig(**values)

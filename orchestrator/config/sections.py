@@ -9,6 +9,7 @@ places them under the section's own (``groups.decode.tp``). Rules across section
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import Field, ValidationInfo, WithJsonSchema, field_validator, model_validator
@@ -172,13 +173,22 @@ class SpeculativeSection(Section):
 
     method: Annotated[str, OneOf(SPECULATIVE_METHODS)] = "ngram"
     """The proposer: ``ngram`` (prompt lookup: what followed the latest earlier occurrence of
-    the sequence's last n tokens)."""
+    the sequence's last n tokens), ``mtp`` (a DeepSeek-V3 checkpoint's MTP module; mixed groups
+    of one rank, one draft a step) or ``draft_model`` (``model``, a smaller checkpoint with the
+    same tokenizer)."""
     num_speculative_tokens: int = Field(default=3, ge=1, le=MAX_SPECULATIVE_TOKENS)
     """Drafts per step; a step emits between 1 and this many + 1 tokens."""
     prompt_lookup_min: int = Field(default=1, ge=1)
     """Shortest n-gram ngram looks up."""
     prompt_lookup_max: int = Field(default=3, ge=1)
     """Longest n-gram ngram looks up (tried first)."""
+    model: ConfigPath | None = None
+    """The draft checkpoint's directory (``draft_model`` only), relative to the YAML file."""
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _model_path(cls, value: object, info: ValidationInfo) -> Path | None:
+        return None if value is None else resolve_path(value, info)
 
     @model_validator(mode="after")
     def _lookup_range(self) -> SpeculativeSection:

@@ -48,8 +48,10 @@ def test_accepted_prefix_keeps_drafts_while_they_match() -> None:
 
 
 def test_config_refuses_what_does_not_exist() -> None:
-    with pytest.raises(ValueError, match="not available yet"):
+    with pytest.raises(ValueError, match="needs a model"):
         SpeculativeConfig(method="draft_model")
+    with pytest.raises(ValueError, match="needs a model"):
+        SpeculativeConfig(method="ngram", model="/models/small")
     with pytest.raises(ValueError, match="must be one of"):
         SpeculativeConfig(method="eagle9")
     with pytest.raises(ValueError, match="num_speculative_tokens"):
@@ -233,11 +235,19 @@ def test_a_decode_group_takes_speculative_from_the_cluster_config(tmp_path: Path
     config = ClusterConfig.from_dict({"model": str(model), "groups": groups})
     assert config.engine_config("decode").speculative == SpeculativeConfig(num_speculative_tokens=4)
     assert config.engine_config("prefill").speculative is None
+    groups["decode"]["speculative"] = {"method": "draft_model", "model": str(model)}
+    config = ClusterConfig.from_dict({"model": str(model), "groups": groups})
+    assert config.engine_config("decode").speculative == SpeculativeConfig(
+        method="draft_model", model=str(model)
+    )
+    groups["decode"]["speculative"] = {"method": "draft_model"}
+    with pytest.raises(ConfigError, match="needs a model"):
+        ClusterConfig.from_dict({"model": str(model), "groups": groups})
     groups["prefill"]["speculative"] = {}
     with pytest.raises(ConfigError, match=r"groups\.prefill\.speculative"):
         ClusterConfig.from_dict({"model": str(model), "groups": groups})
     del groups["prefill"]["speculative"]
-    groups["decode"]["speculative"] = {"method": "draft_model"}
+    groups["decode"]["speculative"] = {"method": "medusa"}
     with pytest.raises(ConfigError, match=r"groups\.decode\.speculative\.method"):
         ClusterConfig.from_dict({"model": str(model), "groups": groups})
 
@@ -367,3 +377,66 @@ def test_mtp_needs_a_checkpoint_with_the_module(tiny_model_dir: Path) -> None:
         SpeculativeConfig(method="mtp", num_speculative_tokens=2)
     with pytest.raises(ValueError, match="mixed role"):
         EngineConfig(role="decode", speculative=MTP)
+
+
+# --- draft-model drafts ------------------------------------------------------------------------
+
+
+def _draft(model_dir: Path, k: int = 3) -> SpeculativeConfig:
+    return SpeculativeConfig(method="draft_model", model=str(model_dir), num_speculative_tokens=k)
+
+
+def test_the_model_as_its_own_draft_is_always_right(small_model_dir: Path) -> None:
+    """Drafting with the target's own checkpoint, every greedy draft is kept: the draft KV
+    (caught up chunk by chunk, past rejected positions and preemptions) is the target's."""
+    prompts = prompts_of_lengths([5, 17, 40, 100], seed=1)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    expected = run_engine(make_engine(small_model_dir, max_num_batched_tokens=64), prompts, params)
+    for pages in (256, 14):  # 14 pages of 16 tokens: the four sequences take turns
+        engine = make_engine(
+            small_model_dir,
+            num_pages=pages,
+            max_num_batched_tokens=64,
+            speculative=_draft(small_model_dir),
+        )
+        assert run_engine(engine, prompts, params) == expected
+        stats = engine.stats
+        assert stats.num_draft_tokens > 0
+        assert stats.num_accepted_tokens == stats.num_draft_tokens
+        assert (stats.num_preemptions > 0) == (pages == 14)
+
+
+def test_a_smaller_draft_model_keeps_greedy_parity(
+    small_model_dir: Path, tiny_model_dir: Path
+) -> None:
+    prompts = repetitive_prompts([9, 30, 64]) + prompts_of_lengths([17, 50], seed=2)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    expected = run_engine(make_engine(small_model_dir, max_num_batched_tokens=64), prompts, params)
+    engine = make_engine(
+        small_model_dir, max_num_batched_tokens=64, speculative=_draft(tiny_model_dir, 2)
+    )
+    assert run_engine(engine, prompts, params) == expected
+    assert engine.stats.num_draft_tokens > 0
+
+
+def test_a_tensor_parallel_model_drafts_with_a_single_rank_draft(small_model_dir: Path) -> None:
+    prompts = prompts_of_lengths([17, 40], seed=4)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    expected = run_engine(make_engine(small_model_dir), prompts, params)
+    engine = make_engine(
+        small_model_dir, tensor_parallel_size=2, speculative=_draft(small_model_dir)
+    )
+    try:
+        assert run_engine(engine, prompts, params) == expected
+        assert engine.stats.num_accepted_tokens > 0
+    finally:
+        engine.close()
+
+
+def test_a_draft_model_must_share_the_tokenizer(small_model_dir: Path, tmp_path: Path) -> None:
+    from tests.engine.model_helpers import checkpoint_with_config
+    from workers.engine.errors import UnsupportedCheckpointError
+
+    other = checkpoint_with_config(small_model_dir, tmp_path / "other", {"vocab_size": 400})
+    with pytest.raises(UnsupportedCheckpointError, match="share the tokenizer"):
+        make_engine(small_model_dir, speculative=_draft(other))

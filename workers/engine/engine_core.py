@@ -39,6 +39,7 @@ from workers.engine.block_manager import BlockManager
 from workers.engine.config import DEFAULT_KV_MEMORY_BYTES, EngineConfig
 from workers.engine.decode_graphs import DecodeGraphs
 from workers.engine.device import resolve_device
+from workers.engine.draft_model import DraftModelDrafter
 from workers.engine.errors import InvalidRequestError, UnsupportedCheckpointError
 from workers.engine.kv_cache import allocate_kv_cache, num_pages_for_budget
 from workers.engine.layer_progress import LayerProgress
@@ -181,6 +182,18 @@ class EngineCore:
                 self.model, self.kv_cache, config.page_size, backend.scale, config.attention_backend
             )
             self.runner.keep_hidden = True
+        self.draft_model: DraftModelDrafter | None = None
+        if config.speculative is not None and config.speculative.model is not None:
+            self.draft_model = DraftModelDrafter(
+                model_dir,
+                config.speculative.model,
+                self.model_config,
+                self.num_pages,
+                config.page_size,
+                self.dtype,
+                self.device,
+                config.attention_backend,
+            )
         self.sampler = Sampler(config.seed)
         self.stop_checker = StopChecker(
             model_dir, self.model_config, self.max_model_len, detokenize
@@ -360,6 +373,7 @@ class EngineCore:
     def _propose_drafts(self, spec: SpeculativeConfig) -> None:
         """Drafts for every running sequence about to decode (`workers.engine.speculative`),
         never past its ``max_tokens`` or the model length (the step emits up to k + 1)."""
+        drafting: list[tuple[Seq, int]] = []  # draft-model drafts, proposed in one batch
         for seq in self.scheduler.running:
             if seq.prefill_only or seq.num_remaining_tokens != 1:
                 continue
@@ -375,10 +389,26 @@ class EngineCore:
                 continue
             if spec.method == "mtp":
                 seq.spec_token_ids = [seq.mtp_draft] if seq.mtp_draft is not None else []
+            elif spec.method == "draft_model":
+                # The verify step needs pages for k positions past the newest token (and the
+                # draft chain writes there): reserve them now, or decode without drafts.
+                missing = self.block_manager.pages_for_tokens(seq.num_tokens + k) - len(
+                    seq.page_ids
+                )
+                if missing > 0 and not self.block_manager.can_allocate(missing):
+                    continue
+                if missing > 0:
+                    seq.page_ids.extend(self.block_manager.allocate(missing))
+                drafting.append((seq, k))
             else:
                 seq.spec_token_ids = propose_ngram(
                     seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max
                 )
+        if drafting:
+            assert self.draft_model is not None
+            proposals = self.draft_model.propose([s for s, _ in drafting], [k for _, k in drafting])
+            for (seq, _), drafts in zip(drafting, proposals, strict=True):
+                seq.spec_token_ids = drafts
 
     def _run_mtp(self, scheduled: SchedulerOutput) -> None:
         """Run the MTP module over the positions this step computed and kept; its prediction

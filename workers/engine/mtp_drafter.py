@@ -26,10 +26,10 @@ import torch
 import torch.nn.functional as F
 
 from workers.engine.attention import create_attention_backend
-from workers.engine.attention.base import AttentionBatch
 from workers.engine.cpu_gemm import linear
 from workers.engine.model import CausalLM
 from workers.engine.mtp import MTPModule
+from workers.engine.paged_batch import last_rows, paged_batch
 from workers.engine.sequence import Sequence as Seq
 
 # (sequence, first position, the main model's final hidden states of the positions from there)
@@ -63,53 +63,23 @@ class MTPDrafter:
         """Write the MTP KV of each item's positions; returns, per item, the draft predicted at
         its last position (the token after the sequence's newest)."""
         input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        page_size = self.page_size
         for seq, start, hidden in work:
-            count = hidden.shape[0]
-            end = start + count
             # Position j reads token j + 1.
-            input_ids.extend(seq.token_ids[start + 1 : end + 1])
-            positions.extend(range(start, end))
-            pages = seq.page_ids
-            slots.extend(
-                pages[p // page_size] * page_size + p % page_size for p in range(start, end)
-            )
-            query_lens.append(count)
-            seq_lens.append(end)
+            input_ids.extend(seq.token_ids[start + 1 : start + hidden.shape[0] + 1])
+        runs = [(seq.page_ids, start, hidden.shape[0]) for seq, start, hidden in work]
         device = self.kv_cache.device
-        max_pages = max(len(seq.page_ids) for seq, _, _ in work)
-        table = [seq.page_ids + [-1] * (max_pages - len(seq.page_ids)) for seq, _, _ in work]
-        starts = [0]
-        for n in query_lens:
-            starts.append(starts[-1] + n)
-
-        def tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=device)
-
-        batch = AttentionBatch(
-            query_start_loc=tensor(starts),
-            seq_lens=tensor(seq_lens),
-            context_lens=tensor([s - q for s, q in zip(seq_lens, query_lens, strict=True)]),
-            page_table=tensor(table),
-            slot_mapping=tensor(slots),
-            query_lens_list=tuple(query_lens),
-            seq_lens_list=tuple(seq_lens),
-        )
+        position_tensor, batch = paged_batch(runs, self.page_size, device)
         module, model = self.module, self.model
-        ids, position_tensor = tensor(input_ids), tensor(positions)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=device)
         hidden = torch.cat([h for _, _, h in work])
         embeds = F.embedding(ids, module.embed_tokens)
         x = linear(
             torch.cat((module.enorm(embeds), module.hnorm(hidden)), -1), module.eh_proj_weight
         )
-        rotary = model.rotary.tables(position_tensor, x.dtype, None, max(seq_lens))
+        rotary = model.rotary.tables(position_tensor, x.dtype, None, max(batch.seq_lens_list))
         self.backend.begin_step(batch)
         x = module.layer(0, x, rotary, batch, self.backend, None)
-        last = tensor([end - 1 for end in starts[1:]])
+        last = last_rows(batch)
         logits = linear(module.shared_head_norm(x.index_select(0, last)), module.shared_head_weight)
         drafts: list[int] = logits.argmax(dim=-1).tolist()
         return drafts

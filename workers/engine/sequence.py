@@ -82,6 +82,8 @@ class Sequence:
         # module's prediction of the token after the newest (None: none yet).
         self.mtp_computed = 0
         self.mtp_draft: int | None = None
+        # Draft-model drafts (`workers.engine.draft_model`): positions whose draft KV is valid.
+        self.draft_computed = 0
         # Prefix caching: the chained names of the first full pages of ``token_ids``
         # (`workers.engine.prefix_cache`); tokens never change, so neither do these.
         self.page_hashes: list[bytes] = []
@@ -154,7 +156,7 @@ class Sequence:
         self.page_ids = []
         self.num_computed_tokens = 0
         self.spec_token_ids = []
-        self.mtp_computed, self.mtp_draft = 0, None
+        self.mtp_computed, self.mtp_draft, self.draft_computed = 0, None, 0
         self.num_preemptions += 1
 
     def drop_kv(self) -> None:
@@ -163,7 +165,7 @@ class Sequence:
             raise IllegalTransitionError(f"request {self.request_id}: drop_kv while {self.status}")
         self.page_ids = []
         self.num_computed_tokens = 0
-        self.mtp_computed, self.mtp_draft = 0, None
+        self.mtp_computed, self.mtp_draft, self.draft_computed = 0, None, 0
         self.num_preemptions += 1
 
     def finish(self, reason: FinishReason) -> None:

@@ -27,7 +27,8 @@ any more return to the pool.
 Proposers: ``ngram`` (prompt lookup: the longest recent n-gram of the sequence found earlier in
 it proposes what followed there; no model, gains on extractive and editing work); ``mtp``
 (DeepSeek-V3's multi-token-prediction module, `workers.engine.mtp_drafter`: one draft a step,
-mixed role, one rank). ``draft_model`` is named in the config but refused until it exists.
+mixed role, one rank); ``draft_model`` (a smaller checkpoint with the same tokenizer, its own
+paged KV, `workers.engine.draft_model`).
 """
 
 from __future__ import annotations
@@ -36,8 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram", "mtp")
-PLANNED_METHODS = ("draft_model",)
+METHODS = ("ngram", "mtp", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 # Longest pause (steps) of a sequence's drafting after verifications that kept nothing.
 MAX_SPEC_BACKOFF = 16
@@ -46,18 +46,16 @@ MAX_SPEC_BACKOFF = 16
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """``method``: the proposer; ``num_speculative_tokens``: drafts per step (k);
-    ``prompt_lookup_min`` / ``prompt_lookup_max``: n-gram lengths ngram tries, longest first."""
+    ``prompt_lookup_min`` / ``prompt_lookup_max``: n-gram lengths ngram tries, longest first;
+    ``model``: the draft checkpoint's directory (``draft_model`` only)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 3
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
+    model: str | None = None
 
     def __post_init__(self) -> None:
-        if self.method in PLANNED_METHODS:
-            raise ValueError(
-                f"speculative method {self.method!r} is not available yet; use one of {METHODS}"
-            )
         if self.method not in METHODS:
             raise ValueError(f"speculative method must be one of {METHODS}, got {self.method!r}")
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
@@ -65,6 +63,8 @@ class SpeculativeConfig:
                 f"num_speculative_tokens must be in 1..{MAX_SPECULATIVE_TOKENS}, "
                 f"got {self.num_speculative_tokens}"
             )
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("the draft_model method needs a model (and only it takes one)")
         if self.method == "mtp" and self.num_speculative_tokens != 1:
             raise ValueError(
                 "mtp proposes one draft a step (DeepSeek's one MTP module): "
@@ -80,7 +80,13 @@ class SpeculativeConfig:
     def from_dict(cls, raw: dict[str, Any]) -> SpeculativeConfig:
         """From a config mapping (``LLM(speculative_config=...)``, a group's ``speculative``);
         unknown keys are an error, not silently dropped."""
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+        known = {
+            "method",
+            "num_speculative_tokens",
+            "prompt_lookup_min",
+            "prompt_lookup_max",
+            "model",
+        }
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ValueError(f"unknown speculative option(s) {unknown}; known: {sorted(known)}")
