@@ -55,6 +55,9 @@ LABEL_VALUES: Mapping[str, tuple[str, ...]] = {
     # What the router changed when it sent a request again before its first token: the prefill
     # worker (its KV transfer failed) or the serving worker (its worker was lost or refused it).
     "kind": ("prefill", "worker"),
+    # Draft positions of speculative decoding (0: the first draft after the newest token), up
+    # to `workers.engine.speculative.MAX_SPECULATIVE_TOKENS`.
+    "position": tuple(str(i) for i in range(16)),
 }
 
 # Buckets, vLLM-like: client-visible latencies span milliseconds (a short prompt on an idle
@@ -163,6 +166,12 @@ METRIC_SPECS: tuple[MetricSpec, ...] = (
         "pdserve_spec_decode_num_accepted_tokens_total",
         "counter",
         "Of the draft tokens verified, those kept (acceptance = kept / verified).",
+    ),
+    MetricSpec(
+        "pdserve_spec_decode_num_accepted_tokens_per_pos_total",
+        "counter",
+        "Drafts kept, by draft position (a draft is kept only after every one before it).",
+        labels=("position",),
     ),
     MetricSpec(
         "pdserve_request_success_total",
@@ -296,6 +305,11 @@ class Metrics:
     def count_transfer_failure(self, reason: str) -> None:
         name = "pdserve_kv_transfer_failures_total"
         self._counters[name].labels(*self._labels(name, "reason", reason)).inc()
+
+    def count_accepted_at(self, position: int, count: int) -> None:
+        """``count`` more drafts kept at draft ``position``."""
+        name = "pdserve_spec_decode_num_accepted_tokens_per_pos_total"
+        self._counters[name].labels(*self._labels(name, "position", str(position))).inc(count)
 
     def set_queue_depth(self, queue: str, depth: int) -> None:
         name = "pdserve_kv_messenger_queue_depth"

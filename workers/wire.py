@@ -53,6 +53,7 @@ class WorkerLoad:
     num_prefix_cache_hits: int = 0  # of them, found cached (not computed)
     num_spec_draft_tokens: int = 0  # speculative decoding: draft tokens verified
     num_spec_accepted_tokens: int = 0  # of them, kept
+    num_spec_accepted_per_pos: tuple[int, ...] = ()  # kept, by draft position
 
 
 def sampling_from_proto(message: wpb.WorkerSamplingParams) -> SamplingParams:

@@ -63,6 +63,7 @@ EXPORTED_BY: dict[str, tuple[str, ...]] = {
     # Speculative decoding runs where tokens are sampled.
     "pdserve_spec_decode_num_draft_tokens_total": ("decode", "mixed"),
     "pdserve_spec_decode_num_accepted_tokens_total": ("decode", "mixed"),
+    "pdserve_spec_decode_num_accepted_tokens_per_pos_total": ("decode", "mixed"),
     "pdserve_request_success_total": _ROUTER,
     "pdserve_kv_pages_used": ("prefill", "decode", "mixed"),
     "pdserve_kv_pages_capacity": ("prefill", "decode", "mixed"),

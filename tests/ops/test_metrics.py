@@ -238,6 +238,7 @@ class _FakeBackend:
             num_prefix_cache_hits=32,
             num_spec_draft_tokens=30,
             num_spec_accepted_tokens=12,
+            num_spec_accepted_per_pos=(8, 4),
         )
 
 

@@ -159,6 +159,16 @@ def test_a_mixed_worker_with_speculative_decoding_counts_drafts(tiny_model_dir: 
             stats = backend.engine.stats
             assert stats.num_draft_tokens > 0
             assert values == {drafts: stats.num_draft_tokens, kept: stats.num_accepted_tokens}
+            per_pos = {
+                int(sample.labels["position"]): sample.value
+                for family in text_string_to_metric_families(body)
+                for sample in family.samples
+                if sample.name == "pdserve_spec_decode_num_accepted_tokens_per_pos_total"
+            }
+            assert len(per_pos) == 16  # every position's series exists from the start
+            kept_by_pos = stats.num_accepted_tokens_per_pos
+            assert [per_pos[i] for i in range(len(kept_by_pos))] == kept_by_pos
+            assert sum(per_pos.values()) == stats.num_accepted_tokens
     finally:
         backend.close()
 

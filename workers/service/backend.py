@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 Sink = Callable[[TokenDelta], None]
 
 
-def engine_counters(engine: EngineCore) -> dict[str, int]:
+def engine_counters(engine: EngineCore) -> dict[str, Any]:
     """`WorkerLoad`'s two counters, from the engine's `EngineStats`."""
     stats = engine.stats
     return {
@@ -48,6 +48,7 @@ def engine_counters(engine: EngineCore) -> dict[str, int]:
         "num_prefix_cache_hits": stats.num_prefix_cache_hits,
         "num_spec_draft_tokens": stats.num_draft_tokens,
         "num_spec_accepted_tokens": stats.num_accepted_tokens,
+        "num_spec_accepted_per_pos": tuple(stats.num_accepted_tokens_per_pos),
     }
 
 

@@ -114,6 +114,8 @@ class WorkerMetricsExporter:
         self._count_up(metrics.prefix_cache_hits, "cache_hits", load.num_prefix_cache_hits)
         self._count_up(metrics.spec_draft_tokens, "spec_drafts", load.num_spec_draft_tokens)
         self._count_up(metrics.spec_accepted_tokens, "spec_kept", load.num_spec_accepted_tokens)
+        for position, total in enumerate(load.num_spec_accepted_per_pos):
+            metrics.count_accepted_at(position, self._growth(f"spec_kept_{position}", total))
         worker = getattr(self.backend, "worker", None)  # the KV roles' `workers.service.kv_worker`
         if worker is None:
             return
@@ -125,10 +127,13 @@ class WorkerMetricsExporter:
         self._observe_transfers(worker.finished_transfers())
 
     def _count_up(self, counter: Counter, key: str, total: int) -> None:
-        """Bring ``counter`` up by what the engine's ``total`` grew since the last scrape, or by
-        all of it when it went back (it counts from 0 again): a counter never goes down."""
+        counter.inc(self._growth(key, total))
+
+    def _growth(self, key: str, total: int) -> int:
+        """What the engine's ``total`` grew since the last scrape, or all of it when it went
+        back (it counts from 0 again): a counter never goes down."""
         last, self._last_counts[key] = self._last_counts.get(key, 0), total
-        counter.inc(total - last if total >= last else total)
+        return total - last if total >= last else total
 
     def _observe_transfers(self, records: dict[str, dict[str, Any]]) -> None:
         self._seen &= records.keys()  # forget what left the worker's memory
