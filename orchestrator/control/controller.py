@@ -200,9 +200,12 @@ class Controller:
             "draining",
         ):
             return
-        record.load = WorkerLoad(
-            **{k: int(state[k]) for k in dataclasses.asdict(WorkerLoad()) if k in state}
-        )
+        # The counters the router and the cluster state read (not the per-position tuples).
+        counters = dataclasses.asdict(WorkerLoad())
+        ints: dict[str, Any] = {
+            k: int(state[k]) for k, v in counters.items() if k in state and isinstance(v, int)
+        }
+        record.load = WorkerLoad(**ints)
         if state["health"] in ("healthy", "draining"):
             record.health = state["health"]
 
