@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.engine.engine_helpers import make_engine, prompts_of_lengths, run_engine
-from workers.engine import engine_core
+from workers.engine import engine_core, speculator
 from workers.engine.config import EngineConfig
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.speculative import SpeculativeConfig, accepted_prefix, propose_ngram
@@ -201,7 +201,7 @@ def test_a_biased_acceptance_rule_is_caught(
     tiny_model_dir: Path, plain_counts: Counter[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Keeping every draft whatever the target sampled: the drafts' tokens are over-represented.
-    monkeypatch.setattr(engine_core, "accepted_prefix", lambda drafts, sampled: len(drafts))
+    monkeypatch.setattr(speculator, "accepted_prefix", lambda drafts, sampled: len(drafts))
     counts = _tokens_at_position(tiny_model_dir, NGRAM)
     assert _chi_square_differs(plain_counts, counts)
 

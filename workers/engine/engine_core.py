@@ -58,12 +58,7 @@ from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from workers.engine.sequence import FinishReason, SequenceStatus
 from workers.engine.sequence import Sequence as Seq
-from workers.engine.speculative import (
-    MAX_SPEC_BACKOFF,
-    SpeculativeConfig,
-    accepted_prefix,
-    propose_ngram,
-)
+from workers.engine.speculator import Speculator
 from workers.engine.step_trace import StepShapeCounts, shape_of
 from workers.engine.stop_checker import StopChecker
 from workers.engine.validation import validate_request
@@ -171,35 +166,22 @@ class EngineCore:
                 max_model_len=self.max_model_len,
                 capture=True,
             )
-        self.mtp: MTPDrafter | None = None
-        if config.speculative is not None and config.speculative.method == "mtp":
-            if not len(self.model.mtp):
-                raise UnsupportedCheckpointError(
-                    "speculative method mtp needs a checkpoint with MTP modules "
-                    "(num_nextn_predict_layers and their weights)"
-                )
-            self.mtp = MTPDrafter(
-                self.model, self.kv_cache, config.page_size, backend.scale, config.attention_backend
-            )
-            self.runner.keep_hidden = True
-        self.draft_model: DraftModelDrafter | None = None
-        if config.speculative is not None and config.speculative.model is not None:
-            self.draft_model = DraftModelDrafter(
-                model_dir,
-                config.speculative.model,
-                self.model_config,
-                self.num_pages,
-                config.page_size,
-                self.dtype,
-                self.device,
-                config.attention_backend,
+        self.stats = EngineStats()
+        self.speculator: Speculator | None = None
+        if config.speculative is not None:
+            self.speculator = Speculator(
+                config.speculative,
+                self.block_manager,
+                self.stats,
+                self.max_model_len,
+                mtp=self._mtp_drafter(config, backend.scale),
+                draft_model=self._draft_model(model_dir, config),
             )
         self.sampler = Sampler(config.seed)
         self.stop_checker = StopChecker(
             model_dir, self.model_config, self.max_model_len, detokenize
         )
         self.on_step_scheduled = on_step_scheduled
-        self.stats = EngineStats()
         # What the last step that ran the model computed (`workers.engine.step_trace`).
         self.last_step_shape: StepShapeCounts | None = None
         # Every request the engine knows and has not yet reported finished.
@@ -340,8 +322,8 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
-        if self.config.speculative is not None:
-            self._propose_drafts(self.config.speculative)
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         scheduled = self.scheduler.schedule()
         self.stats.num_preemptions += len(scheduled.preempted)
         for seq in scheduled.hopeless:
@@ -363,75 +345,39 @@ class EngineCore:
         ]
         if logits is not None:
             outputs.extend(self._append_sampled(sampling, logits))
-        if self.mtp is not None:
-            self._run_mtp(scheduled)
+        if self.speculator is not None:
+            self.speculator.after_step(scheduled, self.runner.last_hidden)
         for seq in scheduled.seqs:
             if seq.prefill_only and seq.num_remaining_tokens == 0:
                 outputs.append(self._finish(seq, FinishReason.PREFILLED, emit=False))
         return outputs
 
-    def _propose_drafts(self, spec: SpeculativeConfig) -> None:
-        """Drafts for every running sequence about to decode (`workers.engine.speculative`),
-        never past its ``max_tokens`` or the model length (the step emits up to k + 1)."""
-        drafting: list[tuple[Seq, int]] = []  # draft-model drafts, proposed in one batch
-        for seq in self.scheduler.running:
-            if seq.prefill_only or seq.num_remaining_tokens != 1:
-                continue
-            if seq.spec_skip:
-                seq.spec_skip -= 1
-                continue
-            room = min(
-                seq.params.max_tokens - seq.num_output_tokens - 1,
-                self.max_model_len - seq.num_tokens - 1,
+    def _mtp_drafter(self, config: EngineConfig, scale: float) -> MTPDrafter | None:
+        if config.speculative is None or config.speculative.method != "mtp":
+            return None
+        if not len(self.model.mtp):
+            raise UnsupportedCheckpointError(
+                "speculative method mtp needs a checkpoint with MTP modules "
+                "(num_nextn_predict_layers and their weights)"
             )
-            k = min(spec.num_speculative_tokens, room)
-            if k <= 0:
-                continue
-            if spec.method == "mtp":
-                seq.spec_token_ids = [seq.mtp_draft] if seq.mtp_draft is not None else []
-            elif spec.method == "draft_model":
-                # The verify step needs pages for k positions past the newest token (and the
-                # draft chain writes there): reserve them now, or decode without drafts.
-                missing = self.block_manager.pages_for_tokens(seq.num_tokens + k) - len(
-                    seq.page_ids
-                )
-                if missing > 0 and not self.block_manager.can_allocate(missing):
-                    continue
-                if missing > 0:
-                    seq.page_ids.extend(self.block_manager.allocate(missing))
-                drafting.append((seq, k))
-            else:
-                seq.spec_token_ids = propose_ngram(
-                    seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max
-                )
-        if drafting:
-            assert self.draft_model is not None
-            proposals = self.draft_model.propose([s for s, _ in drafting], [k for _, k in drafting])
-            for (seq, _), drafts in zip(drafting, proposals, strict=True):
-                seq.spec_token_ids = drafts
+        self.runner.keep_hidden = True  # the module reads the main model's hidden states
+        return MTPDrafter(
+            self.model, self.kv_cache, config.page_size, scale, config.attention_backend
+        )
 
-    def _run_mtp(self, scheduled: SchedulerOutput) -> None:
-        """Run the MTP module over the positions this step computed and kept; its prediction
-        at each sequence's newest position is the sequence's next draft (`mtp_drafter`)."""
-        assert self.mtp is not None
-        hidden = self.runner.last_hidden
-        assert hidden is not None
-        work = []
-        row = 0
-        for seq, chunk in zip(scheduled.seqs, scheduled.chunks, strict=True):
-            first_row, row = row, row + chunk.num_tokens
-            seq.mtp_draft = None
-            kept = seq.num_computed_tokens - chunk.start  # < num_tokens after a rollback
-            if seq.is_finished or seq.mtp_computed != chunk.start or kept <= 0:
-                continue  # gone, or its MTP KV does not reach this chunk: no drafts
-            work.append((seq, chunk.start, hidden[first_row : first_row + kept]))
-        if not work:
-            return
-        drafts = self.mtp.run(work)
-        for (seq, _, _), draft in zip(work, drafts, strict=True):
-            seq.mtp_computed = seq.num_computed_tokens
-            # Mid-prompt, the prediction is of a prompt token: no draft.
-            seq.mtp_draft = draft if seq.num_remaining_tokens == 1 else None
+    def _draft_model(self, model_dir: str | Path, config: EngineConfig) -> DraftModelDrafter | None:
+        if config.speculative is None or config.speculative.model is None:
+            return None
+        return DraftModelDrafter(
+            model_dir,
+            config.speculative.model,
+            self.model_config,
+            self.num_pages,
+            config.page_size,
+            self.dtype,
+            self.device,
+            config.attention_backend,
+        )
 
     def _append_sampled(self, seqs: list[Seq], logits: torch.Tensor) -> list[RequestOutput]:
         # One row per sequence, or 1 + k for one verifying k drafts: row i of a sequence is
@@ -452,37 +398,13 @@ class EngineCore:
             logprobs = sampled.logprobs[row : row + 1 + len(drafts)] if sampled.logprobs else None
             row += 1 + len(drafts)
             if drafts:
-                kept = self._verify(seq, drafts, tokens)
+                assert self.speculator is not None
+                kept = self.speculator.verify(seq, drafts, tokens)
                 # The kept drafts, then the target's token after them.
                 tokens = drafts[:kept] + tokens[kept : kept + 1]
                 logprobs = logprobs[: kept + 1] if logprobs else None
             outputs.append(self._emit(seq, tokens, logprobs if seq.params.logprobs else None, now))
         return outputs
-
-    def _verify(self, seq: Seq, drafts: list[int], sampled: list[int]) -> int:
-        """Keep the drafts the target agrees with; roll back the KV of the others."""
-        kept = accepted_prefix(drafts, sampled)
-        stats = self.stats
-        stats.num_draft_tokens += len(drafts)
-        stats.num_accepted_tokens += kept
-        per_pos = stats.num_accepted_tokens_per_pos
-        per_pos.extend([0] * (len(drafts) - len(per_pos)))
-        for position in range(kept):
-            per_pos[position] += 1
-        # A sequence whose text the drafts miss (open-ended generation) stops paying for
-        # verifying them: after a step that kept none it proposes again only after 1, 2, 4 ...
-        # 16 steps, and at once again after a step that kept one.
-        seq.spec_backoff = 0 if kept else min(max(1, 2 * seq.spec_backoff), MAX_SPEC_BACKOFF)
-        seq.spec_skip = seq.spec_backoff
-        # The step computed the last token and every draft; only the kept drafts' KV is valid
-        # (the rejected slots are rewritten by the next step). Pages past what the next step
-        # needs (the kept tokens plus the one emitted after them) go back to the pool.
-        seq.num_computed_tokens -= len(drafts) - kept
-        needed = self.block_manager.pages_for_tokens(seq.num_tokens + kept + 1)
-        if len(seq.page_ids) > needed:
-            self.block_manager.free(seq.page_ids[needed:])
-            del seq.page_ids[needed:]
-        return kept
 
     def _emit(
         self, seq: Seq, tokens: list[int], logprobs: list[float] | None, now: float
