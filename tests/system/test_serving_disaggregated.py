@@ -269,3 +269,21 @@ def test_deepseek_latent_kv_from_two_prefill_ranks(
         serving_checks.check_cancel_and_deadline(served.address)
     finally:
         served.close()
+
+
+def test_the_shipped_deepseek_config_serves(
+    deepseek_model_dir: Path, cluster: ServedCluster
+) -> None:
+    """configs/local-1p3d-deepseek.yaml as shipped (1 prefill : 3 decode over tcp), with the
+    preset written where a test can: answers equal the colocated engine's."""
+    from orchestrator.config.cluster import ClusterConfig
+
+    path = Path(__file__).resolve().parents[2] / "configs" / "local-1p3d-deepseek.yaml"
+    config = ClusterConfig.from_yaml(path).with_overrides(
+        model=deepseek_model_dir, address="127.0.0.1:0", http_address="none"
+    )
+    served = ServedCluster(config)
+    try:
+        serving_checks.check_parity(served.address, deepseek_model_dir)
+    finally:
+        served.close()

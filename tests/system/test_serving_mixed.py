@@ -233,3 +233,29 @@ def test_tensor_parallel_two_worker_matches_the_single_device_engine(
         serving_checks.check_cancel_and_deadline(served.address)
     finally:
         served.close()
+
+
+@pytest.mark.parametrize(
+    ("fixture", "architecture"),
+    [
+        ("deepseek_model_dir", "DeepseekV3ForCausalLM"),
+        ("qwen3_moe_model_dir", "Qwen3MoeForCausalLM"),
+    ],
+)
+def test_moe_models_serve_colocated(
+    fixture: str, architecture: str, request: pytest.FixtureRequest, cluster: ServedCluster
+) -> None:
+    """DeepSeek (MLA + MoE) and Qwen3-MoE on a mixed worker, through the router: the colocated
+    engine's tokens (which equal HF transformers', tests/engine/test_engine_parity.py)."""
+    model_dir = Path(request.getfixturevalue(fixture))
+    served = ServedCluster(cluster_config(model_dir, mixed_groups(1)))
+    try:
+        with grpc.insecure_channel(served.address) as channel:
+            info = pb_grpc.GenerationStub(channel).GetModelInfo(
+                pb.GetModelInfoRequest(), timeout=30
+            )
+        assert info.architecture == architecture
+        assert info.kv_latent == (architecture == "DeepseekV3ForCausalLM")
+        serving_checks.check_parity(served.address, model_dir)
+    finally:
+        served.close()
