@@ -188,6 +188,7 @@ def test_a_stopped_prefill_with_a_missed_deadline_on_record_is_not_gone(
 
 class Setup:
     def __init__(self, model_dir: Path, provider: str) -> None:
+        self.model_dir = model_dir
         self.prefill = RemotePrefill(model_dir, provider, engine=SLOW_PREFILL)
         self.decode = decode_worker(model_dir, provider, timeout_s=30.0, drain_s=30.0)
 
@@ -204,15 +205,21 @@ class Setup:
         assert self.decode.state()["num_transfers"] == 0
 
 
-@pytest.fixture(scope="module", params=PROVIDERS)
-def setup(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Iterator[Setup]:
-    setup = Setup(tiny_model_dir, str(request.param))
+# Both providers on the Llama preset; DeepSeek's latent pages (MLA) on tcp.
+@pytest.fixture(
+    scope="module",
+    params=[(p, "tiny") for p in PROVIDERS] + [("tcp;ofi_rxm", "deepseek")],
+    ids=lambda p: f"{p[1]}-{p[0]}",
+)
+def setup(request: pytest.FixtureRequest) -> Iterator[Setup]:
+    provider, model = request.param
+    setup = Setup(Path(request.getfixturevalue(f"{model}_model_dir")), provider)
     yield setup
     setup.decode.close()
     assert setup.prefill.close() == 0
 
 
-def test_abort_during_prefill_and_transfer(setup: Setup, tiny_model_dir: Path) -> None:
+def test_abort_during_prefill_and_transfer(setup: Setup) -> None:
     decode, endpoint = setup.decode, setup.prefill.endpoint
     long_prompt, later = prompts_of_lengths([1600, 700], seed=8)
 
@@ -230,16 +237,16 @@ def test_abort_during_prefill_and_transfer(setup: Setup, tiny_model_dir: Path) -
     assert setup.prefill.stats("a-transfer")["state"] == "cancelled"
 
     # A later request reuses the freed pages (and slots) and must decode correctly.
-    (expected,) = run_engine(make_engine(tiny_model_dir), [later], GREEDY)
+    (expected,) = run_engine(make_engine(setup.model_dir), [later], GREEDY)
     tokens, final = decode.submit("after", later, GREEDY, endpoint).result(60)
     assert tokens == expected, final.error
     setup.pools_full()
 
 
-def test_aborts_around_completion(setup: Setup, tiny_model_dir: Path) -> None:
+def test_aborts_around_completion(setup: Setup) -> None:
     decode, endpoint = setup.decode, setup.prefill.endpoint
     prompts = prompts_of_lengths([17, 40, 33, 64, 20, 50], seed=9)
-    expected = run_engine(make_engine(tiny_model_dir), prompts, GREEDY)
+    expected = run_engine(make_engine(setup.model_dir), prompts, GREEDY)
     # Sweep the abort over the moment the counter fires: before, at, just after.
     reasons = set()
     for i, prompt in enumerate(prompts):

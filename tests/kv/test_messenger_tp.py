@@ -21,8 +21,9 @@ Matrix: all six (p, d) ∈ {(1,1), (2,1), (1,2), (2,2), (1,4), (4,2)} on both ch
 chooses one of 2 source sets) and ``small`` (4 KV heads: sharded everywhere, (4,2)
 reconstructs and (1,4) splits pages with K/V as separate writes); and (1,1), (2,1), (1,2), (2,2)
 on ``deepseek-tiny`` (MLA: one latent plane, the same on every rank, so every destination rank
-takes whole pages from one source rank, ``d · runs`` writes per layer). Cost is dominated by process
-start-up (torch import, checkpoint load per rank); every process runs one intra-op thread.
+takes whole pages from one source rank, ``d · runs`` writes per layer); (1,1) and (2,2) on
+``qwen3-moe-tiny``. Cost is dominated by process start-up (torch import, checkpoint load per
+rank); every process runs one intra-op thread.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ CASES = [(checkpoint, p, d) for checkpoint in ("tiny", "small") for p, d in PAIR
 # DeepSeek (MLA): the latent is one "head" on every rank; each decode rank's pages come whole
 # from one prefill rank drawn for it.
 CASES += [("deepseek", p, d) for p, d in [(1, 1), (2, 1), (1, 2), (2, 2)]]
+# Qwen3-MoE: GQA KV like the dense presets, experts split over the ranks on both sides.
+CASES += [("qwen3_moe", p, d) for p, d in [(1, 1), (2, 2)]]
 CONTEXT_CHECKED = (3, 4)  # the 17- and 500-token prompts: one and several chunks
 
 
