@@ -287,3 +287,13 @@ def test_the_shipped_deepseek_config_serves(
         serving_checks.check_parity(served.address, deepseek_model_dir)
     finally:
         served.close()
+
+
+def test_qwen3_moe_served_disaggregated(qwen3_moe_model_dir: Path, cluster: ServedCluster) -> None:
+    """Qwen3-MoE (GQA KV, experts) 1P:1D through the router: the colocated engine's tokens."""
+    served = ServedCluster(cluster_config(qwen3_moe_model_dir, disaggregated_groups(1, 1)))
+    try:
+        serving_checks.check_parity(served.address, qwen3_moe_model_dir)
+        serving_checks.check_cancel_and_deadline(served.address)
+    finally:
+        served.close()
