@@ -86,6 +86,19 @@ _QWEN3_MOE: dict[str, Any] = {
 }
 
 
+# Latent and expert sizes of the DeepSeek presets (the latent: 64 + 16 = 80 values a token).
+_DEEPSEEK_TINY_DIMS: dict[str, Any] = {
+    "kv_lora_rank": 64,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 32,
+    "head_dim": 16,  # transformers' rotary embedding reads the RoPE width from head_dim
+    "moe_intermediate_size": 128,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+}
+
+
 def _shape(hidden: int, layers: int, heads: int, kv_heads: int, inter: int) -> dict[str, Any]:
     return {
         "hidden_size": hidden,
@@ -116,14 +129,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         **_shape(256, 3, 4, 4, 512),
         "max_position_embeddings": 2048,
         "q_lora_rank": 96,
-        "kv_lora_rank": 64,
-        "qk_nope_head_dim": 32,
-        "qk_rope_head_dim": 16,
-        "v_head_dim": 32,
-        "head_dim": 16,
-        "moe_intermediate_size": 128,
-        "n_routed_experts": 8,
-        "num_experts_per_tok": 2,
+        **_DEEPSEEK_TINY_DIMS,
         "n_shared_experts": 1,
         "n_group": 4,
         "topk_group": 2,
@@ -139,14 +145,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "model_type": "deepseek_v2",
         "max_position_embeddings": 4096,
         "q_lora_rank": None,
-        "kv_lora_rank": 64,
-        "qk_nope_head_dim": 32,
-        "qk_rope_head_dim": 16,
-        "v_head_dim": 32,
-        "head_dim": 16,
-        "moe_intermediate_size": 128,
-        "n_routed_experts": 8,
-        "num_experts_per_tok": 2,
+        **_DEEPSEEK_TINY_DIMS,
         "n_shared_experts": 2,
         "n_group": 4,
         "topk_group": 2,
