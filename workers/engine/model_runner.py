@@ -10,6 +10,7 @@ import torch
 from workers.engine.attention.base import AttentionBackend, AttentionBatch
 from workers.engine.layer_progress import LayerProgress
 from workers.engine.model import CausalLM
+from workers.engine.paged_batch import paged_batch
 from workers.engine.scheduler import SchedulerOutput
 
 if TYPE_CHECKING:
@@ -72,46 +73,15 @@ class ModelRunner:
         return self.model.compute_logits(hidden.index_select(0, index))
 
     def prepare(self, step: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
-        page_size = self.page_size
         input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        context_lens: list[int] = []
-        num_prompt_tokens: list[int] = []
+        runs = []
         for seq, num_new in zip(step.seqs, step.num_new_tokens, strict=True):
             start = seq.num_computed_tokens
-            end = start + num_new
-            input_ids.extend(seq.step_token_ids(start, end))
-            positions.extend(range(start, end))
-            pages = seq.page_ids
-            slots.extend(
-                pages[p // page_size] * page_size + p % page_size for p in range(start, end)
-            )
-            query_lens.append(num_new)
-            seq_lens.append(end)
-            context_lens.append(start)
-            num_prompt_tokens.append(seq.num_prompt_tokens)
-
-        max_pages = max(len(seq.page_ids) for seq in step.seqs)
-        page_table = [seq.page_ids + [-1] * (max_pages - len(seq.page_ids)) for seq in step.seqs]
-        query_start_loc = [0]
-        for n in query_lens:
-            query_start_loc.append(query_start_loc[-1] + n)
-
-        def tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=self.device)
-
-        batch = AttentionBatch(
-            query_start_loc=tensor(query_start_loc),
-            seq_lens=tensor(seq_lens),
-            context_lens=tensor(context_lens),
-            page_table=tensor(page_table),
-            slot_mapping=tensor(slots),
-            query_lens_list=tuple(query_lens),
-            seq_lens_list=tuple(seq_lens),
-            # Only dynamic-NTK RoPE reads it: no tensor (and device copy) per step otherwise.
-            num_prompt_tokens=tensor(num_prompt_tokens) if self.model.rotary.is_dynamic else None,
+            input_ids.extend(seq.step_token_ids(start, start + num_new))
+            runs.append((seq.page_ids, start, num_new))
+        # Only dynamic-NTK RoPE reads the prompt lengths: no tensor (and device copy) otherwise.
+        prompt_lens = (
+            [seq.num_prompt_tokens for seq in step.seqs] if self.model.rotary.is_dynamic else None
         )
-        return tensor(input_ids), tensor(positions), batch
+        positions, batch = paged_batch(runs, self.page_size, self.device, prompt_lens)
+        return torch.tensor(input_ids, dtype=torch.long, device=self.device), positions, batch

@@ -1,5 +1,5 @@
-"""An `AttentionBatch` for runs of consecutive positions of several sequences (the drafters'
-passes, which are not scheduler steps)."""
+"""An `AttentionBatch` for runs of consecutive positions of several sequences: a scheduled step
+(`model_runner`) or a drafter's pass (`mtp_drafter`, `draft_model`)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,14 @@ from workers.engine.attention.base import AttentionBatch
 
 
 def paged_batch(
-    runs: Sequence[tuple[Sequence[int], int, int]], page_size: int, device: torch.device
+    runs: Sequence[tuple[Sequence[int], int, int]],
+    page_size: int,
+    device: torch.device,
+    num_prompt_tokens: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, AttentionBatch]:
     """``runs``: (page ids, first position, count) per sequence, the positions ``first ..
     first + count`` computed now over the KV of those before. Returns the positions [T] and the
-    batch."""
+    batch (with ``num_prompt_tokens``, each sequence's prompt length, when given)."""
     positions: list[int] = []
     slots: list[int] = []
     query_lens: list[int] = []
@@ -43,6 +46,9 @@ def paged_batch(
         slot_mapping=tensor(slots),
         query_lens_list=tuple(query_lens),
         seq_lens_list=tuple(seq_lens),
+        num_prompt_tokens=tensor(list(num_prompt_tokens))
+        if num_prompt_tokens is not None
+        else None,
     )
     return tensor(positions), batch
 
