@@ -270,6 +270,19 @@ class ClusterConfig(Section):
                     f"prefill:decode replicas {prefill.replicas}:{decode.replicas} is beyond "
                     f"1:{MAX_GROUP_RATIO} either way; one side would sit idle",
                 )
+        for group in self.groups:
+            spec = group.speculative
+            if spec is not None and spec.method == "mtp" and group.tp != 1:
+                raise ConfigError(
+                    f"groups.{group.role}.speculative",
+                    "mtp drafts run on groups of one rank (tp 1) so far",
+                )
+        if self.is_disaggregated and self._decoders_draft_with_mtp and self.group("prefill").tp > 1:
+            raise ConfigError(
+                "groups.prefill.tp",
+                "decoders that draft with mtp need the MTP layer's KV from prefill workers of "
+                "one rank (tp 1) so far",
+            )
         if self.device != "cpu":
             self._check_cuda_groups()
 
@@ -339,6 +352,12 @@ class ClusterConfig(Section):
         for group in self.groups:
             _check_tp(group, model)
             self._check_kv_budget(group, model)
+            spec = group.speculative
+            if spec is not None and spec.method == "mtp" and not model.num_mtp_layers:
+                raise ConfigError(
+                    f"groups.{group.role}.speculative.method",
+                    "mtp needs a checkpoint with MTP modules (num_nextn_predict_layers)",
+                )
         if self.limits.max_model_len is None:
             why = " (the model's own limit; set limits.max_model_len to lower it)"
             for limits, path in self._all_limits():
@@ -410,7 +429,14 @@ class ClusterConfig(Section):
             dtype=self.dtype,
             device=self.device,
             speculative=_speculative(spec) if spec is not None else None,
+            # Decoders that draft with MTP need the module's KV of the prompt from prefill.
+            mtp_kv=role == "prefill" and self._decoders_draft_with_mtp,
         )
+
+    @property
+    def _decoders_draft_with_mtp(self) -> bool:
+        spec = next((g.speculative for g in self.groups if g.role == "decode"), None)
+        return spec is not None and spec.method == "mtp"
 
     def with_overrides(
         self,

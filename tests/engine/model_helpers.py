@@ -169,3 +169,25 @@ def write_attention_bias_checkpoint(preset: str, out_dir: Path, seed: int = 7) -
         seed,
         lambda name: 10.0 if name.endswith("o_proj.bias") else 1.0,
     )
+
+
+def reference_mtp_draft(model_dir: Path, tokens: list[int]) -> int:
+    """The MTP module's prediction of the token after ``tokens``, computed in one pass: the main
+    model's final hidden states of positions 0 .. m-1 (m = len(tokens) - 1), then the module
+    over those positions with tokens 1 .. m, causal, and its head at the last position."""
+    from workers.engine.cpu_gemm import linear
+    from workers.engine.loader import load_model
+
+    model, config = load_model(model_dir)
+    main = PagedRunner(model, config)
+    ids, positions, batch = main.build_batch([(0, tokens[:-1])])
+    hidden = model(ids, positions, batch, main.backend)
+    module = model.mtp[0]
+    cache = torch.zeros((1, *main.kv_cache.shape[1:]))
+    backend = create_attention_backend("torch", cache, main.page_size, config.attention_scale)
+    embeds = torch.nn.functional.embedding(torch.tensor(tokens[1:]), module.embed_tokens)
+    x = linear(torch.cat((module.enorm(embeds), module.hnorm(hidden)), -1), module.eh_proj_weight)
+    backend.begin_step(batch)
+    x = module.layer(0, x, model.rotary.tables(positions, x.dtype), batch, backend, None)
+    logits = linear(module.shared_head_norm(x[-1:]), module.shared_head_weight)
+    return int(logits.argmax())

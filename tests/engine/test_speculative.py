@@ -10,11 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import Tensor
 
 from tests.engine.engine_helpers import make_engine, prompts_of_lengths, run_engine
+from tests.engine.model_helpers import reference_mtp_draft
 from workers.engine import engine_core, speculator
 from workers.engine.config import EngineConfig
+from workers.engine.kv_cache import copy_pages
 from workers.engine.sampling_params import SamplingParams
+from workers.engine.sequence import Sequence as Seq
 from workers.engine.speculative import SpeculativeConfig, accepted_prefix, propose_ngram
 
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
@@ -250,6 +254,35 @@ def test_a_decode_group_takes_speculative_from_the_cluster_config(tmp_path: Path
     groups["decode"]["speculative"] = {"method": "medusa"}
     with pytest.raises(ConfigError, match=r"groups\.decode\.speculative\.method"):
         ClusterConfig.from_dict({"model": str(model), "groups": groups})
+    groups["decode"]["speculative"] = {"method": "mtp", "num_speculative_tokens": 1}
+    with pytest.raises(ConfigError, match="mtp needs a checkpoint with MTP modules"):
+        ClusterConfig.from_dict({"model": str(model), "groups": groups})
+
+
+def test_decoders_drafting_with_mtp_get_the_mtp_layer_from_prefill(
+    deepseek_model_dir: Path,
+) -> None:
+    from orchestrator.config.base import ConfigError
+    from orchestrator.config.cluster import ClusterConfig
+
+    fabric = {"provider": "tcp;ofi_rxm"}
+    mtp = {"method": "mtp", "num_speculative_tokens": 1}
+    groups: dict[str, dict[str, object]] = {
+        "prefill": {"fabric": fabric},
+        "decode": {"fabric": fabric, "speculative": mtp},
+    }
+    config = ClusterConfig.from_dict({"model": str(deepseek_model_dir), "groups": groups})
+    assert config.engine_config("prefill").mtp_kv
+    assert not config.engine_config("decode").mtp_kv
+    groups["prefill"]["tp"] = 2
+    with pytest.raises(ConfigError, match=r"groups\.prefill\.tp"):
+        ClusterConfig.from_dict({"model": str(deepseek_model_dir), "groups": groups})
+    groups["prefill"]["tp"], groups["decode"]["tp"] = 1, 2
+    with pytest.raises(ConfigError, match=r"groups\.decode\.speculative"):
+        ClusterConfig.from_dict({"model": str(deepseek_model_dir), "groups": groups})
+    del groups["decode"]["speculative"], groups["decode"]["tp"]
+    config = ClusterConfig.from_dict({"model": str(deepseek_model_dir), "groups": groups})
+    assert not config.engine_config("prefill").mtp_kv
 
 
 def test_engine_config_round_trips_through_a_mapping() -> None:
@@ -325,30 +358,6 @@ def test_mtp_drafts_keep_greedy_parity(deepseek_model_dir: Path, budget: int) ->
     assert engine.stats.num_draft_tokens > 0
 
 
-def _reference_mtp_draft(model_dir: Path, tokens: list[int]) -> int:
-    """The MTP module's prediction of the token after ``tokens``, computed in one pass: the main
-    model's final hidden states of positions 0 .. m-1 (m = len(tokens) - 1), then the module
-    over those positions with tokens 1 .. m, causal, and its head at the last position."""
-    from tests.engine.model_helpers import PagedRunner
-    from workers.engine.attention import create_attention_backend
-    from workers.engine.cpu_gemm import linear
-    from workers.engine.loader import load_model
-
-    model, config = load_model(model_dir)
-    main = PagedRunner(model, config)
-    ids, positions, batch = main.build_batch([(0, tokens[:-1])])
-    hidden = model(ids, positions, batch, main.backend)
-    module = model.mtp[0]
-    cache = torch.zeros((1, *main.kv_cache.shape[1:]))
-    backend = create_attention_backend("torch", cache, main.page_size, config.attention_scale)
-    embeds = torch.nn.functional.embedding(torch.tensor(tokens[1:]), module.embed_tokens)
-    x = linear(torch.cat((module.enorm(embeds), module.hnorm(hidden)), -1), module.eh_proj_weight)
-    backend.begin_step(batch)
-    x = module.layer(0, x, model.rotary.tables(positions, x.dtype), batch, backend, None)
-    logits = linear(module.shared_head_norm(x[-1:]), module.shared_head_weight)
-    return int(logits.argmax())
-
-
 def test_mtp_draft_is_the_modules_prediction_from_the_whole_sequence(
     deepseek_model_dir: Path,
 ) -> None:
@@ -365,7 +374,7 @@ def test_mtp_draft_is_the_modules_prediction_from_the_whole_sequence(
             seen.append((list(seq.token_ids), seq.mtp_draft))
     assert len(seen) >= 5
     for tokens, draft in seen:
-        assert draft == _reference_mtp_draft(deepseek_model_dir, tokens)
+        assert draft == reference_mtp_draft(deepseek_model_dir, tokens)
 
 
 def test_mtp_needs_a_checkpoint_with_the_module(tiny_model_dir: Path) -> None:
@@ -373,10 +382,129 @@ def test_mtp_needs_a_checkpoint_with_the_module(tiny_model_dir: Path) -> None:
 
     with pytest.raises(UnsupportedCheckpointError, match="MTP modules"):
         make_engine(tiny_model_dir, speculative=MTP)
+    with pytest.raises(UnsupportedCheckpointError, match="MTP modules"):
+        make_engine(tiny_model_dir, role="prefill", mtp_kv=True)
     with pytest.raises(ValueError, match="one draft a step"):
         SpeculativeConfig(method="mtp", num_speculative_tokens=2)
-    with pytest.raises(ValueError, match="mixed role"):
-        EngineConfig(role="decode", speculative=MTP)
+    with pytest.raises(ValueError, match="one rank"):
+        EngineConfig(role="decode", speculative=MTP, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="mtp_kv is for the prefill role"):
+        make_engine(tiny_model_dir, role="decode", mtp_kv=True)
+    with pytest.raises(ValueError, match="mtp_kv needs one rank"):
+        EngineConfig(role="prefill", mtp_kv=True, tensor_parallel_size=2)
+
+
+# --- MTP on a disaggregated decoder: the prefill computes the module's KV, ships the hidden state
+
+
+def _prefill_one(prefill: engine_core.EngineCore, prompt: list[int]) -> tuple[list[int], Tensor]:
+    """Prefill ``prompt`` alone on a prefill-role engine; its pages and the final hidden state
+    of its last prefilled position (what the KV messenger ships as the context write)."""
+    rows: list[Tensor] = []
+    hook = prefill.model.norm.register_forward_hook(
+        lambda _m, _a, out: rows.append(out[-1].clone())
+    )
+    try:
+        prefill.add_request("p", prompt, SamplingParams(max_tokens=1))
+        while prefill.has_unfinished():
+            prefill.step()
+    finally:
+        hook.remove()
+    pages = prefill.pages_of("p")
+    return pages, rows[-1]
+
+
+def _disaggregated_mtp_run(
+    model_dir: Path,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    ship: str = "hidden",
+    decode_pages: int = 80,
+) -> tuple[list[list[int]], engine_core.EngineCore, list[tuple[list[int], int]]]:
+    """Each prompt prefilled on a prefill engine with ``mtp_kv``, its pages (every layer, the
+    MTP layer's included) copied into a decoder that drafts with MTP; ``ship``: the hidden state
+    handed over (``hidden``), a wrong one (``zeros``) or none (``none``). Returns the tokens, the
+    decoder and every draft proposed with the tokens it follows."""
+    prefill = make_engine(
+        model_dir, role="prefill", mtp_kv=True, num_pages=40, max_num_batched_tokens=16
+    )
+    decode = make_engine(model_dir, role="decode", num_pages=decode_pages, speculative=MTP)
+    decode.allocate_pinned(3)  # page ids differ between the two sides
+    assert prefill.kv_cache.shape[0] == decode.kv_cache.shape[0] == prefill.kv_layers
+    for i, prompt in enumerate(prompts):
+        src, hidden = _prefill_one(prefill, prompt)
+        dst = decode.allocate_pinned(decode.num_prefill_pages(len(prompt)))
+        copy_pages(prefill.kv_cache, src, decode.kv_cache, dst)
+        prefill.release("p")
+        shipped = {"hidden": hidden, "zeros": torch.zeros_like(hidden), "none": None}[ship]
+        decode.add_prefilled_request(f"r{i}", prompt, params, dst, shipped)
+    assert prefill.block_manager.num_free_pages == prefill.num_pages
+    drafts: list[tuple[list[int], int]] = []
+    propose = decode.speculator.propose  # type: ignore[union-attr]
+
+    def recording_propose(running: list[Seq], waiting: list[Seq]) -> None:
+        propose(running, waiting)
+        for seq in [*running, *waiting]:
+            if seq.spec_token_ids:
+                drafts.append((list(seq.token_ids), seq.spec_token_ids[0]))
+
+    decode.speculator.propose = recording_propose  # type: ignore[union-attr,method-assign]
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    while decode.has_unfinished():
+        for output in decode.step():
+            tokens[output.request_id].extend(output.new_token_ids)
+    decode.check_invariants()
+    assert decode.block_manager.num_free_pages == decode.num_pages - 3
+    return list(tokens.values()), decode, drafts
+
+
+MTP_PROMPT_LENGTHS = [2, 17, 40]
+
+
+@pytest.mark.parametrize("decode_pages", [80, 11])
+def test_mtp_decoder_drafts_from_its_first_step_with_greedy_parity(
+    deepseek_model_dir: Path, decode_pages: int
+) -> None:
+    """A decoder fed by a prefill worker that computed the MTP layer drafts from its first step
+    (the module run at the last prefilled position from the shipped hidden state): the same
+    tokens as without speculation, and every draft, the first included, is the module's
+    one-pass prediction over the whole sequence; also when a small pool preempts (the
+    sequence then recomputes its main and MTP KV itself)."""
+    prompts = prompts_of_lengths(MTP_PROMPT_LENGTHS, seed=5)
+    max_tokens = 8 if decode_pages > 11 else 30
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    expected = run_engine(make_engine(deepseek_model_dir), prompts, params)
+    tokens, decode, drafts = _disaggregated_mtp_run(
+        deepseek_model_dir, prompts, params, decode_pages=decode_pages
+    )
+    assert tokens == expected
+    assert (decode.stats.num_preemptions > 0) == (decode_pages == 11)
+    assert decode.stats.num_draft_tokens == len(drafts) > 0
+    firsts = [draft for draft in drafts if len(draft[0]) in {len(p) for p in prompts}]
+    assert sorted(len(t) for t, _ in firsts) == sorted(MTP_PROMPT_LENGTHS)
+    for sequence, draft in drafts:
+        assert draft == reference_mtp_draft(deepseek_model_dir, sequence)
+
+
+def test_mtp_decoder_without_the_shipped_hidden_state_cannot_draft(
+    deepseek_model_dir: Path,
+) -> None:
+    """The first draft reads the shipped hidden state: a wrong one gives other first drafts
+    than the module's (outputs stay lossless), none gives no drafts at all (the MTP layer's KV
+    stops one position short and is never completed)."""
+    prompts = prompts_of_lengths(MTP_PROMPT_LENGTHS, seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    expected = run_engine(make_engine(deepseek_model_dir), prompts, params)
+    tokens, _, drafts = _disaggregated_mtp_run(deepseek_model_dir, prompts, params, "zeros")
+    assert tokens == expected
+    firsts = {len(t): (t, d) for t, d in drafts if len(t) in MTP_PROMPT_LENGTHS}
+    assert any(
+        draft != reference_mtp_draft(deepseek_model_dir, sequence)
+        for sequence, draft in firsts.values()
+    )
+    tokens, decode, drafts = _disaggregated_mtp_run(deepseek_model_dir, prompts, params, "none")
+    assert tokens == expected
+    assert drafts == [] and decode.stats.num_draft_tokens == 0
 
 
 # --- draft-model drafts ------------------------------------------------------------------------

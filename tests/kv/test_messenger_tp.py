@@ -45,11 +45,13 @@ from tests.engine.engine_helpers import (
     prompts_of_lengths,
     run_engine,
 )
+from tests.engine.model_helpers import reference_mtp_draft
 from tests.kv.harness import RemotePrefill
 from tests.waiting import wait_until
 from workers.engine.config import EngineConfig
 from workers.engine.model_config import ModelConfig
 from workers.engine.sampling_params import SamplingParams
+from workers.engine.sequence import Sequence as Seq
 from workers.engine.shared_kv import POOL_FILE_PREFIX, SHM_DIR
 from workers.engine.speculative import SpeculativeConfig
 from workers.service.kv_worker import DecodeWorker
@@ -192,7 +194,12 @@ class TPPair:
     """A TP-``p`` prefill worker process and a TP-``d`` decode worker in this process."""
 
     def __init__(
-        self, model_dir: Path, p: int, d: int, speculative: SpeculativeConfig | None = None
+        self,
+        model_dir: Path,
+        p: int,
+        d: int,
+        speculative: SpeculativeConfig | None = None,
+        mtp_kv: bool = False,
     ) -> None:
         self.prefill: RemotePrefill | None = None
         self.decode: DecodeWorker | None = None
@@ -206,6 +213,7 @@ class TPPair:
                     "num_pages": PREFILL_PAGES,
                     "max_num_batched_tokens": BUDGET,
                     "tensor_parallel_size": p,
+                    "mtp_kv": mtp_kv,
                 },
                 num_threads=1,
                 daemon=False,  # it spawns its own ranks
@@ -300,6 +308,41 @@ def test_speculating_decoder_keeps_greedy_parity(
     )
 
 
+@pytest.mark.timeout(180)
+def test_mtp_decoder_gets_the_mtp_layer_and_drafts_from_the_shipped_state(
+    references: dict[str, Reference], prompts: list[list[int]]
+) -> None:
+    """DeepSeek with MTP drafts on the decoder: the prefill worker computes the module's KV of
+    the prompt and writes it as one more layer of every page (counted like the others), and the
+    decoder's first draft of each request, made from the shipped hidden state before its first
+    step, is the module's prediction over the whole prompt."""
+    reference = references["deepseek"]
+    mtp = SpeculativeConfig(method="mtp", num_speculative_tokens=1)
+    pair = TPPair(reference.model_dir, 1, 1, mtp, mtp_kv=True)
+    first_drafts: dict[str, tuple[list[int], int]] = {}
+    try:
+        assert pair.decode is not None
+        speculator = pair.decode.engine.speculator
+        assert speculator is not None
+        propose = speculator.propose
+
+        def recording_propose(running: list[Seq], waiting: list[Seq]) -> None:
+            propose(running, waiting)
+            for seq in waiting:
+                if seq.spec_token_ids and not seq.num_output_tokens:
+                    first_drafts[seq.request_id] = (list(seq.token_ids), seq.spec_token_ids[0])
+
+        speculator.propose = recording_propose  # type: ignore[method-assign]
+        layers = reference.config.num_layers + 1
+        _check_case(pair, reference, prompts, 1, 1, reference.config, layers)
+    finally:
+        pair.close()
+    # Every prompt the prefill worker computed (all but the 1-token one) drafted at once.
+    assert sorted(first_drafts) == [f"tp{i}" for i in range(1, len(prompts))]
+    for tokens, draft in first_drafts.values():
+        assert draft == reference_mtp_draft(reference.model_dir, tokens)
+
+
 def _check_case(
     pair: TPPair,
     reference: Reference,
@@ -307,7 +350,9 @@ def _check_case(
     p: int,
     d: int,
     config: ModelConfig,
+    layers: int | None = None,
 ) -> None:
+    """``layers``: the pools' layers (default: the model's)."""
     assert pair.decode is not None and pair.prefill is not None
     decode, prefill, endpoint = pair.decode, pair.prefill, pair.endpoint
     assert (endpoint.tp_size, endpoint.num_kv_heads) == (p, config.num_kv_heads)
@@ -337,7 +382,7 @@ def _check_case(
             p,
             d,
             config.num_kv_heads,
-            config.num_layers,
+            layers or config.num_layers,
             prefill_stats["src_pages"],
             decode_stats["page_ids"],
             endpoint.segment_pages,

@@ -326,6 +326,10 @@ def test_every_remote_id_and_descriptor_is_range_checked(prefill_worker: Prefill
             {"prefill_incarnation": worker.messenger.incarnation ^ 1},
             "stale prefill endpoint",
         ),
+        "a decoder drafting with mtp, this worker without the MTP layer": (
+            {"mtp_layers": 1},
+            "does not compute (mtp_kv)",
+        ),
     }
     free_before = worker.state()["num_free_pages"]
     for name, (changes, message) in cases.items():

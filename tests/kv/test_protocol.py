@@ -59,6 +59,7 @@ MESSAGES: list[Message] = [
     make_request(),
     make_request(dst_page_ids=((1, 2, 3), (7, 8, 9)), context_descriptor=b"", source_sets=()),
     make_request(checksum=True),
+    make_request(mtp_layers=1),
     PrefillAccepted("req-1", 5, 640),
     PrefillRejected("req-1", 5, RejectReason.NO_PAGES, "pool full"),
     AbortPrefill("req-1", 5),
@@ -185,7 +186,9 @@ def test_unknown_version_type_and_field_count() -> None:
 
 def test_wrong_wire_types_are_rejected() -> None:
     # Every field on the wire, the optional ones too.
-    good = wire(make_request(checksum=True, prefill_incarnation=1, decode_incarnation=1))
+    good = wire(
+        make_request(checksum=True, prefill_incarnation=1, decode_incarnation=1, mtp_layers=1)
+    )
     names = [f.name for f in dataclasses.fields(PrefillRequest)]
     valid = [("request_id", "s"), ("context_descriptor", b"b"), ("source_sets", [1])]
     for index, name in enumerate(names, start=2):

@@ -274,17 +274,27 @@ def test_deepseek_latent_kv_from_two_prefill_ranks(
 def test_the_shipped_deepseek_config_serves(
     deepseek_model_dir: Path, cluster: ServedCluster
 ) -> None:
-    """configs/local-1p3d-deepseek.yaml as shipped (1 prefill : 3 decode over tcp), with the
-    preset written where a test can: answers equal the colocated engine's."""
+    """configs/local-1p3d-deepseek.yaml as shipped (1 prefill : 3 decode over tcp, the decoders
+    drafting with the MTP module from the prefill's MTP layer and shipped hidden state), with
+    the preset written where a test can: answers equal the colocated engine's (without
+    speculation), and the decoders drafted."""
     from orchestrator.config.cluster import ClusterConfig
 
     path = Path(__file__).resolve().parents[2] / "configs" / "local-1p3d-deepseek.yaml"
     config = ClusterConfig.from_yaml(path).with_overrides(
         model=deepseek_model_dir, address="127.0.0.1:0", http_address="none"
     )
+    assert config.engine_config("prefill").mtp_kv
     served = ServedCluster(config)
     try:
         serving_checks.check_parity(served.address, deepseek_model_dir)
+        workers = served.app.controller.registry.workers
+        drafts = [
+            scrape(record.metrics_port)["pdserve_spec_decode_num_draft_tokens_total"]
+            for record in workers.values()
+            if record.role == "decode"
+        ]
+        assert sum(drafts) > 0
     finally:
         served.close()
 

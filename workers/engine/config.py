@@ -44,6 +44,9 @@ class EngineConfig:
         match an earlier sequence's (`workers.engine.prefix_cache`); mixed role only so far.
     speculative: speculative decoding (`workers.engine.speculative`): drafts verified by the
         model, lossless; mixed and decode roles, not with prefix caching yet. None: off.
+    mtp_kv: prefill role: also run the checkpoint's MTP module over the prompt and send its KV
+        as the pool's last layer, which decoders that draft with ``mtp`` need (the cluster
+        sets it on the prefill group when its decode group does). One rank.
     tensor_parallel_size: ranks (processes) the model is split over; rank 0 runs the engine.
         Whether the model's heads divide is checked when it is loaded. With TP, ``num_pages``
         / ``kv_memory_bytes`` size each rank's pool (its share of the KV heads).
@@ -65,6 +68,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     enable_prefix_caching: bool = False
     speculative: SpeculativeConfig | None = None
+    mtp_kv: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -114,13 +118,12 @@ class EngineConfig:
                 raise ValueError(
                     "speculative decoding with enable_prefix_caching is not supported yet"
                 )
-            if self.speculative.method == "mtp" and (
-                self.role != "mixed" or self.tensor_parallel_size != 1
-            ):
+            if self.speculative.method == "mtp" and self.tensor_parallel_size != 1:
                 raise ValueError(
-                    "mtp drafts run on the mixed role with one rank so far (a decoder does not "
-                    "receive the MTP layer's KV; TP followers do not run the module)"
+                    "mtp drafts run on one rank so far (TP followers do not run the module)"
                 )
+        if self.mtp_kv and self.tensor_parallel_size != 1:
+            raise ValueError("mtp_kv needs one rank (TP followers do not run the MTP module)")
         if self.tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"

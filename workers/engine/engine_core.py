@@ -112,6 +112,22 @@ class EngineCore:
             self.model, _ = load_model(model_dir, dtype=config.dtype, device=device)
         param = next(self.model.parameters())
         self.dtype, self.device = param.dtype, param.device
+        # The MTP module's layer, when drafting with it or computing it for decoders that do,
+        # is the pool's last (`workers.engine.mtp_drafter`): it then travels with the rest.
+        spec = config.speculative
+        if config.mtp_kv and config.role != "prefill":
+            # Not in EngineConfig: workers are configured first and given their role after.
+            raise ValueError(
+                "mtp_kv is for the prefill role (mixed and decode engines that draft with mtp "
+                "keep the MTP layer themselves)"
+            )
+        mtp_layers = int(config.mtp_kv or (spec is not None and spec.method == "mtp"))
+        if mtp_layers and not len(self.model.mtp):
+            raise UnsupportedCheckpointError(
+                "speculative method mtp needs a checkpoint with MTP modules "
+                "(num_nextn_predict_layers and their weights)"
+            )
+        self.kv_layers = self.model_config.num_layers + mtp_layers
         if self.tp is not None:
             self.num_pages, self.kv_cache = self.tp.num_pages, self.tp.kv_cache
         else:
@@ -120,9 +136,15 @@ class EngineCore:
                 config.page_size,
                 self.dtype,
                 config.kv_memory_bytes or DEFAULT_KV_MEMORY_BYTES,
+                mtp_layers,
             )
             self.kv_cache = allocate_kv_cache(
-                self.model_config, self.num_pages, config.page_size, self.dtype, self.device
+                self.model_config,
+                self.num_pages,
+                config.page_size,
+                self.dtype,
+                self.device,
+                mtp_layers,
             )
         # Every rank's KV pool, index = rank (the messenger registers them all).
         self.rank_kv_caches = self.tp.rank_kv_caches if self.tp else [self.kv_cache]
@@ -132,7 +154,7 @@ class EngineCore:
             config.page_size,
             scale=self.model_config.attention_scale,
         )
-        self.layer_progress = create_layer_progress(self.model_config.num_layers, self.device)
+        self.layer_progress = create_layer_progress(self.kv_layers, self.device)
         self.block_manager = BlockManager(self.num_pages, config.page_size)
         self.scheduler = Scheduler(config, self.block_manager, str(Path(model_dir).resolve()))
         self.runner = (
@@ -167,14 +189,29 @@ class EngineCore:
                 capture=True,
             )
         self.stats = EngineStats()
+        self.mtp: MTPDrafter | None = None
+        if mtp_layers:
+            # Drafting, the module reads the step's final hidden states after it; the prefill
+            # role runs it inside the pass (`_prefill_mtp`).
+            self.runner.keep_hidden = config.role != "prefill"
+            self.mtp = MTPDrafter(
+                self.model, self.kv_cache, config.page_size, backend.scale, config.attention_backend
+            )
+        # The step being run (`_prefill_mtp` reads its chunks).
+        self._pass: SchedulerOutput | None = None
+        if self.mtp is not None and config.role == "prefill":
+            # The MTP layer is part of the pass: run from a forward hook of the final norm,
+            # registered before the KV messenger's (`workers.kv.prefill_hooks`), which therefore
+            # finds the layer written when it reports the pass over.
+            self.model.norm.register_forward_hook(self._prefill_mtp)
         self.speculator: Speculator | None = None
-        if config.speculative is not None:
+        if spec is not None:
             self.speculator = Speculator(
-                config.speculative,
+                spec,
                 self.block_manager,
                 self.stats,
                 self.max_model_len,
-                mtp=self._mtp_drafter(config, backend.scale),
+                mtp=self.mtp,
                 draft_model=self._draft_model(model_dir, config),
             )
         self.sampler = Sampler(config.seed)
@@ -244,10 +281,14 @@ class EngineCore:
         prompt_token_ids: Sequence[int],
         params: SamplingParams | None,
         page_ids: Sequence[int],
+        hidden_state: torch.Tensor | None = None,
     ) -> None:
         """Admit a request whose KV for all prompt tokens but the last is in pinned ``page_ids``.
 
         The pages pass to the request (unpinned); its first step runs the last prompt token.
+        Drafting with MTP, the pages' MTP layer holds every position but the last prefilled one,
+        which the module runs from ``hidden_state``, the main model's final hidden state there
+        (`workers.engine.mtp_drafter`); without it the request is served without drafts.
         """
         params = params or SamplingParams()
         prompt = self.validate(request_id, prompt_token_ids, params)
@@ -256,6 +297,10 @@ class EngineCore:
         self.block_manager.unpin(page_ids)
         seq.page_ids = list(page_ids)
         seq.num_computed_tokens = len(prompt) - 1
+        if self.mtp is not None and len(prompt) > 1:
+            seq.mtp_computed = len(prompt) - 2
+            if hidden_state is not None:
+                seq.mtp_context = hidden_state.to(self.device, self.dtype).reshape(1, -1)
         self._requests[request_id] = seq
         self.stop_checker.start(seq)
         self.scheduler.add(seq)
@@ -323,7 +368,7 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running)
+            self.speculator.propose(self.scheduler.running, self.scheduler.waiting)
         scheduled = self.scheduler.schedule()
         self.stats.num_preemptions += len(scheduled.preempted)
         for seq in scheduled.hopeless:
@@ -336,6 +381,7 @@ class EngineCore:
             return outputs
         if self.on_step_scheduled is not None:
             self.on_step_scheduled(scheduled.chunks)
+        self._pass = scheduled
         logits = self.runner.run(scheduled)
         self.scheduler.postprocess(scheduled)
         self._account(scheduled)
@@ -352,18 +398,18 @@ class EngineCore:
                 outputs.append(self._finish(seq, FinishReason.PREFILLED, emit=False))
         return outputs
 
-    def _mtp_drafter(self, config: EngineConfig, scale: float) -> MTPDrafter | None:
-        if config.speculative is None or config.speculative.method != "mtp":
-            return None
-        if not len(self.model.mtp):
-            raise UnsupportedCheckpointError(
-                "speculative method mtp needs a checkpoint with MTP modules "
-                "(num_nextn_predict_layers and their weights)"
-            )
-        self.runner.keep_hidden = True  # the module reads the main model's hidden states
-        return MTPDrafter(
-            self.model, self.kv_cache, config.page_size, scale, config.attention_backend
-        )
+    def _prefill_mtp(self, module: object, args: object, hidden: torch.Tensor) -> None:
+        """Prefill role with ``mtp_kv``: the MTP module over the pass's positions below the last
+        prefilled one (`workers.engine.mtp_drafter`), from the pass's final hidden states."""
+        assert self.mtp is not None and self._pass is not None
+        work = []
+        row = 0
+        for seq, chunk in zip(self._pass.seqs, self._pass.chunks, strict=True):
+            first, row = row, row + chunk.num_tokens
+            count = min(chunk.end, seq.num_tokens - 2) - chunk.start
+            if count > 0:
+                work.append((seq, chunk.start, hidden[first : first + count]))
+        self.mtp.write(work, self.layer_progress)
 
     def _draft_model(self, model_dir: str | Path, config: EngineConfig) -> DraftModelDrafter | None:
         if config.speculative is None or config.speculative.model is None:

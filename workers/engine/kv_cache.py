@@ -44,20 +44,29 @@ class KVCacheShape:
         )
 
 
-def page_nbytes(model_config: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
-    """Bytes one page occupies across all layers (K and V, or MLA's latent)."""
-    return model_config.kv_page_bytes(page_size, torch.empty((), dtype=dtype).element_size())
+def page_nbytes(
+    model_config: ModelConfig, page_size: int, dtype: torch.dtype, extra_layers: int = 0
+) -> int:
+    """Bytes one page occupies across all layers (K and V, or MLA's latent); ``extra_layers``:
+    layers the pool holds past the model's own (the MTP module's, `workers.engine.mtp_drafter`)."""
+    per_layer = (
+        model_config.kv_page_bytes(page_size, torch.empty((), dtype=dtype).element_size())
+        // model_config.num_layers
+    )
+    return per_layer * (model_config.num_layers + extra_layers)
 
 
 def num_pages_for_budget(
-    model_config: ModelConfig, page_size: int, dtype: torch.dtype, kv_memory_bytes: int
+    model_config: ModelConfig,
+    page_size: int,
+    dtype: torch.dtype,
+    kv_memory_bytes: int,
+    extra_layers: int = 0,
 ) -> int:
-    num_pages = kv_memory_bytes // page_nbytes(model_config, page_size, dtype)
+    page_bytes = page_nbytes(model_config, page_size, dtype, extra_layers)
+    num_pages = kv_memory_bytes // page_bytes
     if num_pages < 1:
-        raise ValueError(
-            f"kv_memory_bytes={kv_memory_bytes} holds no page of "
-            f"{page_nbytes(model_config, page_size, dtype)} bytes"
-        )
+        raise ValueError(f"kv_memory_bytes={kv_memory_bytes} holds no page of {page_bytes} bytes")
     return num_pages
 
 
@@ -67,9 +76,10 @@ def allocate_kv_cache(
     page_size: int,
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
+    extra_layers: int = 0,
 ) -> torch.Tensor:
     shape = KVCacheShape(
-        num_layers=model_config.num_layers,
+        num_layers=model_config.num_layers + extra_layers,
         num_pages=num_pages,
         num_kv_heads=model_config.num_kv_heads,
         page_size=page_size,

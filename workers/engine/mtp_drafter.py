@@ -2,20 +2,26 @@
 
 The module at position ``j`` takes the main model's final hidden state ``h_j`` (which predicted
 token ``j + 1``) and the embedding of token ``j + 1``, and predicts token ``j + 2``
-(`workers.engine.mtp`). Its decoder layer attends over its own KV of the earlier positions, so
-the drafter keeps a one-layer pool of the main pool's shape, addressed by the same page ids:
-position ``j``'s MTP KV sits in the slot of the main KV of position ``j``.
+(`workers.engine.mtp`). Its decoder layer attends over its own KV of the earlier positions,
+kept as the KV pool's last layer (index ``num_layers``): position ``j``'s MTP KV sits in the
+slot of the main KV of position ``j``, and a page carries both.
 
-After every step, once the step's tokens are sampled, the drafter runs the module over every
-position the step computed and kept (a prefill chunk's, a decode's, a verify pass's kept rows),
-whose next token is now known: its KV stays valid exactly as far as the main KV
-(``Sequence.mtp_computed``), and its prediction at a sequence's last position is the draft the
-next step verifies. One module, one draft a step (``num_speculative_tokens`` 1), as DeepSeek
-deploys it.
+Mixed and decode roles (`workers.engine.speculator`): after every step, once the step's tokens
+are sampled, the drafter runs the module over every position the step computed and kept (a
+prefill chunk's, a decode's, a verify pass's kept rows), whose next token is now known: its KV
+stays valid exactly as far as the main KV (``Sequence.mtp_computed``), and its prediction at a
+sequence's last position is the draft the next step verifies. One module, one draft a step
+(``num_speculative_tokens`` 1), as DeepSeek deploys it.
 
-Limits: mixed role, one rank. A decoder receives the prompt's main KV but not the MTP layer's
-(the transfer does not carry it yet), and under tensor parallelism the followers would have to
-run the module too.
+Disaggregated (``EngineConfig.mtp_kv`` on the prefill role): the prefill worker runs the module
+over each pass's positions ``j < n - 2`` of an ``n``-token prompt (`write`), in the pass, so the
+MTP layer's pages go to the decoder with the others, layer by layer. It stops one position
+short of the main KV, as the main KV stops one short of the prompt: the module's output at the
+last prefilled position ``n - 2`` is the first draft, and drafting, like sampling, is the
+decoder's. The decoder runs that position itself from the hidden state the prefill ships
+(`Sequence.mtp_context`), before its first step, which then verifies a draft already.
+
+Limits: one rank (under tensor parallelism the followers would have to run the module too).
 """
 
 from __future__ import annotations
@@ -25,8 +31,9 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from workers.engine.attention import create_attention_backend
+from workers.engine.attention import AttentionBatch, create_attention_backend
 from workers.engine.cpu_gemm import linear
+from workers.engine.layer_progress import LayerProgress
 from workers.engine.model import CausalLM
 from workers.engine.mtp import MTPModule
 from workers.engine.paged_batch import last_rows, paged_batch
@@ -40,28 +47,46 @@ class MTPDrafter:
     def __init__(
         self,
         model: CausalLM,
-        main_cache: torch.Tensor,
+        kv_cache: torch.Tensor,
         page_size: int,
         scale: float,
         attention_backend: str,
     ) -> None:
+        """``kv_cache``: the engine's pool, whose last layer is the module's."""
         module = model.mtp[0]
         assert isinstance(module, MTPModule)
         self.model = model
         self.module = module
         self.page_size = page_size
-        # One layer of the main pool's shape: same page ids, same slots.
-        self.kv_cache = torch.zeros(
-            (1, *main_cache.shape[1:]), dtype=main_cache.dtype, device=main_cache.device
-        )
-        self.backend = create_attention_backend(
-            attention_backend, self.kv_cache, page_size, scale=scale
-        )
+        self.layer = model.config.num_layers
+        assert kv_cache.shape[0] == self.layer + 1, "the pool has no MTP layer"
+        self.kv_cache = kv_cache
+        # Its own backend over the shared pool: the main model's keeps the step's batch.
+        self.backend = create_attention_backend(attention_backend, kv_cache, page_size, scale=scale)
 
     @torch.inference_mode()
     def run(self, work: Sequence[MTPWork]) -> list[int]:
         """Write the MTP KV of each item's positions; returns, per item, the draft predicted at
         its last position (the token after the sequence's newest)."""
+        x, batch = self._layer(work, None)
+        module = self.module
+        last = last_rows(batch)
+        logits = linear(module.shared_head_norm(x.index_select(0, last)), module.shared_head_weight)
+        drafts: list[int] = logits.argmax(dim=-1).tolist()
+        return drafts
+
+    @torch.inference_mode()
+    def write(self, work: Sequence[MTPWork], progress: LayerProgress) -> None:
+        """Prefill role: write the MTP KV of each item's positions (no drafts) and report the
+        layer done to ``progress``, also when there is nothing to write."""
+        if work:
+            self._layer(work, progress)
+        else:
+            progress.mark_layer_done(self.layer)
+
+    def _layer(
+        self, work: Sequence[MTPWork], progress: LayerProgress | None
+    ) -> tuple[torch.Tensor, AttentionBatch]:
         input_ids: list[int] = []
         for seq, start, hidden in work:
             # Position j reads token j + 1.
@@ -78,8 +103,4 @@ class MTPDrafter:
         )
         rotary = model.rotary.tables(position_tensor, x.dtype, None, max(batch.seq_lens_list))
         self.backend.begin_step(batch)
-        x = module.layer(0, x, rotary, batch, self.backend, None)
-        last = last_rows(batch)
-        logits = linear(module.shared_head_norm(x.index_select(0, last)), module.shared_head_weight)
-        drafts: list[int] = logits.argmax(dim=-1).tolist()
-        return drafts
+        return module.layer(self.layer, x, rotary, batch, self.backend, progress), batch

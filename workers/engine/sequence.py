@@ -82,6 +82,9 @@ class Sequence:
         # module's prediction of the token after the newest (None: none yet).
         self.mtp_computed = 0
         self.mtp_draft: int | None = None
+        # On a decoder: the main model's hidden state at position ``mtp_computed``, shipped by
+        # the prefill worker; the module runs it before the first step (then None).
+        self.mtp_context: torch.Tensor | None = None
         # Draft-model drafts (`workers.engine.draft_model`): positions whose draft KV is valid.
         self.draft_computed = 0
         # Prefix caching: the chained names of the first full pages of ``token_ids``
@@ -157,6 +160,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.spec_token_ids = []
         self.mtp_computed, self.mtp_draft, self.draft_computed = 0, None, 0
+        self.mtp_context = None
         self.num_preemptions += 1
 
     def drop_kv(self) -> None:
@@ -165,7 +169,9 @@ class Sequence:
             raise IllegalTransitionError(f"request {self.request_id}: drop_kv while {self.status}")
         self.page_ids = []
         self.num_computed_tokens = 0
+        self.spec_token_ids = []
         self.mtp_computed, self.mtp_draft, self.draft_computed = 0, None, 0
+        self.mtp_context = None
         self.num_preemptions += 1
 
     def finish(self, reason: FinishReason) -> None:

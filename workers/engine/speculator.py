@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -40,12 +40,16 @@ class Speculator:
         self.mtp = mtp
         self.draft_model = draft_model
 
-    def propose(self, running: Sequence[Seq]) -> None:
+    def propose(self, running: Sequence[Seq], waiting: Iterable[Seq] = ()) -> None:
         """Drafts for every running sequence about to decode, never past its ``max_tokens`` or
-        the model length (the step emits up to k + 1)."""
+        the model length (the step emits up to k + 1); with MTP, also for a decoder's waiting
+        requests whose first draft the shipped hidden state gives."""
         spec = self.spec
+        candidates = list(running)
+        if self.mtp is not None:
+            candidates += self._run_shipped_contexts(waiting)
         drafting: list[tuple[Seq, int]] = []  # draft-model drafts, proposed in one batch
-        for seq in running:
+        for seq in candidates:
             if seq.prefill_only or seq.num_remaining_tokens != 1:
                 continue
             if seq.spec_skip:
@@ -72,6 +76,24 @@ class Speculator:
             proposals = self.draft_model.propose([s for s, _ in drafting], [k for _, k in drafting])
             for (seq, _), drafts in zip(drafting, proposals, strict=True):
                 seq.spec_token_ids = drafts
+
+    def _run_shipped_contexts(self, waiting: Iterable[Seq]) -> list[Seq]:
+        """On a decoder: the module at each new request's last prefilled position, from the
+        hidden state the prefill worker shipped (`workers.engine.mtp_drafter`); its prediction
+        is the draft of the request's first step. Returns the requests it ran for."""
+        work = []
+        for seq in waiting:
+            if seq.mtp_context is not None:
+                if seq.mtp_computed == seq.num_computed_tokens - 1:
+                    work.append((seq, seq.mtp_computed, seq.mtp_context))
+                seq.mtp_context = None
+        if not work:
+            return []
+        assert self.mtp is not None
+        for (seq, _, _), draft in zip(work, self.mtp.run(work), strict=True):
+            seq.mtp_computed += 1
+            seq.mtp_draft = draft
+        return [seq for seq, _, _ in work]
 
     def _reserve_pages(self, seq: Seq, k: int) -> bool:
         """Pages for the k positions past the newest token, which the verify step computes (and

@@ -171,6 +171,7 @@ class DecodeMessenger:
             checksum=config.checksum,
             transfer_timeout_s=config.transfer_timeout_s,
             rng=random.Random(config.seed),
+            mtp_layers=engine.kv_layers - engine.model_config.num_layers,
         )
         self._inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         # (imm, when its counter fired): the fire time is the KV-ready time of the measurements.
@@ -405,12 +406,13 @@ class DecodeMessenger:
         transfer.count_reached(fired_s)
         self._peers.confirm(incoming.endpoint)  # every write came: it was accepted
         self.slots.release(imm)
-        self._table.keep_context(request_id, self._context.hidden_state(slot))
+        hidden_state = self._context.hidden_state(slot)
+        self._table.keep_context(request_id, hidden_state)
         del self._by_id[request_id]
         self._table.remember(request_id, transfer)
         try:
             self.engine.add_prefilled_request(
-                request_id, incoming.prompt, incoming.params, list(transfer.page_ids)
+                request_id, incoming.prompt, incoming.params, list(transfer.page_ids), hidden_state
             )
         except Exception as error:  # the KV is complete, so nothing can still land
             self.engine.free_pinned(transfer.page_ids)

@@ -59,9 +59,10 @@ class RequestPlanner:
         checksum: bool,
         transfer_timeout_s: float,
         rng: random.Random,
+        mtp_layers: int = 0,
     ) -> None:
         """``rng``: picks the source replica sets when the decoder plans alone (no
-        coalescing)."""
+        coalescing). ``mtp_layers``: the pool's MTP layers, asked of the prefill worker."""
         self._fabric = fabric
         self._sharding = sharding
         self._geometry = geometry
@@ -71,6 +72,7 @@ class RequestPlanner:
         self._checksum = checksum
         self._timeout_ms = max(1, int(transfer_timeout_s * 1000))
         self._rng = rng
+        self._mtp_layers = mtp_layers
 
     def plan(
         self,
@@ -132,5 +134,6 @@ class RequestPlanner:
             self._checksum,
             prefill_incarnation=endpoint.incarnation,
             decode_incarnation=decode_incarnation,
+            mtp_layers=self._mtp_layers,
         )
         return PlannedRequest(message, expected, checksum_plan)

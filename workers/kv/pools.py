@@ -99,8 +99,9 @@ def register_engine_pools(
         # The pools' plane count follows the model; a placement claiming otherwise would make
         # every page offset wrong.
         raise ShardingError(f"{sharding} does not match the model (is_mla={model.is_mla})")
+    # Every layer of the pool, the MTP module's included (`workers.engine.mtp_drafter`).
     geometry = PageGeometry(
-        model.num_layers, engine.config.page_size, model.head_dim, engine.kv_cache.element_size()
+        engine.kv_layers, engine.config.page_size, model.head_dim, engine.kv_cache.element_size()
     )
     layout = PoolLayout.for_group(sharding, geometry, engine.num_pages)
     pools = RegisteredPools.register(fabric, rank_pools or [engine.kv_cache], layout)

@@ -66,6 +66,16 @@ def check_request(request: PrefillRequest, side: PrefillSide, rng: random.Random
         )
     if (request.num_kv_heads, request.is_mla) != (mine.num_kv_heads, mine.is_mla):
         raise RequestRejected(incompatible, "KV heads / MLA differ from this model's")
+    mtp_layers = geometry.num_layers - engine.model_config.num_layers
+    if request.mtp_layers != mtp_layers:
+        raise RequestRejected(
+            incompatible,
+            "the decoder drafts with mtp and needs the MTP layer's KV, which this prefill worker "
+            "does not compute (mtp_kv)"
+            if request.mtp_layers
+            else "this prefill worker computes the MTP layer (mtp_kv) for decoders that draft "
+            "with mtp; this decoder does not",
+        )
     # The engine is given the prefilled tokens plus a stand-in last one (`PrefillMessenger.
     # _admit`) and wants room for one output token after them (`validate_request`): the same
     # bounds here, so a request accepted (and given pages, a row) is never refused at admission.

@@ -19,7 +19,8 @@ transfer deadline, which is what it did before.
 Optional trailing fields (``_OPTIONAL_TAIL``): fields appended to a version-1 message later.
 They are encoded only when they differ from their default, so a message that does not use them
 is byte-identical to what an older peer sends and expects; a message missing them decodes with
-the defaults. `PrefillRequest.checksum`, ``prefill_incarnation`` and ``decode_incarnation``.
+the defaults. `PrefillRequest.checksum`, ``prefill_incarnation``, ``decode_incarnation`` and
+``mtp_layers``.
 """
 
 from __future__ import annotations
@@ -245,7 +246,10 @@ class PrefillRequest(_Message):
     `PrefillEndpoint` the decoder resolved: a restarted prefill worker rejects a request meant for
     its predecessor. ``decode_incarnation`` (optional, 0: unknown) is the decoder's own: a prefill
     worker stops its transfers into an older incarnation at the same address (the descriptors
-    they write with belong to a process that is gone).
+    they write with belong to a process that is gone). ``mtp_layers`` (optional, 0: none) is the
+    number of MTP layers after the model's in the decoder's pool, which it drafts with and wants
+    written too (`workers.engine.mtp_drafter`); a prefill worker whose pool differs rejects with
+    INCOMPATIBLE.
     """
 
     TYPE: ClassVar[MessageType] = MessageType.PREFILL_REQUEST
@@ -270,8 +274,9 @@ class PrefillRequest(_Message):
         _Bool(),
         _Int(0, U64_MAX),
         _Int(0, U64_MAX),
+        _Int(0, 1),
     )
-    _OPTIONAL_TAIL: ClassVar[int] = 3
+    _OPTIONAL_TAIL: ClassVar[int] = 4
 
     request_id: str
     transfer_id: int
@@ -293,6 +298,7 @@ class PrefillRequest(_Message):
     checksum: bool = False
     prefill_incarnation: int = 0
     decode_incarnation: int = 0
+    mtp_layers: int = 0
 
     def _validate(self) -> None:
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -19,16 +20,23 @@ from tests.orchestrator.config.config_helpers import (
     write_model,
 )
 from workers.engine.config import EngineConfig
+from workers.engine.presets import preset_config
 
 # --- shipped configs ------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_config_loads_with_model_rules(name: str, tmp_path: Path) -> None:
-    # A stand-in model of the real head counts makes the model-dependent rules run here.
-    shape = TINY_SHAPE if "tp2" in name else SMOLLM2_SHAPE
+    # A stand-in model of the real head counts makes the model-dependent rules run here (the
+    # DeepSeek preset's own config.json: its decoders draft with its MTP module).
     raw = shipped_dict(name)
-    raw["model"] = str(write_model(tmp_path / "model", **shape))
+    if "deepseek" in name:
+        model = tmp_path / "model"
+        model.mkdir()
+        (model / "config.json").write_text(json.dumps(preset_config("deepseek-tiny")))
+    else:
+        model = write_model(tmp_path / "model", **(TINY_SHAPE if "tp2" in name else SMOLLM2_SHAPE))
+    raw["model"] = str(model)
     config = ClusterConfig.from_dict(raw, base_dir=CONFIGS)
     roles = {group.role: (group.replicas, group.tp) for group in config.groups}
     expected = {
