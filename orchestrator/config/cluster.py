@@ -270,19 +270,6 @@ class ClusterConfig(Section):
                     f"prefill:decode replicas {prefill.replicas}:{decode.replicas} is beyond "
                     f"1:{MAX_GROUP_RATIO} either way; one side would sit idle",
                 )
-        for group in self.groups:
-            spec = group.speculative
-            if spec is not None and spec.method == "mtp" and group.tp != 1:
-                raise ConfigError(
-                    f"groups.{group.role}.speculative",
-                    "mtp drafts run on groups of one rank (tp 1) so far",
-                )
-        if self.is_disaggregated and self._decoders_draft_with_mtp and self.group("prefill").tp > 1:
-            raise ConfigError(
-                "groups.prefill.tp",
-                "decoders that draft with mtp need the MTP layer's KV from prefill workers of "
-                "one rank (tp 1) so far",
-            )
         if self.device != "cpu":
             self._check_cuda_groups()
 

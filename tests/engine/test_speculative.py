@@ -1,6 +1,10 @@
-"""Speculative decoding (ngram drafts): greedy output token-identical to decoding without it,
-the sampled distribution unchanged (and a biased acceptance rule caught), KV of rejected drafts
-rolled back, preemption and aborts mid-speculation leaving full pools."""
+"""Speculative decoding: greedy output token-identical to decoding without it (ngram, MTP and
+draft-model drafts; tiny, small, Qwen3, DeepSeek and SmolLM2; one rank and TP 2), the sampled
+distribution unchanged (and a biased acceptance rule caught), KV of rejected drafts rolled back,
+preemption and aborts mid-speculation leaving full pools. MTP across the transfer (pages copied
+between a prefill and a decode engine): the decoder drafts from its first step with the shipped
+hidden state, every draft is the module's one-pass prediction, and without the state it cannot
+draft."""
 
 from __future__ import annotations
 
@@ -92,6 +96,28 @@ def test_greedy_tokens_equal_decoding_without_speculation(
     assert per_pos == sorted(per_pos, reverse=True)  # a draft is kept only after the ones before
     # Fewer steps than tokens: some steps emitted several.
     assert stats.num_sampled_tokens == sum(len(t) for t in expected) + len(expected[1])
+
+
+@pytest.mark.slow
+def test_smollm2_speculates_with_the_same_tokens(demo_model_dir: Path) -> None:
+    """The real checkpoint on text that copies its prompt: ngram drafts are kept often, and
+    drafting with the checkpoint itself keeps all; the tokens are the plain engine's."""
+    from workers.engine.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(demo_model_dir)
+    text = (
+        "Repeat the list exactly.\nList: apples, pears, plums, cherries, grapes, lemons, limes."
+        "\nRepeated list: apples, pears,"
+    )
+    prompts = [tokenizer.encode(text), tokenizer.encode("def fibonacci(n):")]
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    expected = run_engine(make_engine(demo_model_dir, num_pages=64), prompts, params)
+    ngram = make_engine(demo_model_dir, num_pages=64, speculative=NGRAM)
+    assert run_engine(ngram, prompts, params) == expected
+    assert ngram.stats.num_accepted_tokens > 0
+    itself = make_engine(demo_model_dir, num_pages=64, speculative=_draft(demo_model_dir, 2))
+    assert run_engine(itself, prompts, params) == expected
+    assert itself.stats.num_accepted_tokens == itself.stats.num_draft_tokens > 0
 
 
 def test_stop_tokens_and_max_tokens_hold_inside_a_verified_run(tiny_model_dir: Path) -> None:
@@ -262,7 +288,6 @@ def test_a_decode_group_takes_speculative_from_the_cluster_config(tmp_path: Path
 def test_decoders_drafting_with_mtp_get_the_mtp_layer_from_prefill(
     deepseek_model_dir: Path,
 ) -> None:
-    from orchestrator.config.base import ConfigError
     from orchestrator.config.cluster import ClusterConfig
 
     fabric = {"provider": "tcp;ofi_rxm"}
@@ -274,13 +299,7 @@ def test_decoders_drafting_with_mtp_get_the_mtp_layer_from_prefill(
     config = ClusterConfig.from_dict({"model": str(deepseek_model_dir), "groups": groups})
     assert config.engine_config("prefill").mtp_kv
     assert not config.engine_config("decode").mtp_kv
-    groups["prefill"]["tp"] = 2
-    with pytest.raises(ConfigError, match=r"groups\.prefill\.tp"):
-        ClusterConfig.from_dict({"model": str(deepseek_model_dir), "groups": groups})
-    groups["prefill"]["tp"], groups["decode"]["tp"] = 1, 2
-    with pytest.raises(ConfigError, match=r"groups\.decode\.speculative"):
-        ClusterConfig.from_dict({"model": str(deepseek_model_dir), "groups": groups})
-    del groups["decode"]["speculative"], groups["decode"]["tp"]
+    del groups["decode"]["speculative"]
     config = ClusterConfig.from_dict({"model": str(deepseek_model_dir), "groups": groups})
     assert not config.engine_config("prefill").mtp_kv
 
@@ -377,6 +396,36 @@ def test_mtp_draft_is_the_modules_prediction_from_the_whole_sequence(
         assert draft == reference_mtp_draft(deepseek_model_dir, tokens)
 
 
+def test_tensor_parallel_engine_drafts_with_the_module_on_every_rank(
+    deepseek_model_dir: Path,
+) -> None:
+    """TP 2: the followers run their shard of the module's layer on the steps the leader sends;
+    the same tokens as without speculation, and the drafts are the one-rank module's."""
+    prompts = prompts_of_lengths([17, 40], seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    expected = run_engine(make_engine(deepseek_model_dir), prompts, params)
+    engine = make_engine(
+        deepseek_model_dir, tensor_parallel_size=2, max_num_batched_tokens=16, speculative=MTP
+    )
+    drafts: list[tuple[list[int], int]] = []
+    try:
+        propose = engine.speculator.propose  # type: ignore[union-attr]
+
+        def recording_propose(running: list[Seq], waiting: list[Seq]) -> None:
+            propose(running, waiting)
+            drafts.extend(
+                (list(s.token_ids), s.spec_token_ids[0]) for s in running if s.spec_token_ids
+            )
+
+        engine.speculator.propose = recording_propose  # type: ignore[union-attr,method-assign]
+        assert run_engine(engine, prompts, params) == expected
+    finally:
+        engine.close()
+    assert len(drafts) >= 5
+    for tokens, draft in drafts:
+        assert draft == reference_mtp_draft(deepseek_model_dir, tokens)
+
+
 def test_mtp_needs_a_checkpoint_with_the_module(tiny_model_dir: Path) -> None:
     from workers.engine.errors import UnsupportedCheckpointError
 
@@ -386,12 +435,8 @@ def test_mtp_needs_a_checkpoint_with_the_module(tiny_model_dir: Path) -> None:
         make_engine(tiny_model_dir, role="prefill", mtp_kv=True)
     with pytest.raises(ValueError, match="one draft a step"):
         SpeculativeConfig(method="mtp", num_speculative_tokens=2)
-    with pytest.raises(ValueError, match="one rank"):
-        EngineConfig(role="decode", speculative=MTP, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="mtp_kv is for the prefill role"):
         make_engine(tiny_model_dir, role="decode", mtp_kv=True)
-    with pytest.raises(ValueError, match="mtp_kv needs one rank"):
-        EngineConfig(role="prefill", mtp_kv=True, tensor_parallel_size=2)
 
 
 # --- MTP on a disaggregated decoder: the prefill computes the module's KV, ships the hidden state
@@ -420,33 +465,62 @@ def _disaggregated_mtp_run(
     params: SamplingParams,
     ship: str = "hidden",
     decode_pages: int = 80,
+    tp: int = 1,
 ) -> tuple[list[list[int]], engine_core.EngineCore, list[tuple[list[int], int]]]:
     """Each prompt prefilled on a prefill engine with ``mtp_kv``, its pages (every layer, the
     MTP layer's included) copied into a decoder that drafts with MTP; ``ship``: the hidden state
     handed over (``hidden``), a wrong one (``zeros``) or none (``none``). Returns the tokens, the
     decoder and every draft proposed with the tokens it follows."""
     prefill = make_engine(
-        model_dir, role="prefill", mtp_kv=True, num_pages=40, max_num_batched_tokens=16
+        model_dir,
+        role="prefill",
+        mtp_kv=True,
+        num_pages=40,
+        max_num_batched_tokens=16,
+        tensor_parallel_size=tp,
     )
-    decode = make_engine(model_dir, role="decode", num_pages=decode_pages, speculative=MTP)
+    decode = make_engine(
+        model_dir,
+        role="decode",
+        num_pages=decode_pages,
+        speculative=MTP,
+        tensor_parallel_size=tp,
+    )
+    try:
+        return _disaggregated_mtp_steps(prefill, decode, prompts, params, ship)
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def _disaggregated_mtp_steps(
+    prefill: engine_core.EngineCore,
+    decode: engine_core.EngineCore,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    ship: str,
+) -> tuple[list[list[int]], engine_core.EngineCore, list[tuple[list[int], int]]]:
     decode.allocate_pinned(3)  # page ids differ between the two sides
     assert prefill.kv_cache.shape[0] == decode.kv_cache.shape[0] == prefill.kv_layers
     for i, prompt in enumerate(prompts):
         src, hidden = _prefill_one(prefill, prompt)
         dst = decode.allocate_pinned(decode.num_prefill_pages(len(prompt)))
-        copy_pages(prefill.kv_cache, src, decode.kv_cache, dst)
+        for source, target in zip(prefill.rank_kv_caches, decode.rank_kv_caches, strict=True):
+            copy_pages(source, src, target, dst)
         prefill.release("p")
         shipped = {"hidden": hidden, "zeros": torch.zeros_like(hidden), "none": None}[ship]
         decode.add_prefilled_request(f"r{i}", prompt, params, dst, shipped)
     assert prefill.block_manager.num_free_pages == prefill.num_pages
-    drafts: list[tuple[list[int], int]] = []
+    # (request, tokens before the draft) -> draft; a request still waiting keeps its draft.
+    drafts: dict[tuple[str, int], tuple[list[int], int]] = {}
     propose = decode.speculator.propose  # type: ignore[union-attr]
 
     def recording_propose(running: list[Seq], waiting: list[Seq]) -> None:
         propose(running, waiting)
         for seq in [*running, *waiting]:
             if seq.spec_token_ids:
-                drafts.append((list(seq.token_ids), seq.spec_token_ids[0]))
+                key = (seq.request_id, seq.num_tokens)
+                drafts[key] = (list(seq.token_ids), seq.spec_token_ids[0])
 
     decode.speculator.propose = recording_propose  # type: ignore[union-attr,method-assign]
     tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
@@ -455,7 +529,7 @@ def _disaggregated_mtp_run(
             tokens[output.request_id].extend(output.new_token_ids)
     decode.check_invariants()
     assert decode.block_manager.num_free_pages == decode.num_pages - 3
-    return list(tokens.values()), decode, drafts
+    return list(tokens.values()), decode, list(drafts.values())
 
 
 MTP_PROMPT_LENGTHS = [2, 17, 40]
@@ -479,11 +553,33 @@ def test_mtp_decoder_drafts_from_its_first_step_with_greedy_parity(
     )
     assert tokens == expected
     assert (decode.stats.num_preemptions > 0) == (decode_pages == 11)
+    _check_drafts(deepseek_model_dir, prompts, decode, drafts)
+
+
+def _check_drafts(
+    model_dir: Path,
+    prompts: list[list[int]],
+    decode: engine_core.EngineCore,
+    drafts: list[tuple[list[int], int]],
+) -> None:
+    """Every prompt drafted before its first step, and every draft is the module's one-pass
+    prediction over the tokens it follows."""
     assert decode.stats.num_draft_tokens == len(drafts) > 0
-    firsts = [draft for draft in drafts if len(draft[0]) in {len(p) for p in prompts}]
-    assert sorted(len(t) for t, _ in firsts) == sorted(MTP_PROMPT_LENGTHS)
+    firsts = [tokens for tokens, _ in drafts if tokens in prompts]
+    assert sorted(firsts) == sorted(prompts)
     for sequence, draft in drafts:
-        assert draft == reference_mtp_draft(deepseek_model_dir, sequence)
+        assert draft == reference_mtp_draft(model_dir, sequence)
+
+
+def test_tensor_parallel_prefill_and_decoder_carry_the_mtp_layer(deepseek_model_dir: Path) -> None:
+    """TP 2 on both sides: each prefill rank computes its shard of the module's layer (the
+    latent it stores is whole on every rank), each decode rank runs its shard of the module."""
+    prompts = prompts_of_lengths([17, 40], seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    expected = run_engine(make_engine(deepseek_model_dir), prompts, params)
+    tokens, decode, drafts = _disaggregated_mtp_run(deepseek_model_dir, prompts, params, tp=2)
+    assert tokens == expected
+    _check_drafts(deepseek_model_dir, prompts, decode, drafts)
 
 
 def test_mtp_decoder_without_the_shipped_hidden_state_cannot_draft(
@@ -497,11 +593,9 @@ def test_mtp_decoder_without_the_shipped_hidden_state_cannot_draft(
     expected = run_engine(make_engine(deepseek_model_dir), prompts, params)
     tokens, _, drafts = _disaggregated_mtp_run(deepseek_model_dir, prompts, params, "zeros")
     assert tokens == expected
-    firsts = {len(t): (t, d) for t, d in drafts if len(t) in MTP_PROMPT_LENGTHS}
-    assert any(
-        draft != reference_mtp_draft(deepseek_model_dir, sequence)
-        for sequence, draft in firsts.values()
-    )
+    firsts = [(tokens, draft) for tokens, draft in drafts if tokens in prompts]
+    assert len(firsts) == len(prompts)
+    assert any(draft != reference_mtp_draft(deepseek_model_dir, t) for t, draft in firsts)
     tokens, decode, drafts = _disaggregated_mtp_run(deepseek_model_dir, prompts, params, "none")
     assert tokens == expected
     assert drafts == [] and decode.stats.num_draft_tokens == 0

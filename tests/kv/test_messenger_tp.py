@@ -22,7 +22,9 @@ chooses one of 2 source sets) and ``small`` (4 KV heads: sharded everywhere, (4,
 reconstructs and (1,4) splits pages with K/V as separate writes); and (1,1), (2,1), (1,2), (2,2)
 on ``deepseek-tiny`` (MLA: one latent plane, the same on every rank, so every destination rank
 takes whole pages from one source rank, ``d · runs`` writes per layer); (1,1) and (2,2) on
-``qwen3-moe-tiny``. Cost is dominated by process start-up (torch import, checkpoint load per
+``qwen3-moe-tiny``. Speculating decoders: ngram on ``tiny`` (1,1), (2,2); MTP on
+``deepseek-tiny`` (1,1), (2,2), the prefill computing the module's layer (one more layer in the
+write count) and the decoder's first drafts made from the shipped hidden state. Cost is dominated by process start-up (torch import, checkpoint load per
 rank); every process runs one intra-op thread.
 """
 
@@ -309,8 +311,9 @@ def test_speculating_decoder_keeps_greedy_parity(
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize(("p", "d"), [(1, 1), (2, 2)])
 def test_mtp_decoder_gets_the_mtp_layer_and_drafts_from_the_shipped_state(
-    references: dict[str, Reference], prompts: list[list[int]]
+    p: int, d: int, references: dict[str, Reference], prompts: list[list[int]]
 ) -> None:
     """DeepSeek with MTP drafts on the decoder: the prefill worker computes the module's KV of
     the prompt and writes it as one more layer of every page (counted like the others), and the
@@ -318,7 +321,7 @@ def test_mtp_decoder_gets_the_mtp_layer_and_drafts_from_the_shipped_state(
     step, is the module's prediction over the whole prompt."""
     reference = references["deepseek"]
     mtp = SpeculativeConfig(method="mtp", num_speculative_tokens=1)
-    pair = TPPair(reference.model_dir, 1, 1, mtp, mtp_kv=True)
+    pair = TPPair(reference.model_dir, p, d, mtp, mtp_kv=True)
     first_drafts: dict[str, tuple[list[int], int]] = {}
     try:
         assert pair.decode is not None
@@ -334,9 +337,12 @@ def test_mtp_decoder_gets_the_mtp_layer_and_drafts_from_the_shipped_state(
 
         speculator.propose = recording_propose  # type: ignore[method-assign]
         layers = reference.config.num_layers + 1
-        _check_case(pair, reference, prompts, 1, 1, reference.config, layers)
+        _check_case(pair, reference, prompts, p, d, reference.config, layers)
     finally:
         pair.close()
+    wait_until(
+        lambda: not pair.alive_ranks(), timeout=10, what="every TP rank gone with its worker"
+    )
     # Every prompt the prefill worker computed (all but the 1-token one) drafted at once.
     assert sorted(first_drafts) == [f"tp{i}" for i in range(1, len(prompts))]
     for tokens, draft in first_drafts.values():

@@ -46,7 +46,7 @@ class EngineConfig:
         model, lossless; mixed and decode roles, not with prefix caching yet. None: off.
     mtp_kv: prefill role: also run the checkpoint's MTP module over the prompt and send its KV
         as the pool's last layer, which decoders that draft with ``mtp`` need (the cluster
-        sets it on the prefill group when its decode group does). One rank.
+        sets it on the prefill group when its decode group does).
     tensor_parallel_size: ranks (processes) the model is split over; rank 0 runs the engine.
         Whether the model's heads divide is checked when it is loaded. With TP, ``num_pages``
         / ``kv_memory_bytes`` size each rank's pool (its share of the KV heads).
@@ -118,12 +118,6 @@ class EngineConfig:
                 raise ValueError(
                     "speculative decoding with enable_prefix_caching is not supported yet"
                 )
-            if self.speculative.method == "mtp" and self.tensor_parallel_size != 1:
-                raise ValueError(
-                    "mtp drafts run on one rank so far (TP followers do not run the module)"
-                )
-        if self.mtp_kv and self.tensor_parallel_size != 1:
-            raise ValueError("mtp_kv needs one rank (TP followers do not run the MTP module)")
         if self.tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
@@ -133,6 +127,13 @@ class EngineConfig:
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                 f"got {self.attention_backend!r}"
             )
+
+    @property
+    def mtp_layers(self) -> int:
+        """Layers the KV pool holds past the model's: the MTP module's, when drafting with it
+        or computing it for decoders that do (`workers.engine.mtp_drafter`)."""
+        spec = self.speculative
+        return int(self.mtp_kv or (spec is not None and spec.method == "mtp"))
 
     def check_max_model_len(self, max_model_len: int) -> None:
         """Raise ValueError when a sequence of ``max_model_len`` tokens could never be scheduled.

@@ -121,7 +121,7 @@ class EngineCore:
                 "mtp_kv is for the prefill role (mixed and decode engines that draft with mtp "
                 "keep the MTP layer themselves)"
             )
-        mtp_layers = int(config.mtp_kv or (spec is not None and spec.method == "mtp"))
+        mtp_layers = config.mtp_layers
         if mtp_layers and not len(self.model.mtp):
             raise UnsupportedCheckpointError(
                 "speculative method mtp needs a checkpoint with MTP modules "
@@ -195,7 +195,12 @@ class EngineCore:
             # role runs it inside the pass (`_prefill_mtp`).
             self.runner.keep_hidden = config.role != "prefill"
             self.mtp = MTPDrafter(
-                self.model, self.kv_cache, config.page_size, backend.scale, config.attention_backend
+                self.model,
+                self.kv_cache,
+                config.page_size,
+                backend.scale,
+                config.attention_backend,
+                broadcast=self.tp.group.send_mtp if self.tp is not None else None,
             )
         # The step being run (`_prefill_mtp` reads its chunks).
         self._pass: SchedulerOutput | None = None

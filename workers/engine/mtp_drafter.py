@@ -21,12 +21,15 @@ last prefilled position ``n - 2`` is the first draft, and drafting, like samplin
 decoder's. The decoder runs that position itself from the hidden state the prefill ships
 (`Sequence.mtp_context`), before its first step, which then verifies a draft already.
 
-Limits: one rank (under tensor parallelism the followers would have to run the module too).
+Tensor parallelism: the module's layer is sharded like the model's (its own embedding, norms,
+projection and head are whole on every rank); the leader sends each module step to the
+followers (`workers.engine.parallel.TPGroup.send_mtp`) with the hidden states it reads, and only
+the leader computes drafts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +46,11 @@ from workers.engine.sequence import Sequence as Seq
 MTPWork = tuple[Seq, int, torch.Tensor]
 
 
+# Under tensor parallelism, the leader's hand-off of a module step to the followers
+# (`workers.engine.parallel.TPGroup.send_mtp`), called before it runs the step itself.
+Broadcast = Callable[[torch.Tensor, torch.Tensor, AttentionBatch, torch.Tensor], None]
+
+
 class MTPDrafter:
     def __init__(
         self,
@@ -51,8 +59,10 @@ class MTPDrafter:
         page_size: int,
         scale: float,
         attention_backend: str,
+        broadcast: Broadcast | None = None,
     ) -> None:
-        """``kv_cache``: the engine's pool, whose last layer is the module's."""
+        """``kv_cache``: the rank's pool, whose last layer is the module's; ``broadcast``: the
+        leader's of a TP group (its followers' drafters run `forward` with what it sends)."""
         module = model.mtp[0]
         assert isinstance(module, MTPModule)
         self.model = model
@@ -61,6 +71,7 @@ class MTPDrafter:
         self.layer = model.config.num_layers
         assert kv_cache.shape[0] == self.layer + 1, "the pool has no MTP layer"
         self.kv_cache = kv_cache
+        self.broadcast = broadcast
         # Its own backend over the shared pool: the main model's keeps the step's batch.
         self.backend = create_attention_backend(attention_backend, kv_cache, page_size, scale=scale)
 
@@ -68,7 +79,7 @@ class MTPDrafter:
     def run(self, work: Sequence[MTPWork]) -> list[int]:
         """Write the MTP KV of each item's positions; returns, per item, the draft predicted at
         its last position (the token after the sequence's newest)."""
-        x, batch = self._layer(work, None)
+        x, batch = self._run(work, None)
         module = self.module
         last = last_rows(batch)
         logits = linear(module.shared_head_norm(x.index_select(0, last)), module.shared_head_weight)
@@ -80,11 +91,11 @@ class MTPDrafter:
         """Prefill role: write the MTP KV of each item's positions (no drafts) and report the
         layer done to ``progress``, also when there is nothing to write."""
         if work:
-            self._layer(work, progress)
+            self._run(work, progress)
         else:
             progress.mark_layer_done(self.layer)
 
-    def _layer(
+    def _run(
         self, work: Sequence[MTPWork], progress: LayerProgress | None
     ) -> tuple[torch.Tensor, AttentionBatch]:
         input_ids: list[int] = []
@@ -93,14 +104,29 @@ class MTPDrafter:
             input_ids.extend(seq.token_ids[start + 1 : start + hidden.shape[0] + 1])
         runs = [(seq.page_ids, start, hidden.shape[0]) for seq, start, hidden in work]
         device = self.kv_cache.device
-        position_tensor, batch = paged_batch(runs, self.page_size, device)
-        module, model = self.module, self.model
+        positions, batch = paged_batch(runs, self.page_size, device)
         ids = torch.tensor(input_ids, dtype=torch.long, device=device)
         hidden = torch.cat([h for _, _, h in work])
-        embeds = F.embedding(ids, module.embed_tokens)
+        if self.broadcast is not None:
+            self.broadcast(ids, positions, batch, hidden)
+        return self.forward(ids, positions, batch, hidden, progress), batch
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        hidden: torch.Tensor,
+        progress: LayerProgress | None = None,
+    ) -> torch.Tensor:
+        """The module's layer over prepared inputs (every rank of a TP group runs it)."""
+        module, model = self.module, self.model
+        embeds = F.embedding(input_ids, module.embed_tokens)
         x = linear(
             torch.cat((module.enorm(embeds), module.hnorm(hidden)), -1), module.eh_proj_weight
         )
-        rotary = model.rotary.tables(position_tensor, x.dtype, None, max(batch.seq_lens_list))
+        rotary = model.rotary.tables(positions, x.dtype, None, max(batch.seq_lens_list))
         self.backend.begin_step(batch)
-        return module.layer(self.layer, x, rotary, batch, self.backend, progress), batch
+        out: torch.Tensor = module.layer(self.layer, x, rotary, batch, self.backend, progress)
+        return out

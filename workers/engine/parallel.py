@@ -40,7 +40,7 @@ import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -60,6 +60,7 @@ IDLE_TIMEOUT = timedelta(days=365)
 
 OP_STEP = 1
 OP_SHUTDOWN = 2
+OP_MTP = 3  # the MTP module's layer over a step (`workers.engine.mtp_drafter`)
 HEADER_LEN = 8
 
 
@@ -229,7 +230,11 @@ class TPGroup:
     # --- leader side ------------------------------------------------------------------------
 
     def send_step(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        opcode: int = OP_STEP,
     ) -> None:
         fields = [
             input_ids,
@@ -243,22 +248,35 @@ class TPGroup:
         ]
         payload = torch.cat([f.to("cpu", torch.int64) for f in fields])
         num_seqs, max_pages = batch.page_table.shape
-        self._broadcast(_header(OP_STEP, input_ids.numel(), num_seqs, max_pages, payload.numel()))
+        self._broadcast(_header(opcode, input_ids.numel(), num_seqs, max_pages, payload.numel()))
         self._broadcast(payload)
+
+    def send_mtp(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        hidden: torch.Tensor,
+    ) -> None:
+        """A step of the MTP module: its inputs as a model step's, then the main model's final
+        hidden states it reads (the leader's: the followers' own rows were not selected)."""
+        self.send_step(input_ids, positions, batch, OP_MTP)
+        # float32 on the wire: exact for bfloat16 and float16 states, and any backend takes it.
+        self._broadcast(hidden.to("cpu", torch.float32).contiguous())
 
     def send_shutdown(self) -> None:
         self._broadcast(_header(OP_SHUTDOWN, 0, 0, 0, 0))
 
     # --- follower side ----------------------------------------------------------------------
 
-    def recv_step(self) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch] | None:
+    def recv_step(self) -> FollowerStep | None:
         """The next step's inputs, or None when the leader shuts the group down."""
         header = torch.zeros(HEADER_LEN, dtype=torch.int64)
         self._broadcast(header, IDLE_TIMEOUT)
         opcode, num_tokens, num_seqs, max_pages, payload_len = header[:5].tolist()
         if opcode == OP_SHUTDOWN:
             return None
-        if opcode != OP_STEP:
+        if opcode not in (OP_STEP, OP_MTP):
             raise RuntimeError(f"unknown TP opcode {opcode} in header {header.tolist()}")
         payload = torch.empty(payload_len, dtype=torch.int64)
         self._broadcast(payload)
@@ -281,7 +299,22 @@ class TPGroup:
             seq_lens_list=tuple(seq_lens_list),
             num_prompt_tokens=num_prompt_tokens,
         )
-        return ids, pos, batch
+        return FollowerStep(opcode == OP_MTP, ids, pos, batch)
+
+    def recv_hidden(self, num_tokens: int, hidden_size: int, dtype: torch.dtype) -> torch.Tensor:
+        """After an MTP step's inputs: the hidden states it reads, on this rank's device."""
+        hidden = torch.empty(num_tokens, hidden_size, dtype=torch.float32)
+        self._broadcast(hidden)
+        return hidden.to(self.device, dtype)
+
+
+class FollowerStep(NamedTuple):
+    """A step a follower received: the model's (``mtp`` False) or the MTP module's."""
+
+    mtp: bool
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    batch: AttentionBatch
 
 
 def _header(*values: int) -> torch.Tensor:

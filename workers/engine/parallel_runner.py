@@ -192,10 +192,14 @@ def start_tensor_parallel(
     local_config = spec.local_config(model_config)
     dtype = resolve_dtype(config.dtype, model_config)
     num_pages = config.num_pages or num_pages_for_budget(
-        local_config, config.page_size, dtype, config.kv_memory_bytes or DEFAULT_KV_MEMORY_BYTES
+        local_config,
+        config.page_size,
+        dtype,
+        config.kv_memory_bytes or DEFAULT_KV_MEMORY_BYTES,
+        config.mtp_layers,
     )
     shape = KVCacheShape(
-        local_config.num_layers,
+        local_config.num_layers + config.mtp_layers,
         num_pages,
         local_config.num_kv_heads,
         config.page_size,
@@ -246,7 +250,9 @@ def start_tensor_parallel(
             processes.append(_spawn(follower))
         group = TPGroup(store, 0, tp, device=device, reduce_backend=reduce_backend)
         model, _ = load_shard(str(model_dir), config.dtype, tp, 0, group)
-        kv_cache = allocate_kv_cache(local_config, num_pages, config.page_size, dtype, device)
+        kv_cache = allocate_kv_cache(
+            local_config, num_pages, config.page_size, dtype, device, config.mtp_layers
+        )
         _wait_ready(store, processes)
         if on_cuda:
             cuda_pools = _import_pools(exchange, tp, shape, dtype)

@@ -27,8 +27,8 @@ any more return to the pool.
 Proposers: ``ngram`` (prompt lookup: the longest recent n-gram of the sequence found earlier in
 it proposes what followed there; no model, gains on extractive and editing work); ``mtp``
 (DeepSeek-V3's multi-token-prediction module, `workers.engine.mtp_drafter`: one draft a step,
-one rank; on a decoder the first from the hidden state the prefill ships); ``draft_model`` (a smaller checkpoint with the same tokenizer, its own
-paged KV, `workers.engine.draft_model`).
+on a decoder the first from the hidden state the prefill ships); ``draft_model`` (a smaller
+checkpoint with the same tokenizer, its own paged KV, `workers.engine.draft_model`).
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ argument, a JSON `FollowerSpec` (no pickled objects of ours cross the process bo
    `workers.engine.shared_kv_cuda`), then publishes ``ready/<rank>`` (or ``error/<rank>``
    with the reason) in the store;
 2. joins the gloo group and loops: receive a step's inputs (`TPGroup.recv_step`), run the
-   forward pass over its shard (the all-reduces pair with the other ranks'), repeat;
+   forward pass over its shard (the all-reduces pair with the other ranks'), or the MTP
+   module's layer over its shard (with the hidden states the leader sends), repeat;
 3. exits 0 on the leader's ``SHUTDOWN``, non-zero when a collective fails (leader gone).
 
 It never samples, schedules or computes logits; the scheduler state lives only on the leader.
@@ -32,6 +33,7 @@ from workers.engine.attention.base import AttentionBackend
 from workers.engine.loader import load_model
 from workers.engine.model import CausalLM
 from workers.engine.model_config import ModelConfig
+from workers.engine.mtp_drafter import MTPDrafter
 from workers.engine.parallel import TPGroup, shard_spec
 from workers.engine.shared_kv import dtype_from_name, map_pool
 from workers.log import configure_logging
@@ -104,14 +106,14 @@ def follower_main(spec_json: str) -> None:
         store, spec.rank, spec.tp_size, device=device, reduce_backend=spec.reduce_backend
     )
     try:
-        model, backend = _build(spec, group)
+        model, backend, mtp = _build(spec, group)
     except BaseException as exc:
         store.set(error_key(spec.rank), f"{type(exc).__name__}: {exc}")
         raise
     store.set(ready_key(spec.rank), "1")
     group.connect()
     try:
-        _serve(group, model, backend)
+        _serve(group, model, backend, mtp)
     except RuntimeError as exc:
         # Gloo reports a vanished leader (or peer) as a closed connection: nothing to save.
         logger.error("TP rank %d: lost the group, exiting: %s", spec.rank, exc)
@@ -119,7 +121,9 @@ def follower_main(spec_json: str) -> None:
     logger.info("TP rank %d: shut down by the leader", spec.rank)
 
 
-def _build(spec: FollowerSpec, group: TPGroup) -> tuple[CausalLM, AttentionBackend]:
+def _build(
+    spec: FollowerSpec, group: TPGroup
+) -> tuple[CausalLM, AttentionBackend, MTPDrafter | None]:
     model, config = load_shard(spec.model_dir, spec.dtype, spec.tp_size, spec.rank, group)
     dtype = dtype_from_name(spec.pool_dtype)
     if group.device.type == "cuda":
@@ -134,11 +138,26 @@ def _build(spec: FollowerSpec, group: TPGroup) -> tuple[CausalLM, AttentionBacke
     backend = create_attention_backend(
         spec.attention_backend, kv_cache, spec.page_size, scale=config.attention_scale
     )
-    return model, backend
+    # A pool with a layer past the model's holds the MTP module's KV: the leader drafts with
+    # it (or computes it for decoders), and this rank runs its shard of the module's layer.
+    mtp = (
+        MTPDrafter(model, kv_cache, spec.page_size, config.attention_scale, spec.attention_backend)
+        if kv_cache.shape[0] > config.num_layers
+        else None
+    )
+    return model, backend, mtp
 
 
 @torch.inference_mode()
-def _serve(group: TPGroup, model: CausalLM, backend: AttentionBackend) -> None:
+def _serve(
+    group: TPGroup, model: CausalLM, backend: AttentionBackend, mtp: MTPDrafter | None
+) -> None:
     while (step := group.recv_step()) is not None:
-        input_ids, positions, batch = step
-        model(input_ids, positions, batch, backend)
+        if step.mtp:
+            if mtp is None:
+                raise RuntimeError("the leader sent an MTP step to a rank without the MTP layer")
+            num_tokens = step.input_ids.numel()
+            hidden = group.recv_hidden(num_tokens, model.config.hidden_size, model.dtype)
+            mtp.forward(step.input_ids, step.positions, step.batch, hidden)
+        else:
+            model(step.input_ids, step.positions, step.batch, backend)
