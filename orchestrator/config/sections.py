@@ -173,10 +173,10 @@ class SpeculativeSection(Section):
 
     method: Annotated[str, OneOf(SPECULATIVE_METHODS)] = "ngram"
     """The proposer: ``ngram`` (prompt lookup: what followed the latest earlier occurrence of
-    the sequence's last n tokens), ``mtp`` (a DeepSeek-V3 checkpoint's MTP module, one draft a
-    step; on a decode group the prefill group computes the module's KV of the prompt and ships
-    the hidden state its first draft starts from) or ``draft_model`` (``model``, a smaller
-    checkpoint with the same tokenizer)."""
+    the sequence's last n tokens), ``mtp`` (a DeepSeek-V3 checkpoint's MTP module, chained for
+    more than one draft; on a decode group the prefill group computes the module's KV of the
+    prompt and ships the hidden state its first draft starts from) or ``draft_model``
+    (``model``, a smaller checkpoint with the same tokenizer)."""
     num_speculative_tokens: int = Field(default=3, ge=1, le=MAX_SPECULATIVE_TOKENS)
     """Drafts per step; a step emits between 1 and this many + 1 tokens."""
     prompt_lookup_min: int = Field(default=1, ge=1)

@@ -172,9 +172,16 @@ def write_attention_bias_checkpoint(preset: str, out_dir: Path, seed: int = 7) -
 
 
 def reference_mtp_draft(model_dir: Path, tokens: list[int]) -> int:
-    """The MTP module's prediction of the token after ``tokens``, computed in one pass: the main
-    model's final hidden states of positions 0 .. m-1 (m = len(tokens) - 1), then the module
-    over those positions with tokens 1 .. m, causal, and its head at the last position."""
+    """The MTP module's prediction of the token after ``tokens`` (`reference_mtp_drafts`)."""
+    return reference_mtp_drafts(model_dir, tokens, 1)[0]
+
+
+def reference_mtp_drafts(model_dir: Path, tokens: list[int], k: int) -> list[int]:
+    """``k`` drafts after ``tokens``, computed from scratch: the main model's final hidden
+    states of positions 0 .. m-1 (m = len(tokens) - 1) in one pass, the module over those
+    positions with tokens 1 .. m, causal, its head at the last position (the first draft);
+    then the module one position further for each next draft, reading the draft before and its
+    own output at the position before."""
     from workers.engine.cpu_gemm import linear
     from workers.engine.loader import load_model
 
@@ -185,9 +192,19 @@ def reference_mtp_draft(model_dir: Path, tokens: list[int]) -> int:
     module = model.mtp[0]
     cache = torch.zeros((1, *main.kv_cache.shape[1:]))
     backend = create_attention_backend("torch", cache, main.page_size, config.attention_scale)
-    embeds = torch.nn.functional.embedding(torch.tensor(tokens[1:]), module.embed_tokens)
-    x = linear(torch.cat((module.enorm(embeds), module.hnorm(hidden)), -1), module.eh_proj_weight)
-    backend.begin_step(batch)
-    x = module.layer(0, x, model.rotary.tables(positions, x.dtype), batch, backend, None)
-    logits = linear(module.shared_head_norm(x[-1:]), module.shared_head_weight)
-    return int(logits.argmax())
+    inputs = torch.tensor(tokens[1:])
+    drafts: list[int] = []
+    while True:
+        embeds = torch.nn.functional.embedding(inputs, module.embed_tokens)
+        x = torch.cat((module.enorm(embeds), module.hnorm(hidden)), -1)
+        x = linear(x, module.eh_proj_weight)
+        backend.begin_step(batch)
+        x = module.layer(0, x, model.rotary.tables(positions, x.dtype), batch, backend, None)
+        logits = linear(module.shared_head_norm(x[-1:]), module.shared_head_weight)
+        drafts.append(int(logits.argmax()))
+        if len(drafts) == k:
+            return drafts
+        # The next position: this draft as its token, this output as its hidden state (the
+        # main runner's bookkeeping only places it in the pages).
+        _, positions, batch = main.build_batch([(0, [drafts[-1]])])
+        inputs, hidden = torch.tensor(drafts[-1:]), x[-1:]

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from tests.engine.engine_helpers import make_engine, prompts_of_lengths, run_engine
-from tests.engine.model_helpers import reference_mtp_draft
+from tests.engine.model_helpers import reference_mtp_draft, reference_mtp_drafts
 from workers.engine import engine_core, speculator
 from workers.engine.config import EngineConfig
 from workers.engine.kv_cache import copy_pages
@@ -396,6 +396,33 @@ def test_mtp_draft_is_the_modules_prediction_from_the_whole_sequence(
         assert draft == reference_mtp_draft(deepseek_model_dir, tokens)
 
 
+@pytest.mark.parametrize("budget", [16, 2048])
+def test_mtp_chains_the_module_for_more_drafts(deepseek_model_dir: Path, budget: int) -> None:
+    """k = 3 from one module: the same tokens as without speculation, and each step's drafts
+    are the module chained from scratch over the sequence (its scratch KV past the sequence
+    is rewritten once the drafts are verified)."""
+    prompts = prompts_of_lengths([5, 17, 40], seed=4)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    expected = run_engine(make_engine(deepseek_model_dir), prompts, params)
+    mtp3 = SpeculativeConfig(method="mtp", num_speculative_tokens=3)
+    engine = make_engine(deepseek_model_dir, max_num_batched_tokens=budget, speculative=mtp3)
+    drafts: list[tuple[list[int], list[int]]] = []
+    propose = engine.speculator.propose  # type: ignore[union-attr]
+
+    def recording_propose(running: list[Seq], waiting: list[Seq]) -> None:
+        propose(running, waiting)
+        drafts.extend(
+            (list(s.token_ids), list(s.spec_token_ids)) for s in running if s.spec_token_ids
+        )
+
+    engine.speculator.propose = recording_propose  # type: ignore[union-attr,method-assign]
+    assert run_engine(engine, prompts, params) == expected
+    assert any(len(d) == 3 for _, d in drafts)
+    assert engine.stats.num_draft_tokens == sum(len(d) for _, d in drafts)
+    for tokens, chain in drafts:
+        assert chain == reference_mtp_drafts(deepseek_model_dir, tokens, len(chain))
+
+
 def test_tensor_parallel_engine_drafts_with_the_module_on_every_rank(
     deepseek_model_dir: Path,
 ) -> None:
@@ -433,8 +460,6 @@ def test_mtp_needs_a_checkpoint_with_the_module(tiny_model_dir: Path) -> None:
         make_engine(tiny_model_dir, speculative=MTP)
     with pytest.raises(UnsupportedCheckpointError, match="MTP modules"):
         make_engine(tiny_model_dir, role="prefill", mtp_kv=True)
-    with pytest.raises(ValueError, match="one draft a step"):
-        SpeculativeConfig(method="mtp", num_speculative_tokens=2)
     with pytest.raises(ValueError, match="mtp_kv is for the prefill role"):
         make_engine(tiny_model_dir, role="decode", mtp_kv=True)
 
@@ -466,11 +491,12 @@ def _disaggregated_mtp_run(
     ship: str = "hidden",
     decode_pages: int = 80,
     tp: int = 1,
-) -> tuple[list[list[int]], engine_core.EngineCore, list[tuple[list[int], int]]]:
+    k: int = 1,
+) -> tuple[list[list[int]], engine_core.EngineCore, list[tuple[list[int], list[int]]]]:
     """Each prompt prefilled on a prefill engine with ``mtp_kv``, its pages (every layer, the
-    MTP layer's included) copied into a decoder that drafts with MTP; ``ship``: the hidden state
-    handed over (``hidden``), a wrong one (``zeros``) or none (``none``). Returns the tokens, the
-    decoder and every draft proposed with the tokens it follows."""
+    MTP layer's included) copied into a decoder that drafts ``k`` tokens with MTP; ``ship``: the
+    hidden state handed over (``hidden``), a wrong one (``zeros``) or none (``none``). Returns
+    the tokens, the decoder and every step's drafts with the tokens they follow."""
     prefill = make_engine(
         model_dir,
         role="prefill",
@@ -483,7 +509,7 @@ def _disaggregated_mtp_run(
         model_dir,
         role="decode",
         num_pages=decode_pages,
-        speculative=MTP,
+        speculative=SpeculativeConfig(method="mtp", num_speculative_tokens=k),
         tensor_parallel_size=tp,
     )
     try:
@@ -499,7 +525,7 @@ def _disaggregated_mtp_steps(
     prompts: list[list[int]],
     params: SamplingParams,
     ship: str,
-) -> tuple[list[list[int]], engine_core.EngineCore, list[tuple[list[int], int]]]:
+) -> tuple[list[list[int]], engine_core.EngineCore, list[tuple[list[int], list[int]]]]:
     decode.allocate_pinned(3)  # page ids differ between the two sides
     assert prefill.kv_cache.shape[0] == decode.kv_cache.shape[0] == prefill.kv_layers
     for i, prompt in enumerate(prompts):
@@ -512,7 +538,7 @@ def _disaggregated_mtp_steps(
         decode.add_prefilled_request(f"r{i}", prompt, params, dst, shipped)
     assert prefill.block_manager.num_free_pages == prefill.num_pages
     # (request, tokens before the draft) -> draft; a request still waiting keeps its draft.
-    drafts: dict[tuple[str, int], tuple[list[int], int]] = {}
+    drafts: dict[tuple[str, int], tuple[list[int], list[int]]] = {}
     propose = decode.speculator.propose  # type: ignore[union-attr]
 
     def recording_propose(running: list[Seq], waiting: list[Seq]) -> None:
@@ -520,7 +546,7 @@ def _disaggregated_mtp_steps(
         for seq in [*running, *waiting]:
             if seq.spec_token_ids:
                 key = (seq.request_id, seq.num_tokens)
-                drafts[key] = (list(seq.token_ids), seq.spec_token_ids[0])
+                drafts[key] = (list(seq.token_ids), list(seq.spec_token_ids))
 
     decode.speculator.propose = recording_propose  # type: ignore[union-attr,method-assign]
     tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
@@ -535,21 +561,21 @@ def _disaggregated_mtp_steps(
 MTP_PROMPT_LENGTHS = [2, 17, 40]
 
 
-@pytest.mark.parametrize("decode_pages", [80, 11])
+@pytest.mark.parametrize(("decode_pages", "k"), [(80, 1), (11, 1), (80, 3)])
 def test_mtp_decoder_drafts_from_its_first_step_with_greedy_parity(
-    deepseek_model_dir: Path, decode_pages: int
+    deepseek_model_dir: Path, decode_pages: int, k: int
 ) -> None:
     """A decoder fed by a prefill worker that computed the MTP layer drafts from its first step
     (the module run at the last prefilled position from the shipped hidden state): the same
     tokens as without speculation, and every draft, the first included, is the module's
     one-pass prediction over the whole sequence; also when a small pool preempts (the
-    sequence then recomputes its main and MTP KV itself)."""
+    sequence then recomputes its main and MTP KV itself), and with chained drafts."""
     prompts = prompts_of_lengths(MTP_PROMPT_LENGTHS, seed=5)
     max_tokens = 8 if decode_pages > 11 else 30
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     expected = run_engine(make_engine(deepseek_model_dir), prompts, params)
     tokens, decode, drafts = _disaggregated_mtp_run(
-        deepseek_model_dir, prompts, params, decode_pages=decode_pages
+        deepseek_model_dir, prompts, params, decode_pages=decode_pages, k=k
     )
     assert tokens == expected
     assert (decode.stats.num_preemptions > 0) == (decode_pages == 11)
@@ -560,24 +586,25 @@ def _check_drafts(
     model_dir: Path,
     prompts: list[list[int]],
     decode: engine_core.EngineCore,
-    drafts: list[tuple[list[int], int]],
+    drafts: list[tuple[list[int], list[int]]],
 ) -> None:
-    """Every prompt drafted before its first step, and every draft is the module's one-pass
-    prediction over the tokens it follows."""
-    assert decode.stats.num_draft_tokens == len(drafts) > 0
+    """Every prompt drafted before its first step, and every step's drafts are the module's
+    (chained) prediction from scratch over the tokens they follow."""
+    assert decode.stats.num_draft_tokens == sum(len(chain) for _, chain in drafts) > 0
     firsts = [tokens for tokens, _ in drafts if tokens in prompts]
     assert sorted(firsts) == sorted(prompts)
-    for sequence, draft in drafts:
-        assert draft == reference_mtp_draft(model_dir, sequence)
+    for sequence, chain in drafts:
+        assert chain == reference_mtp_drafts(model_dir, sequence, len(chain))
 
 
 def test_tensor_parallel_prefill_and_decoder_carry_the_mtp_layer(deepseek_model_dir: Path) -> None:
     """TP 2 on both sides: each prefill rank computes its shard of the module's layer (the
-    latent it stores is whole on every rank), each decode rank runs its shard of the module."""
+    latent it stores is whole on every rank), each decode rank runs its shard of the module,
+    chained for a second draft."""
     prompts = prompts_of_lengths([17, 40], seed=5)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     expected = run_engine(make_engine(deepseek_model_dir), prompts, params)
-    tokens, decode, drafts = _disaggregated_mtp_run(deepseek_model_dir, prompts, params, tp=2)
+    tokens, decode, drafts = _disaggregated_mtp_run(deepseek_model_dir, prompts, params, tp=2, k=2)
     assert tokens == expected
     _check_drafts(deepseek_model_dir, prompts, decode, drafts)
 
@@ -593,7 +620,7 @@ def test_mtp_decoder_without_the_shipped_hidden_state_cannot_draft(
     expected = run_engine(make_engine(deepseek_model_dir), prompts, params)
     tokens, _, drafts = _disaggregated_mtp_run(deepseek_model_dir, prompts, params, "zeros")
     assert tokens == expected
-    firsts = [(tokens, draft) for tokens, draft in drafts if tokens in prompts]
+    firsts = [(tokens, chain[0]) for tokens, chain in drafts if tokens in prompts]
     assert len(firsts) == len(prompts)
     assert any(draft != reference_mtp_draft(deepseek_model_dir, t) for t, draft in firsts)
     tokens, decode, drafts = _disaggregated_mtp_run(deepseek_model_dir, prompts, params, "none")

@@ -10,8 +10,9 @@ Mixed and decode roles (`workers.engine.speculator`): after every step, once the
 are sampled, the drafter runs the module over every position the step computed and kept (a
 prefill chunk's, a decode's, a verify pass's kept rows), whose next token is now known: its KV
 stays valid exactly as far as the main KV (``Sequence.mtp_computed``), and its prediction at a
-sequence's last position is the draft the next step verifies. One module, one draft a step
-(``num_speculative_tokens`` 1), as DeepSeek deploys it.
+sequence's last position is the first draft the next step verifies. With
+``num_speculative_tokens`` k > 1 the one module is chained for the others (`chain`), as vLLM
+serves DeepSeek's single module for k > 1; DeepSeek itself deploys k = 1.
 
 Disaggregated (``EngineConfig.mtp_kv`` on the prefill role): the prefill worker runs the module
 over each pass's positions ``j < n - 2`` of an ``n``-token prompt (`write`), in the pass, so the
@@ -76,37 +77,80 @@ class MTPDrafter:
         self.backend = create_attention_backend(attention_backend, kv_cache, page_size, scale=scale)
 
     @torch.inference_mode()
-    def run(self, work: Sequence[MTPWork]) -> list[int]:
+    def run(self, work: Sequence[MTPWork]) -> tuple[list[int], torch.Tensor]:
         """Write the MTP KV of each item's positions; returns, per item, the draft predicted at
-        its last position (the token after the sequence's newest)."""
-        x, batch = self._run(work, None)
-        module = self.module
-        last = last_rows(batch)
-        logits = linear(module.shared_head_norm(x.index_select(0, last)), module.shared_head_weight)
-        drafts: list[int] = logits.argmax(dim=-1).tolist()
+        its last position (the token after the sequence's newest) and the module's output
+        there (what a chain continues from, `chain`)."""
+        input_ids: list[int] = []
+        for seq, start, hidden in work:
+            # Position j reads token j + 1.
+            input_ids.extend(seq.token_ids[start + 1 : start + hidden.shape[0] + 1])
+        runs = [(seq.page_ids, start, hidden.shape[0]) for seq, start, hidden in work]
+        hidden = torch.cat([h for _, _, h in work])
+        x, batch = self._step(runs, input_ids, hidden, None)
+        out = x.index_select(0, last_rows(batch))
+        return self._drafts(out), out
+
+    @torch.inference_mode()
+    def chain(self, items: Sequence[tuple[Seq, int]]) -> list[list[int]]:
+        """``k`` drafts per ``(sequence, k)`` item, from its first (``mtp_draft``, predicted at
+        position ``N - 2`` of its ``N`` tokens): the module again at positions ``N - 1``,
+        ``N`` ..., each reading the draft before and the module's own output at the position
+        before (``mtp_hidden``), as DeepSeek's one module serves ``k > 1``. The KV it writes
+        past the sequence's MTP KV is scratch: the run after the verifying step rewrites it.
+        The sequences' pages must cover ``N + k - 2`` tokens."""
+        drafts: list[list[int]] = []
+        hidden: list[torch.Tensor] = []
+        for seq, _ in items:
+            assert seq.mtp_draft is not None and seq.mtp_hidden is not None
+            drafts.append([seq.mtp_draft])
+            hidden.append(seq.mtp_hidden)
+        for depth in range(1, max(k for _, k in items)):
+            active = [i for i, (_, k) in enumerate(items) if k > depth]
+            runs = []
+            for i in active:
+                seq = items[i][0]
+                runs.append((seq.page_ids, seq.num_tokens - 2 + depth, 1))
+            ids = [drafts[i][-1] for i in active]
+            rows = torch.stack([hidden[i] for i in active])
+            x, _ = self._step(runs, ids, rows, None)
+            for row, (i, draft) in enumerate(zip(active, self._drafts(x), strict=True)):
+                drafts[i].append(draft)
+                hidden[i] = x[row]
         return drafts
 
     @torch.inference_mode()
     def write(self, work: Sequence[MTPWork], progress: LayerProgress) -> None:
         """Prefill role: write the MTP KV of each item's positions (no drafts) and report the
         layer done to ``progress``, also when there is nothing to write."""
-        if work:
-            self._run(work, progress)
-        else:
+        if not work:
             progress.mark_layer_done(self.layer)
-
-    def _run(
-        self, work: Sequence[MTPWork], progress: LayerProgress | None
-    ) -> tuple[torch.Tensor, AttentionBatch]:
+            return
         input_ids: list[int] = []
         for seq, start, hidden in work:
-            # Position j reads token j + 1.
             input_ids.extend(seq.token_ids[start + 1 : start + hidden.shape[0] + 1])
         runs = [(seq.page_ids, start, hidden.shape[0]) for seq, start, hidden in work]
+        self._step(runs, input_ids, torch.cat([h for _, _, h in work]), progress)
+
+    def _drafts(self, out: torch.Tensor) -> list[int]:
+        """The module's head over output rows: the greedy draft of each."""
+        module = self.module
+        logits = linear(module.shared_head_norm(out), module.shared_head_weight)
+        drafts: list[int] = logits.argmax(dim=-1).tolist()
+        return drafts
+
+    def _step(
+        self,
+        runs: Sequence[tuple[Sequence[int], int, int]],
+        input_ids: list[int],
+        hidden: torch.Tensor,
+        progress: LayerProgress | None,
+    ) -> tuple[torch.Tensor, AttentionBatch]:
+        """The module's layer over ``runs`` ((page ids, first position, count) each): position
+        ``j`` reads ``input_ids``' token and ``hidden``'s row at its place."""
         device = self.kv_cache.device
         positions, batch = paged_batch(runs, self.page_size, device)
         ids = torch.tensor(input_ids, dtype=torch.long, device=device)
-        hidden = torch.cat([h for _, _, h in work])
         if self.broadcast is not None:
             self.broadcast(ids, positions, batch, hidden)
         return self.forward(ids, positions, batch, hidden, progress), batch

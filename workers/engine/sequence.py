@@ -78,10 +78,12 @@ class Sequence:
         # of the last back-off (doubling while drafts keep failing).
         self.spec_skip = 0
         self.spec_backoff = 0
-        # MTP drafts (`workers.engine.mtp_drafter`): positions whose MTP KV is written, and the
-        # module's prediction of the token after the newest (None: none yet).
+        # MTP drafts (`workers.engine.mtp_drafter`): positions whose MTP KV is written, the
+        # module's prediction of the token after the newest (None: none yet) and its output
+        # there, which further drafts chain from.
         self.mtp_computed = 0
         self.mtp_draft: int | None = None
+        self.mtp_hidden: torch.Tensor | None = None
         # On a decoder: the main model's hidden state at position ``mtp_computed``, shipped by
         # the prefill worker; the module runs it before the first step (then None).
         self.mtp_context: torch.Tensor | None = None
@@ -160,7 +162,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.spec_token_ids = []
         self.mtp_computed, self.mtp_draft, self.draft_computed = 0, None, 0
-        self.mtp_context = None
+        self.mtp_context = self.mtp_hidden = None
         self.num_preemptions += 1
 
     def drop_kv(self) -> None:
@@ -171,7 +173,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.spec_token_ids = []
         self.mtp_computed, self.mtp_draft, self.draft_computed = 0, None, 0
-        self.mtp_context = None
+        self.mtp_context = self.mtp_hidden = None
         self.num_preemptions += 1
 
     def finish(self, reason: FinishReason) -> None:

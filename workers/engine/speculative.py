@@ -26,8 +26,9 @@ any more return to the pool.
 
 Proposers: ``ngram`` (prompt lookup: the longest recent n-gram of the sequence found earlier in
 it proposes what followed there; no model, gains on extractive and editing work); ``mtp``
-(DeepSeek-V3's multi-token-prediction module, `workers.engine.mtp_drafter`: one draft a step,
-on a decoder the first from the hidden state the prefill ships); ``draft_model`` (a smaller
+(DeepSeek-V3's multi-token-prediction module, `workers.engine.mtp_drafter`: the first draft
+from the module, more by chaining it; on a decoder the first from the hidden state the prefill
+ships); ``draft_model`` (a smaller
 checkpoint with the same tokenizer, its own paged KV, `workers.engine.draft_model`).
 """
 
@@ -65,11 +66,6 @@ class SpeculativeConfig:
             )
         if (self.method == "draft_model") != (self.model is not None):
             raise ValueError("the draft_model method needs a model (and only it takes one)")
-        if self.method == "mtp" and self.num_speculative_tokens != 1:
-            raise ValueError(
-                "mtp proposes one draft a step (DeepSeek's one MTP module): "
-                f"num_speculative_tokens must be 1, got {self.num_speculative_tokens}"
-            )
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(
                 "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "

@@ -48,7 +48,7 @@ class Speculator:
         candidates = list(running)
         if self.mtp is not None:
             candidates += self._run_shipped_contexts(waiting)
-        drafting: list[tuple[Seq, int]] = []  # draft-model drafts, proposed in one batch
+        drafting: list[tuple[Seq, int]] = []  # drafts of a model or an MTP chain, one batch
         for seq in candidates:
             if seq.prefill_only or seq.num_remaining_tokens != 1:
                 continue
@@ -63,7 +63,11 @@ class Speculator:
             if k <= 0:
                 continue
             if spec.method == "mtp":
-                seq.spec_token_ids = [seq.mtp_draft] if seq.mtp_draft is not None else []
+                # Further drafts chain the module over positions that need pages first.
+                if seq.mtp_draft is not None and k > 1 and self._reserve_pages(seq, k):
+                    drafting.append((seq, k))
+                else:
+                    seq.spec_token_ids = [seq.mtp_draft] if seq.mtp_draft is not None else []
             elif spec.method == "draft_model":
                 if self._reserve_pages(seq, k):
                     drafting.append((seq, k))
@@ -72,8 +76,12 @@ class Speculator:
                     seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max
                 )
         if drafting:
-            assert self.draft_model is not None
-            proposals = self.draft_model.propose([s for s, _ in drafting], [k for _, k in drafting])
+            if self.mtp is not None:
+                proposals = self.mtp.chain(drafting)
+            else:
+                assert self.draft_model is not None
+                seqs, ks = [s for s, _ in drafting], [k for _, k in drafting]
+                proposals = self.draft_model.propose(seqs, ks)
             for (seq, _), drafts in zip(drafting, proposals, strict=True):
                 seq.spec_token_ids = drafts
 
@@ -90,9 +98,10 @@ class Speculator:
         if not work:
             return []
         assert self.mtp is not None
-        for (seq, _, _), draft in zip(work, self.mtp.run(work), strict=True):
+        drafts, outputs = self.mtp.run(work)
+        for (seq, _, _), draft, output in zip(work, drafts, outputs, strict=True):
             seq.mtp_computed += 1
-            seq.mtp_draft = draft
+            seq.mtp_draft, seq.mtp_hidden = draft, output
         return [seq for seq, _, _ in work]
 
     def _reserve_pages(self, seq: Seq, k: int) -> bool:
@@ -143,15 +152,18 @@ class Speculator:
         row = 0
         for seq, chunk in zip(scheduled.seqs, scheduled.chunks, strict=True):
             first_row, row = row, row + chunk.num_tokens
-            seq.mtp_draft = None
+            seq.mtp_draft = seq.mtp_hidden = None
             kept = seq.num_computed_tokens - chunk.start  # < num_tokens after a rollback
             if seq.is_finished or seq.mtp_computed != chunk.start or kept <= 0:
                 continue  # gone, or its MTP KV does not reach this chunk: no drafts
             work.append((seq, chunk.start, hidden[first_row : first_row + kept]))
         if not work:
             return
-        drafts = self.mtp.run(work)
-        for (seq, _, _), draft in zip(work, drafts, strict=True):
+        drafts, outputs = self.mtp.run(work)
+        for (seq, _, _), draft, output in zip(work, drafts, outputs, strict=True):
             seq.mtp_computed = seq.num_computed_tokens
             # Mid-prompt, the prediction is of a prompt token: no draft.
-            seq.mtp_draft = draft if seq.num_remaining_tokens == 1 else None
+            if seq.num_remaining_tokens == 1:
+                seq.mtp_draft, seq.mtp_hidden = draft, output
+            else:
+                seq.mtp_draft = seq.mtp_hidden = None
