@@ -22,7 +22,7 @@ chooses one of 2 source sets) and ``small`` (4 KV heads: sharded everywhere, (4,
 reconstructs and (1,4) splits pages with K/V as separate writes); and (1,1), (2,1), (1,2), (2,2)
 on ``deepseek-tiny`` (MLA: one latent plane, the same on every rank, so every destination rank
 takes whole pages from one source rank, ``d · runs`` writes per layer); (1,1) and (2,2) on
-``qwen3-moe-tiny``. Speculating decoders: ngram on ``tiny`` (1,1), (2,2); MTP on
+``qwen3-moe-tiny``. Speculating decoders: ngram on ``tiny`` (1,1), (2,2), a draft model (1,2); MTP on
 ``deepseek-tiny`` (1,1), (2,2), the prefill computing the module's layer (one more layer in the
 write count) and the decoder's first drafts made from the shipped hidden state. Cost is dominated by process start-up (torch import, checkpoint load per
 rank); every process runs one intra-op thread.
@@ -291,18 +291,30 @@ def test_tp_greedy_parity_and_write_count(
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize(("p", "d"), [(1, 1), (2, 2)])
+@pytest.mark.parametrize(("method", "p", "d"), [("ngram", 1, 1), ("ngram", 2, 2), ("draft", 1, 2)])
 def test_speculating_decoder_keeps_greedy_parity(
-    p: int, d: int, references: dict[str, Reference], prompts: list[list[int]]
+    method: str, p: int, d: int, references: dict[str, Reference], prompts: list[list[int]]
 ) -> None:
-    """A decoder with ngram speculative decoding, fed over the fabric: the same tokens, the
-    same writes; drafts were proposed and verified (the KV that arrived is what they extend)."""
+    """A decoder with ngram speculative decoding, or drafting with a model (the checkpoint
+    itself: every greedy draft is kept), fed over the fabric: the same tokens, the same writes;
+    drafts were proposed and verified (the KV that arrived is what they extend; the draft
+    model catches up over the prompt it never saw)."""
     reference = references["tiny"]
-    pair = TPPair(reference.model_dir, p, d, SpeculativeConfig(num_speculative_tokens=3))
+    spec = (
+        SpeculativeConfig(num_speculative_tokens=3)
+        if method == "ngram"
+        else SpeculativeConfig(
+            method="draft_model", model=str(reference.model_dir), num_speculative_tokens=3
+        )
+    )
+    pair = TPPair(reference.model_dir, p, d, spec)
     try:
         _check_case(pair, reference, prompts, p, d, reference.config)
         assert pair.decode is not None
-        assert pair.decode.engine.stats.num_draft_tokens > 0
+        stats = pair.decode.engine.stats
+        assert stats.num_draft_tokens > 0
+        if method == "draft":
+            assert stats.num_accepted_tokens == stats.num_draft_tokens
     finally:
         pair.close()
     wait_until(
