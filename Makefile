@@ -7,7 +7,6 @@ STAMP := $(VENV)/.pdserve-installed
 INSTALL_INPUTS := pyproject.toml setup.py scripts/install.sh $(wildcard workers/fabric/_build.py workers/fabric/csrc/*)
 PROTO_SRCS := $(wildcard protos/pdserve/v1/*.proto)
 PROTO_STUBS := $(PROTO_SRCS:.proto=_pb2.py)
-export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_USAGE_STATS_ENABLED := 0
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1

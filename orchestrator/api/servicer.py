@@ -200,6 +200,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     num_transfers_in_flight=load.num_transfers_in_flight,
                     num_prompt_tokens_computed=load.num_computed_prompt_tokens,
                     num_tokens_generated=load.num_sampled_tokens,
+                    node_ip=record.node_ip,
                 )
         return response
 

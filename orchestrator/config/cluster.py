@@ -6,7 +6,7 @@ Layout (every key optional unless marked; `configs/*.yaml` are complete examples
     dtype: auto | float32 | bfloat16 | float16
     device: cpu | cuda | cuda:N | auto  # where every worker's engine runs (see ClusterConfig)
     page_size: 16                   # tokens per KV page, a power of two
-    worker_host: 127.0.0.1          # where workers' gRPC and /metrics listen (see ClusterConfig)
+    worker_host: null               # where workers' gRPC and /metrics listen (see ClusterConfig)
     limits: {max_model_len, max_num_seqs, max_num_batched_tokens,
              num_pages | kv_memory_bytes, enable_chunked_prefill}
     groups:                         # required; prefill + decode, or mixed alone
@@ -137,9 +137,11 @@ class ClusterConfig(Section):
     which the workers find out at start), which ``tcp`` cannot. On ``auto`` the latter rule
     holds for every group that reserves GPUs: its ranks see one, and auto picks cuda there.
     ``worker_host``: the address every worker's token service (gRPC, which the router dials) and
-    ``/metrics`` bind. The default, loopback, suits one machine; a cluster over several hosts
-    (the Helm chart) gives ``0.0.0.0`` (or ``::``), and each worker then advertises its Ray
-    node's IP in the registry (`workers.service.actor.advertised_address`).
+    ``/metrics`` bind. Null (the default): the IP of the Ray node each worker lands on, which
+    is loopback under the embedded single-node Ray and the node's address in a cluster of
+    several hosts. ``0.0.0.0`` (or ``::``, the Helm chart) binds every interface and
+    advertises the node's IP (`workers.service.actor.advertised_address`). A loopback address
+    is refused once workers land on several nodes.
     Cross-field rules run as a model validator, so that `replace` (and `with_overrides`)
     revalidate the result.
     """
@@ -154,8 +156,9 @@ class ClusterConfig(Section):
     """Where every worker's engine runs: cpu, cuda, cuda:N or auto."""
     page_size: int = Field(default=16, ge=1, json_schema_extra={"enum": PAGE_SIZES})
     """Tokens per KV page, a power of two."""
-    worker_host: str = "127.0.0.1"
-    """Where workers' gRPC and /metrics listen (a host, no port)."""
+    worker_host: str | None = None
+    """Where workers' gRPC and /metrics listen (a host, no port); null: each worker's Ray node
+    IP."""
     limits: Limits = Field(default_factory=Limits)
     """Engine limits of every worker; a group may override some (`GROUP_LIMIT_KEYS`)."""
     transfer: TransferConfig = Field(default_factory=TransferConfig)
@@ -223,6 +226,8 @@ class ClusterConfig(Section):
     @classmethod
     def _host(cls, value: object) -> object:
         """A host to bind (a name or an IP address, no port): ``127.0.0.1``, ``0.0.0.0``, ``::``."""
+        if value is None:
+            return value
         if (
             not isinstance(value, str)
             or not value

@@ -161,9 +161,10 @@ class FabricConfig(Section):
     """libfabric provider; an alias (``tcp``, ``verbs``) is stored as its canonical layered
     name, so that peers compare providers as plain strings."""
     node: str | None = Field(default=None, min_length=1)
-    """Address (or host name) the transfer engine binds to; null lets the provider pick the
-    first suitable interface, which is what a multi-host cluster wants. Local configs give
-    127.0.0.1, because ``tcp;ofi_rxm`` otherwise binds the first Ethernet interface."""
+    """Address (or host name) the transfer engine binds to. Null: with ``tcp;ofi_rxm`` the IP
+    of the Ray node each worker lands on (what the other nodes reach), with the other providers
+    the interface they pick. A loopback address is refused once workers land on several
+    nodes."""
 
 
 class SpeculativeSection(Section):

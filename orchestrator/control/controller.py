@@ -22,7 +22,13 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator.config.cluster import ClusterConfig, GroupConfig
-from orchestrator.control.placement import place_worker, remove_worker_placement, worker_bundles
+from orchestrator.control.placement import (
+    PlacementError,
+    check_reachable,
+    place_worker,
+    remove_worker_placement,
+    worker_bundles,
+)
 from orchestrator.control.registry import Registry, WorkerRecord
 from orchestrator.control.shutdown import off_loop
 from workers.engine.config import EngineConfig
@@ -146,6 +152,12 @@ class Controller:
         record.prefill_endpoint = info["prefill_endpoint"]
         record.metrics_port = info.get("metrics_port", 0)
         record.pid = info["pid"]
+        record.node_ip = info["node_ip"]
+        try:
+            check_reachable(self.config, record, self.registry.workers.values())
+        except PlacementError:
+            self._discard(worker_id)
+            raise
         pages = info["num_total_kv_pages"]
         record.load = WorkerLoad(num_free_kv_pages=pages, num_total_kv_pages=pages)
         self.registry.set_health(worker_id, "healthy")

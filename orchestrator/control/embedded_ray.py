@@ -45,9 +45,7 @@ _abandoned = False  # this process's Ray driver could not disconnect: see `exit_
 
 
 def ray_environment() -> None:
-    """An embedded single-node Ray stays on loopback (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``)
-    and sends no usage stats."""
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    """A Ray this process starts or joins sends no usage stats."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # Ray starts worker processes at nice 15 by default; our workers are the inference engines,
     # and at nice 15 any ordinary process on the host starves them until they miss health checks
@@ -127,6 +125,9 @@ def connect_ray(address: str | None, num_cpus: int | None = None) -> EmbeddedRay
     if address:
         ray.init(address=address, log_to_driver=True)
         return None
+    # An embedded single-node Ray stays on loopback. Only here: on Linux the same setting makes
+    # a joining node (``ray start --address``) refuse to start, so a cluster never gets it.
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     before = children(os.getpid())
     with _own_sessions():
         ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)

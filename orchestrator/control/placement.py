@@ -2,23 +2,31 @@
 
 A group that can never be satisfied (a bundle larger than any node, more GPUs than the cluster
 has) stays pending forever in Ray; `place_worker` waits at most ``timeout_seconds`` and then
-raises `PlacementError` naming what was asked and what the cluster has.
+raises `PlacementError` naming what was asked and what the cluster has. Once a worker has
+started, `check_reachable` refuses the settings that only work on one node when the workers
+have landed on several.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
+from orchestrator.config.cluster import ClusterConfig
+from orchestrator.control.registry import WorkerRecord
+from workers.netaddr import is_loopback
+
 logger = logging.getLogger(__name__)
 
 
 class PlacementError(RuntimeError):
-    """A worker's placement group did not become ready in time."""
+    """A worker's placement group did not become ready in time, or its node cannot work with
+    the others'."""
 
 
 def worker_bundles(bundle: dict[str, float], tp_size: int) -> list[dict[str, float]]:
@@ -68,3 +76,38 @@ def _resources() -> dict[str, Any]:
 
 def _available() -> dict[str, Any]:
     return {k: v for k, v in ray.available_resources().items() if not k.startswith("node:")}
+
+
+def check_reachable(
+    config: ClusterConfig, started: WorkerRecord, workers: Iterable[WorkerRecord]
+) -> None:
+    """Raise `PlacementError` when ``started`` runs on another node than some of ``workers``
+    and the config holds what only works on one node: a loopback ``worker_host`` (the router
+    could not dial the workers), a loopback ``fabric.node`` or the ``shm`` provider (KV could
+    not cross)."""
+    others = {w.node_ip for w in workers if w.node_ip and w.worker_id != started.worker_id}
+    if not others - {started.node_ip}:
+        return
+    problems = []
+    if config.worker_host is not None and is_loopback(config.worker_host):
+        problems.append(
+            f"worker_host {config.worker_host} is loopback: the router cannot dial workers on "
+            "other nodes (null: each worker's node IP)"
+        )
+    for group in config.groups:
+        fabric = group.fabric
+        if fabric is None:
+            continue
+        path = f"groups.{group.role}.fabric"
+        if fabric.provider == "shm":
+            problems.append(f"{path}.provider shm moves KV within one node only")
+        if fabric.node is not None and is_loopback(fabric.node):
+            problems.append(
+                f"{path}.node {fabric.node} is loopback: KV cannot reach other nodes (null: "
+                "each worker's node IP)"
+            )
+    if problems:
+        raise PlacementError(
+            f"{started.worker_id} landed on node {started.node_ip}, other workers on "
+            f"{', '.join(sorted(others))}: " + "; ".join(problems)
+        )

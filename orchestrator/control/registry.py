@@ -24,7 +24,8 @@ class WorkerRecord:
     ``prefill_endpoint``: prefill workers' serialized fabric address and KV sharding
     (`workers.kv.endpoint.PrefillEndpoint`), handed to decoders per request.
     ``metrics_port``: the worker's ``/metrics`` port on its host (0: it serves none).
-    ``pid``: its (TP leader's) process id on its host, 0 until started."""
+    ``pid``: its (TP leader's) process id on its host, 0 until started.
+    ``node_ip``: the IP of the Ray node it runs on, empty until started."""
 
     worker_id: str
     role: str
@@ -35,6 +36,7 @@ class WorkerRecord:
     prefill_endpoint: bytes = b""
     metrics_port: int = 0
     pid: int = 0
+    node_ip: str = ""
     load: WorkerLoad = field(default_factory=WorkerLoad)
     generation: int = 0
 

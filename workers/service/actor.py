@@ -35,8 +35,10 @@ class WorkerSpec:
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields
     tp_size: int = 1
     provider: str = "tcp;ofi_rxm"
-    fabric_node: str | None = "127.0.0.1"
-    host: str = "127.0.0.1"  # ClusterConfig.worker_host: where gRPC and /metrics listen
+    # FabricConfig.node: the transfer engine's address; None: this Ray node's IP.
+    fabric_node: str | None = None
+    # ClusterConfig.worker_host: where gRPC and /metrics listen; None: this Ray node's IP.
+    host: str | None = None
     # ClusterConfig.transfer (`TransferConfig` as a dict).
     transfer: dict[str, Any] = field(default_factory=dict)
     metrics_port: int | None = 0  # the worker's /metrics on ``host`` (0: any free; None: none)
@@ -50,15 +52,18 @@ class WorkerSpec:
         return cls(**data)
 
 
+def node_ip() -> str:
+    """The IP of the Ray node this process runs on (the pod's IP on Kubernetes)."""
+    import ray
+
+    address: str = ray.util.get_node_ip_address()
+    return address
+
+
 def advertised_address(bind_host: str, port: int) -> str:
     """``host:port`` the router dials for a service bound to ``bind_host``: that host itself,
-    or for a wildcard this Ray node's IP (the pod's IP on Kubernetes)."""
-    host = bind_host
-    if bind_host in WILDCARD_HOSTS:
-        import ray
-
-        host = ray.util.get_node_ip_address()
-    return join_host_port(host, port)
+    or for a wildcard this Ray node's IP."""
+    return join_host_port(node_ip() if bind_host in WILDCARD_HOSTS else bind_host, port)
 
 
 def lower_cpu_priority(nice: int) -> None:
@@ -99,6 +104,12 @@ class WorkerActor:
 
         spec = self.spec
         config = EngineConfig(**spec.engine)
+        # Unpinned, the token service and a tcp transfer engine take the address of the node
+        # the worker landed on: what a worker on another node can reach. (Other providers pick
+        # their own interface: an RDMA NIC's address is not the node's Ray address.)
+        node = node_ip()
+        host = spec.host or node
+        fabric_node = spec.fabric_node or (node if spec.provider == "tcp;ofi_rxm" else None)
         # Loaded on a thread that ends: the step loop's OpenMP team is then the process's only
         # one (see `workers.engine.compute_thread`).
         self._backend = build_on_passing_thread(
@@ -107,20 +118,20 @@ class WorkerActor:
                 spec.model_dir,
                 config,
                 provider=spec.provider,
-                node=spec.fabric_node,
+                node=fabric_node,
                 transfer=spec.transfer,
             )
         )
         address = ""
         if spec.role != "prefill":
-            self._server = WorkerServer(WorkerServicer(spec.worker_id, self._backend), spec.host)
-            address = advertised_address(spec.host, self._server.port)
+            self._server = WorkerServer(WorkerServicer(spec.worker_id, self._backend), host)
+            address = advertised_address(host, self._server.port)
         metrics_port = 0
         if spec.metrics_port is not None:
             from workers.service.metrics import WorkerMetricsExporter
 
             self._metrics = WorkerMetricsExporter(self._backend, spec.role, spec.model_dir)
-            metrics_port = self._metrics.start(spec.host, spec.metrics_port)
+            metrics_port = self._metrics.start(host, spec.metrics_port)
         load = self._backend.load()
         logger.info("%s (%s) ready at %s", spec.worker_id, spec.role, address or "fabric only")
         return {
@@ -132,6 +143,7 @@ class WorkerActor:
             "num_total_kv_pages": load.num_total_kv_pages,
             "metrics_port": metrics_port,
             "pid": os.getpid(),
+            "node_ip": node,
         }
 
     def state(self) -> dict[str, Any]:

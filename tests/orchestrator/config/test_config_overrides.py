@@ -69,8 +69,8 @@ def test_command_line_http_address_none(tmp_path: Path, smol_dir: Path) -> None:
         config_from_args(args)
 
 
-@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "fd00::5", "worker-0.svc"])
-def test_worker_host_takes_hosts_and_wildcards(smol_dir: Path, host: str) -> None:
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "fd00::5", "worker-0.svc", None])
+def test_worker_host_takes_hosts_and_wildcards(smol_dir: Path, host: str | None) -> None:
     raw = base_dict(smol_dir)
     raw["worker_host"] = host
     assert ClusterConfig.from_dict(raw).worker_host == host

@@ -47,7 +47,7 @@ REJECTIONS: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ("page_size", set_key("page_size", 12), "power of two"),
     ("worker_host", set_key("worker_host", "10.0.0.1:9000"), "without a port"),
     ("worker_host", set_key("worker_host", ""), "without a port"),
-    ("worker_host", set_key("worker_host", None), "without a port"),
+    ("worker_host", set_key("worker_host", 7), "without a port"),
     ("limits.max_num_seqs", set_key("limits.max_num_seqs", 0), "must be >= 1"),
     (
         "limits.max_num_batched_tokens",

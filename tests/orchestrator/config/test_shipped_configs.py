@@ -83,7 +83,7 @@ def test_minimal_config_takes_defaults(smol_dir: Path) -> None:
     assert (mixed.role, mixed.replicas, mixed.tp, mixed.fabric) == ("mixed", 1, 1, None)
     assert (mixed.nice, mixed.threads) == (0, 1)
     assert (config.dtype, config.page_size) == ("auto", 16)
-    assert config.worker_host == "127.0.0.1"  # one machine: workers listen on loopback only
+    assert config.worker_host is None  # each worker's Ray node IP (loopback on one machine)
     assert config.router.address == "127.0.0.1:50051"
     assert config.router.policy == "least_outstanding"
     assert not config.router.tls.enabled and config.router.auth.token is None

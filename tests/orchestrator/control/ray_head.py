@@ -79,38 +79,50 @@ def job_status(address: str, job_id: str) -> str:
 
 
 @contextmanager
-def head_node(log_dir: Path, **env: str) -> Iterator[str]:
-    """The job server address of a ``ray start --head`` node on loopback, in a session of its
-    own, with its own temp dir and free ports (the session's in-process Ray may hold the
-    defaults, and a head without its agent takes no job). Ended by a SIGTERM to the ``ray
-    start`` process alone, which stops its node (never ``ray stop``, which would end every Ray
-    on the machine); its group is killed only if that fails."""
+def ray_node(
+    log_path: Path, *args: str, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
+    """A ``ray start --block ARGS`` node in a session of its own, with its own temp dir. Ended
+    by a SIGTERM to the ``ray start`` process alone, which stops its node (never ``ray stop``,
+    which would end every Ray on the machine); its group is killed only if that fails."""
     temp_dir = Path(f"/tmp/pds-{os.getpid()}-{free_port()}")  # short: Ray's sockets live here
-    dashboard_port = free_port()
-    with (log_dir / "head.log").open("wb") as log:
-        head = subprocess.Popen(
+    with log_path.open("wb") as log:
+        node = subprocess.Popen(
             [
-                *(str(RAY), "start", "--head", "--block", "--node-ip-address=127.0.0.1"),
-                *(f"--port={free_port()}", "--dashboard-host=127.0.0.1"),
-                *(f"--dashboard-port={dashboard_port}", "--num-cpus=2"),
+                *(str(RAY), "start", "--block", *args),
                 f"--dashboard-agent-listen-port={free_port()}",
                 f"--metrics-export-port={free_port()}",
                 *(f"--temp-dir={temp_dir}", "--disable-usage-stats"),
             ],
-            env={**ray_env(), **env},
+            env=env if env is not None else ray_env(),
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    address = f"http://127.0.0.1:{dashboard_port}"
     try:
+        yield node
+    finally:
+        node.terminate()
+        try:
+            node.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(node.pid, signal.SIGKILL)
+            node.wait()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@contextmanager
+def head_node(log_dir: Path, **env: str) -> Iterator[str]:
+    """The job server address of a ``ray start --head`` node on loopback (`ray_node`), with free
+    ports (the session's in-process Ray may hold the defaults, and a head without its agent
+    takes no job)."""
+    dashboard_port = free_port()
+    with ray_node(
+        log_dir / "head.log",
+        *("--head", "--node-ip-address=127.0.0.1", f"--port={free_port()}"),
+        *("--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}", "--num-cpus=2"),
+        env={**ray_env(), **env},
+    ):
+        address = f"http://127.0.0.1:{dashboard_port}"
         wait_until(lambda: job_server_up(address), timeout=90, what="the Ray job server")
         yield address
-    finally:
-        head.terminate()
-        try:
-            head.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait()
-        shutil.rmtree(temp_dir, ignore_errors=True)
