@@ -108,6 +108,12 @@ class WorkerActor:
         # the worker landed on: what a worker on another node can reach. (Other providers pick
         # their own interface: an RDMA NIC's address is not the node's Ray address.)
         node = node_ip()
+        if not os.path.isfile(os.path.join(spec.model_dir, "config.json")):
+            raise FileNotFoundError(
+                f"{spec.worker_id} on node {node}: no checkpoint at {spec.model_dir} (every "
+                "worker opens the model at the same path: shared storage, or the same "
+                "directory filled on each host)"
+            )
         host = spec.host or node
         fabric_node = spec.fabric_node or (node if spec.provider == "tcp;ofi_rxm" else None)
         # Loaded on a thread that ends: the step loop's OpenMP team is then the process's only

@@ -10,7 +10,8 @@ engine's, and the job ends cleanly.
 
 That the KV crossed is read from the workers' counters: the decoder computed exactly one
 prompt token per request (the last; the rest was written into its pages from the other node)
-and the prefill worker all the others.
+and the prefill worker all the others. A model path that does not open on a node fails the
+start with a message that says so.
 
 The settings that only work on one node are refused once workers land on several
 (`check_reachable`, with the records a controller keeps).
@@ -139,6 +140,38 @@ def test_groups_on_two_nodes_serve_with_the_default_addresses(
     logs = ray_job(two_nodes, "logs", job_id)
     assert job_status(two_nodes, job_id) in ("STOPPED", "SUCCEEDED"), logs
     assert "shutdown complete" in logs, logs
+
+
+def test_a_node_without_the_model_fails_the_start_clearly(two_nodes: str, tmp_path: Path) -> None:
+    working_dir = tmp_path / "job"
+    working_dir.mkdir()
+    fabric = {"provider": "tcp;ofi_rxm"}
+    custom = {"prefill": {"on_head": 1}, "decode": {"on_node": 1}}
+    groups = {
+        role: {"resources_per_rank": {"cpu": 0.5, "custom": custom[role]}, "fabric": fabric}
+        for role in ("prefill", "decode")
+    }
+    router = {"address": f"{HEAD_IP}:{free_port()}", "http_address": None, "grace_seconds": 1}
+    config = {"model": "/nonexistent/model", "groups": groups, "router": router}
+    (working_dir / "cluster.yaml").write_text(yaml.safe_dump(config))
+    job_id = f"pdserve-nomodel-{uuid.uuid4().hex[:8]}"
+    ray_job(
+        two_nodes,
+        "submit",
+        "--no-wait",
+        f"--submission-id={job_id}",
+        f"--working-dir={working_dir}",
+        "--",
+        *(sys.executable, "-m", "orchestrator.control.launch", "cluster.yaml"),
+    )
+    wait_until(
+        lambda: job_status(two_nodes, job_id) in ("FAILED", "STOPPED", "SUCCEEDED"),
+        timeout=180,
+        what="the job to end",
+    )
+    logs = ray_job(two_nodes, "logs", job_id)
+    assert job_status(two_nodes, job_id) == "FAILED", logs
+    assert "no checkpoint at /nonexistent/model" in logs, logs
 
 
 def _records(*nodes: str) -> list[WorkerRecord]:
