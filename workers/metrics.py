@@ -221,6 +221,11 @@ METRIC_SPECS: tuple[MetricSpec, ...] = (
         "counter",
         "KV transfers whose received KV did not match the prefill's checksums (checksum mode).",
     ),
+    MetricSpec(
+        "pdserve_kv_unauthenticated_messages_total",
+        "counter",
+        "KV control messages refused for a missing or wrong MAC of the cluster's secret.",
+    ),
     # --- router -------------------------------------------------------------------------------
     MetricSpec(
         "pdserve_router_decisions_total",
@@ -290,6 +295,9 @@ class Metrics:
             "pdserve_kv_transfer_exposed_seconds"
         )
         self.kv_checksum_failures = self._bound_counter("pdserve_kv_checksum_failures_total")
+        self.kv_unauthenticated_messages = self._bound_counter(
+            "pdserve_kv_unauthenticated_messages_total"
+        )
         # Zero-valued series for every closed-vocabulary value (see LABEL_VALUES).
         for spec in METRIC_SPECS:
             for label in spec.labels:

@@ -54,6 +54,7 @@ class WorkerLoad:
     num_spec_draft_tokens: int = 0  # speculative decoding: draft tokens verified
     num_spec_accepted_tokens: int = 0  # of them, kept
     num_spec_accepted_per_pos: tuple[int, ...] = ()  # kept, by draft position
+    num_unauthenticated_messages: int = 0  # KV control messages refused for their MAC
 
 
 def sampling_from_proto(message: wpb.WorkerSamplingParams) -> SamplingParams:

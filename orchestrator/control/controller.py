@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import secrets
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -73,6 +74,10 @@ class Controller:
         self._closing = False
         self._replacing_stopped = False
         self._cluster_id = uuid.uuid4().hex[:8]
+        # Drawn per cluster and handed to its workers (through Ray, with their spec): the MAC
+        # key of their KV control messages (`workers.kv.protocol`). A process outside the
+        # cluster cannot send a prefill worker a request it acts on.
+        self._secret = secrets.token_hex(32)
 
     # --- start ---------------------------------------------------------------------------
 
@@ -109,6 +114,7 @@ class Controller:
             transfer=self.config.transfer.model_dump(),
             metrics_port=self.options.worker_metrics_port,
             nice=group.nice,
+            cluster_secret=self._secret,
         )
 
     async def _launch(self, group: GroupConfig, worker_id: str) -> None:

@@ -7,8 +7,9 @@ import random
 import msgpack
 import pytest
 
-from workers.kv.errors import ProtocolError
+from workers.kv.errors import ProtocolError, UnauthenticatedMessageError
 from workers.kv.protocol import (
+    MAC_BYTES,
     MAX_DETAIL_BYTES,
     MAX_ID_CHARS,
     MAX_RANKS,
@@ -299,3 +300,22 @@ def test_truncate_detail_cuts_at_a_character_boundary() -> None:
         assert decode_message(encode_message(message)) == message
     assert truncate_detail("short") == "short"
     assert truncate_detail("a \udc80 b") == "a ? b"
+
+
+def test_messages_sealed_with_the_cluster_key_open_only_with_it() -> None:
+    key, other = b"k" * 32, b"o" * 32
+    message = make_request(checksum=True)
+    sealed = encode_message(message, key)
+    assert sealed[:-MAC_BYTES] == encode_message(message)  # the message, then its MAC
+    assert decode_message(sealed, key) == message
+    for data, opener in [
+        (encode_message(message), key),  # no MAC
+        (sealed, other),  # another cluster's
+        (sealed[:-1] + bytes([sealed[-1] ^ 1]), key),  # MAC altered
+        (bytes([sealed[0] ^ 1]) + sealed[1:], key),  # message altered
+        (sealed[:MAC_BYTES], key),  # too short to hold a message
+    ]:
+        with pytest.raises(UnauthenticatedMessageError):
+            decode_message(data, opener)
+    with pytest.raises(ProtocolError):  # a sealed message read without the key: trailing bytes
+        decode_message(sealed)

@@ -239,6 +239,7 @@ class _FakeBackend:
             num_spec_draft_tokens=30,
             num_spec_accepted_tokens=12,
             num_spec_accepted_per_pos=(8, 4),
+            num_unauthenticated_messages=1,
         )
 
 

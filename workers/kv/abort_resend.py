@@ -42,10 +42,13 @@ class AbortResender:
         liveness: PeerLiveness,
         drain_interval_s: float,
         wake: Callable[[], None],
+        key: bytes | None = None,
     ) -> None:
         """An abort neither completed nor failed after max(``drain_interval_s``, 0.5 s) means
-        its peer takes no messages: the peer is probed instead of sent to."""
+        its peer takes no messages: the peer is probed instead of sent to. ``key``: the
+        cluster's secret (`workers.kv.protocol`)."""
         self._fabric = fabric
+        self._key = key
         self._quarantine = quarantine
         self._liveness = liveness
         self._stall_s = max(drain_interval_s, _MIN_STALL_S)
@@ -82,7 +85,7 @@ class AbortResender:
             try:
                 self._fabric.submit_send(
                     self._fabric.add_peer(address),
-                    encode_message(AbortPrefill(pages.request_id, pages.imm)),
+                    encode_message(AbortPrefill(pages.request_id, pages.imm), self._key),
                     on_done=partial(self._on_sent, address, None),
                     on_error=partial(self._on_sent, address),
                 )

@@ -19,8 +19,10 @@ log = logging.getLogger(__name__)
 
 
 class ControlSender:
-    def __init__(self, fabric: TransferEngine) -> None:
+    def __init__(self, fabric: TransferEngine, key: bytes | None = None) -> None:
+        """``key``: the cluster's secret, whose MAC every message carries (`workers.kv.protocol`)."""
         self._fabric = fabric
+        self._key = key
         self._lock = threading.Lock()
         self._in_flight = 0
 
@@ -35,7 +37,7 @@ class ControlSender:
         try:
             self._fabric.submit_send(
                 peer,
-                encode_message(message),
+                encode_message(message, self._key),
                 on_done=self._on_done,
                 on_error=partial(self._on_error, peer.name),
             )

@@ -68,6 +68,7 @@ from workers.kv.errors import (
     KVChecksumError,
     KvTransferError,
     ProtocolError,
+    UnauthenticatedMessageError,
 )
 from workers.kv.imm import ImmLayout, SlotTable
 from workers.kv.incoming import Incoming, RequestPlanner
@@ -108,6 +109,9 @@ class DecodeMessengerConfig:
     # Checksum mode: verify every transfer's KV against the prefill's sums (costs one read of
     # the received KV on the step thread per request, and CRC-32 on the prefill's push thread).
     checksum: bool = False
+    # The cluster's secret: every control message carries its MAC, and one without is refused
+    # (`workers.kv.protocol`). None: messages are not authenticated.
+    secret: bytes | None = None
 
     @property
     def admission_s(self) -> float:
@@ -145,6 +149,8 @@ class DecodeMessenger:
         )
         self.context = self._context.buffer
         self.num_checksum_failures = 0
+        # Control messages refused for a missing or wrong MAC (`workers.kv.protocol`).
+        self.num_unauthenticated_messages = 0
         self.imm_layout = ImmLayout()
         self.imm_layout.check_provider(fabric.imm_bits // 8)
         self.slots = SlotTable(self.imm_layout, config.max_transfers)
@@ -152,7 +158,12 @@ class DecodeMessenger:
         self._wake = wake or (lambda: None)
         self._liveness = PeerLiveness(fabric, self._gone, self._wake)
         self._aborts = AbortResender(
-            fabric, self.quarantine, self._liveness, config.drain_interval_s, self._wake
+            fabric,
+            self.quarantine,
+            self._liveness,
+            config.drain_interval_s,
+            self._wake,
+            config.secret,
         )
         self._next_liveness_s = 0.0  # when the prefill workers of stalled transfers are checked
         self._ledger = QuarantineLedger(fabric, self.quarantine, self._freed)
@@ -255,7 +266,7 @@ class DecodeMessenger:
         if planned.expected:  # computed here: armed before the request goes
             incoming.transfer.set_expected(planned.expected)
             self._arm(incoming, planned.expected)
-        self.fabric.submit_send(incoming.peer, encode_message(planned.message))
+        self.fabric.submit_send(incoming.peer, encode_message(planned.message, self.config.secret))
         incoming.transfer.advance(DecodeState.REQUESTED, now)
 
     def _arm(self, incoming: Incoming, count: int) -> None:
@@ -341,7 +352,11 @@ class DecodeMessenger:
 
     def _handle_message(self, message: Message) -> None:
         try:
-            decoded = decode_message(message.payload)
+            decoded = decode_message(message.payload, self.config.secret)
+        except UnauthenticatedMessageError as error:
+            self.num_unauthenticated_messages += 1
+            log.warning("refused a message: %s", error)
+            return
         except ProtocolError as error:
             log.warning("malformed message dropped: %s", error)
             return
@@ -513,6 +528,7 @@ class DecodeMessenger:
             "num_quarantined_pages": self.quarantine.num_pages,
             "num_parked_slots": self.slots.num_parked,
             "num_checksum_failures": self.num_checksum_failures,
+            "num_unauthenticated_messages": self.num_unauthenticated_messages,
         }
 
     def close(self) -> None:

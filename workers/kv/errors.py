@@ -33,6 +33,10 @@ class ProtocolError(KvTransferError, ValueError):
     """A control message that is malformed, of an unknown version, or violates the schema."""
 
 
+class UnauthenticatedMessageError(ProtocolError):
+    """A control message without a valid MAC of the cluster's secret (`workers.kv.protocol`)."""
+
+
 class IllegalTransitionError(KvTransferError):
     """A transfer state machine was asked to move along an edge its table does not have."""
 

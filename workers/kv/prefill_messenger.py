@@ -68,7 +68,7 @@ from workers.fabric import FabricError, Message, PeerHandle, TransferEngine
 from workers.kv.context_write import ContextWriter
 from workers.kv.control_sender import ControlSender
 from workers.kv.decoder_peers import DecoderPeers
-from workers.kv.errors import ProtocolError
+from workers.kv.errors import ProtocolError, UnauthenticatedMessageError
 from workers.kv.outgoing import Outgoing
 from workers.kv.pages import num_pages_for_tokens
 from workers.kv.prefill_checks import RequestRejected, check_checksums, check_request
@@ -108,6 +108,9 @@ class PrefillMessengerConfig:
     # source byte is flipped after it was summed and before it is posted (a byte corrupted in
     # flight, which a loopback fabric cannot produce), so the decoder must fail the request.
     fault_flip_after_checksum: tuple[str, ...] = ()
+    # The cluster's secret: every control message carries its MAC, and one without is refused
+    # (`workers.kv.protocol`). None: messages are not authenticated.
+    secret: bytes | None = None
 
 
 class PrefillMessenger:
@@ -140,7 +143,9 @@ class PrefillMessenger:
         # Why new requests are refused (None while serving): draining, or the engine failed.
         self._refusal: tuple[RejectReason, str] | None = None
         self._engine_failed = False
-        self._control = ControlSender(fabric)
+        self._control = ControlSender(fabric, config.secret)
+        # Control messages refused for a missing or wrong MAC (`workers.kv.protocol`).
+        self.num_unauthenticated_messages = 0
         self._context = ContextWriter(
             side,
             config.max_transfers,
@@ -244,7 +249,11 @@ class PrefillMessenger:
             log.warning("message from an unreachable peer dropped: %s", error)
             return
         try:
-            decoded = decode_message(message.payload)
+            decoded = decode_message(message.payload, self.config.secret)
+        except UnauthenticatedMessageError as error:
+            self.num_unauthenticated_messages += 1  # not answered: the sender is no peer
+            log.warning("refused a message from %s: %s", peer.name, error)
+            return
         except ProtocolError as error:
             log.warning("malformed message from %s: %s", peer.name, error)
             return
@@ -457,6 +466,7 @@ class PrefillMessenger:
             "transfers_by_state": by_state,
             "num_queued": len(self._table.queued),
             "num_passes_pushed": self._push.num_passes,
+            "num_unauthenticated_messages": self.num_unauthenticated_messages,
         }
 
     def shutdown(self) -> None:

@@ -16,6 +16,14 @@ shutdown) sends `PrefillFailed`. KV itself moves by RDMA writes and there is no 
 and a peer that predates it drops it as an unknown type (strict decoding) and falls back to its
 transfer deadline, which is what it did before.
 
+Authentication: workers of a cluster share a secret (`orchestrator.control`, generated per
+cluster and handed to every worker). With it, every control message is followed by the 32-byte
+HMAC-SHA256 of its bytes under the secret, and a message whose MAC is missing or wrong is
+refused (`UnauthenticatedMessageError`) before it is parsed: a process that can reach a
+worker's fabric endpoint but lacks the secret cannot have a prefill worker write anywhere, nor
+abort a decoder's transfers. (Authenticity only: the messages are not encrypted, and the KV
+writes themselves are one-sided, keyed by the registered regions' keys.)
+
 Optional trailing fields (``_OPTIONAL_TAIL``): fields appended to a version-1 message later.
 They are encoded only when they differ from their default, so a message that does not use them
 is byte-identical to what an older peer sends and expects; a message missing them decodes with
@@ -27,6 +35,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
+import hmac
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
@@ -34,7 +44,7 @@ import msgpack
 import numpy as np
 
 from workers.engine.errors import HeadPlacementError
-from workers.kv.errors import ProtocolError, ShardingError
+from workers.kv.errors import ProtocolError, ShardingError, UnauthenticatedMessageError
 from workers.kv.pages import num_pages_for_tokens
 from workers.kv.sharding import GroupSharding
 
@@ -431,7 +441,20 @@ _BY_TYPE: dict[int, type[_Message]] = {
 }
 
 
-def encode_message(message: Message) -> bytes:
+MAC_BYTES = 32  # HMAC-SHA256
+
+
+def _mac(key: bytes, data: bytes | bytearray | memoryview) -> bytes:
+    return hmac.new(key, data, hashlib.sha256).digest()
+
+
+def encode_message(message: Message, key: bytes | None = None) -> bytes:
+    """The message's bytes, followed by their MAC under ``key`` when given."""
+    packed = _pack(message)
+    return packed + _mac(key, packed) if key else packed
+
+
+def _pack(message: Message) -> bytes:
     fields = dataclasses.fields(message)
     values = [getattr(message, f.name) for f in fields]
     # Optional trailing fields at their default are left out (see the module docstring).
@@ -443,10 +466,19 @@ def encode_message(message: Message) -> bytes:
     return packed
 
 
-def decode_message(data: bytes | bytearray | memoryview) -> Message:
-    """Parse one message; anything malformed raises `ProtocolError`."""
+def decode_message(data: bytes | bytearray | memoryview, key: bytes | None = None) -> Message:
+    """Parse one message; anything malformed raises `ProtocolError`. With ``key``, its MAC is
+    checked first: missing or wrong raises `UnauthenticatedMessageError`."""
     if not isinstance(data, bytes | bytearray | memoryview):
         raise ProtocolError(f"expected bytes, got {type(data).__name__}")
+    if key:
+        view = memoryview(data)
+        body = view[:-MAC_BYTES]
+        if len(view) <= MAC_BYTES or not hmac.compare_digest(
+            bytes(view[-MAC_BYTES:]), _mac(key, body)
+        ):
+            raise UnauthenticatedMessageError("control message without the cluster's MAC")
+        data = body
     if len(data) > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
     try:

@@ -43,6 +43,9 @@ class WorkerSpec:
     transfer: dict[str, Any] = field(default_factory=dict)
     metrics_port: int | None = 0  # the worker's /metrics on ``host`` (0: any free; None: none)
     nice: int = 0  # GroupConfig.nice: CPU priority of the process and of every thread it starts
+    # The cluster's secret (hex), which authenticates KV control messages between its workers
+    # (`workers.kv.protocol`); empty: none.
+    cluster_secret: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -126,6 +129,7 @@ class WorkerActor:
                 provider=spec.provider,
                 node=fabric_node,
                 transfer=spec.transfer,
+                secret=bytes.fromhex(spec.cluster_secret) or None,
             )
         )
         address = ""

@@ -22,16 +22,18 @@ def create_backend(
     provider: str = "tcp;ofi_rxm",
     node: str | None = "127.0.0.1",
     transfer: dict[str, Any] | None = None,
+    secret: bytes | None = None,
 ) -> WorkerBackend:
-    """``transfer``: `orchestrator.config.sections.TransferConfig` fields, as plain data."""
+    """``transfer``: `orchestrator.config.sections.TransferConfig` fields, as plain data;
+    ``secret``: the cluster's, which authenticates KV control messages (`workers.kv.protocol`)."""
     if role == "mixed":
         return MixedBackend(model_dir, config)
     if role == "decode":
         from workers.service.kv_backends import DecodeBackend
 
-        return DecodeBackend(model_dir, config, provider, node, transfer or {})
+        return DecodeBackend(model_dir, config, provider, node, transfer or {}, secret)
     if role == "prefill":
         from workers.service.kv_backends import PrefillBackend
 
-        return PrefillBackend(model_dir, config, provider, node)
+        return PrefillBackend(model_dir, config, provider, node, secret)
     raise ValueError(f"unknown worker role {role!r}")

@@ -43,6 +43,7 @@ class DecodeBackend:
         provider: str,
         node: str | None,
         transfer: dict[str, Any],
+        secret: bytes | None = None,
     ) -> None:
         from workers.kv.decode_messenger import DecodeMessengerConfig
         from workers.service.kv_worker import DecodeWorker
@@ -53,6 +54,7 @@ class DecodeBackend:
             liveness_interval_s=transfer.get("liveness_interval_seconds", 1.0),
             coalesce_pages=transfer.get("coalesce_pages", True),
             checksum=transfer.get("checksum", False),
+            secret=secret,
         )
         self.worker: DecodeWorker = DecodeWorker(
             model_dir, config, provider=provider, node=node, messenger_config=messenger
@@ -102,6 +104,7 @@ class DecodeBackend:
             num_free_kv_pages=int(state["num_free_pages"]),
             num_total_kv_pages=int(state["num_pages"]),
             num_transfers_in_flight=int(state.get("num_transfers", 0)),
+            num_unauthenticated_messages=int(state.get("num_unauthenticated_messages", 0)),
             **engine_counters(self.worker.engine),  # off the step thread: module docstring
         )
 
@@ -124,11 +127,23 @@ class PrefillBackend:
     role = "prefill"
 
     def __init__(
-        self, model_dir: str | Path, config: EngineConfig, provider: str, node: str | None
+        self,
+        model_dir: str | Path,
+        config: EngineConfig,
+        provider: str,
+        node: str | None,
+        secret: bytes | None = None,
     ):
+        from workers.kv.prefill_messenger import PrefillMessengerConfig
         from workers.service.kv_worker import PrefillWorker
 
-        self.worker: PrefillWorker = PrefillWorker(model_dir, config, provider=provider, node=node)
+        self.worker: PrefillWorker = PrefillWorker(
+            model_dir,
+            config,
+            provider=provider,
+            node=node,
+            messenger_config=PrefillMessengerConfig(secret=secret),
+        )
         self._endpoint = self.worker.endpoint().to_bytes()
 
     def submit(
@@ -155,6 +170,7 @@ class PrefillBackend:
             num_free_kv_pages=engine.block_manager.num_free_pages,
             num_total_kv_pages=engine.num_pages,
             num_transfers_in_flight=int(state.get("num_transfers", 0)),
+            num_unauthenticated_messages=int(state.get("num_unauthenticated_messages", 0)),
             **engine_counters(engine),  # off the step thread: module docstring
         )
 

@@ -8,6 +8,7 @@ backend when Prometheus scrapes (no polling thread).
     kv_transfer_seconds / bytes / exposed_seconds                 prefill (it pushes the KV)
     kv_transfer_failures_total                                    decode / prefill
     kv_checksum_failures_total                                    decode (checksum mode)
+    kv_unauthenticated_messages_total                             decode / prefill (messenger)
 
 The token counters are this worker's engine's, not the requests' (the router counts those):
 ``prompt_tokens_total`` counts prompt tokens run through the model, so a prompt recomputed after
@@ -114,6 +115,11 @@ class WorkerMetricsExporter:
         self._count_up(metrics.prefix_cache_hits, "cache_hits", load.num_prefix_cache_hits)
         self._count_up(metrics.spec_draft_tokens, "spec_drafts", load.num_spec_draft_tokens)
         self._count_up(metrics.spec_accepted_tokens, "spec_kept", load.num_spec_accepted_tokens)
+        self._count_up(
+            metrics.kv_unauthenticated_messages,
+            "unauthenticated",
+            load.num_unauthenticated_messages,
+        )
         for position, total in enumerate(load.num_spec_accepted_per_pos):
             metrics.count_accepted_at(position, self._growth(f"spec_kept_{position}", total))
         worker = getattr(self.backend, "worker", None)  # the KV roles' `workers.service.kv_worker`
