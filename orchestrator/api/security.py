@@ -16,9 +16,8 @@ anything listens.
 
 from __future__ import annotations
 
-import hmac
 import ssl
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,9 +26,19 @@ import grpc
 
 from orchestrator.config.sections import ConfigError, TLSConfig
 
-# Health checks carry no token (probes, load balancers), exactly as /health on HTTP.
-OPEN_METHOD_PREFIXES: tuple[str, ...] = ("/grpc.health.v1.Health/",)
-AUTH_METADATA_KEY = "authorization"  # gRPC metadata keys are lower case
+# The server side of the token (shared with the workers' own gRPC service), re-exported.
+from workers.service.token_auth import (
+    AUTH_METADATA_KEY as AUTH_METADATA_KEY,
+)
+from workers.service.token_auth import (
+    OPEN_METHOD_PREFIXES as OPEN_METHOD_PREFIXES,
+)
+from workers.service.token_auth import (
+    TokenAuthInterceptor as TokenAuthInterceptor,
+)
+from workers.service.token_auth import (
+    bearer_matches as bearer_matches,
+)
 
 
 class TLSFileError(ConfigError):
@@ -105,61 +114,6 @@ def server_ssl_context(
             raise TLSFileError(f"{section}.ca", f"{ca}: {error.reason or error}") from None
         context.verify_mode = ssl.CERT_REQUIRED
     return context
-
-
-def bearer_matches(header: str, token: str) -> bool:
-    """Whether an ``Authorization`` value is ``Bearer <token>``, compared in constant time."""
-    scheme, _, value = header.partition(" ")
-    try:
-        presented = value.strip().encode()
-    except UnicodeEncodeError:  # bytes that are not UTF-8 (aiohttp keeps them as surrogates)
-        return False
-    return scheme.lower() == "bearer" and hmac.compare_digest(presented, token.encode())
-
-
-class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
-    """Rejects every call but health checks unless it carries ``authorization: Bearer <token>``
-    metadata: UNAUTHENTICATED, before the servicer sees the request."""
-
-    def __init__(self, token: str) -> None:
-        if not token:
-            raise ValueError("an empty token would let every client in")
-        self._token = token
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[Any], Awaitable[Any]],
-        handler_call_details: Any,
-    ) -> Any:
-        handler = await continuation(handler_call_details)
-        method: str = handler_call_details.method
-        if handler is None or method.startswith(OPEN_METHOD_PREFIXES):
-            return handler
-        if self._authorized(handler_call_details.invocation_metadata or ()):
-            return handler
-        return _denying_handler(handler)
-
-    def _authorized(self, metadata: Sequence[tuple[str, Any]]) -> bool:
-        for key, value in metadata:
-            if key == AUTH_METADATA_KEY and isinstance(value, str):
-                return bearer_matches(value, self._token)
-        return False
-
-
-async def _deny(request: Any, context: Any) -> None:
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
-
-
-def _denying_handler(handler: Any) -> Any:
-    # Same streaming shape as the real method, so that the server reads the call as the client
-    # sends it; the request stays raw bytes (never parsed for an unauthenticated caller).
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(_deny)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(_deny)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(_deny)
-    return grpc.unary_unary_rpc_method_handler(_deny)
 
 
 # --- client side ----------------------------------------------------------------------------

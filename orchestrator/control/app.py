@@ -129,7 +129,9 @@ class ServingApp:
             self._metrics_server, _ = serve_metrics(
                 metrics_registry, config.router.host, self.options.metrics_port
             )
-        self.router = Router(settings, registry, tokenizer, metrics)
+        self.router = Router(
+            settings, registry, tokenizer, metrics, worker_token=self.controller.secret
+        )
         servicer = GenerationServicer(self.router, model_info, groups, self.controller.refresh)
         server = router_grpc_server(self._interceptors(), config.router.max_request_bytes)
         add_generation_servicer(servicer, server)

@@ -75,9 +75,15 @@ class Controller:
         self._replacing_stopped = False
         self._cluster_id = uuid.uuid4().hex[:8]
         # Drawn per cluster and handed to its workers (through Ray, with their spec): the MAC
-        # key of their KV control messages (`workers.kv.protocol`). A process outside the
-        # cluster cannot send a prefill worker a request it acts on.
+        # key of their KV control messages (`workers.kv.protocol`) and the token of their gRPC
+        # service, which only the router presents. A process outside the cluster can neither
+        # have a prefill worker act on a request nor start a generation on a worker.
         self._secret = secrets.token_hex(32)
+
+    @property
+    def secret(self) -> str:
+        """The cluster's secret (hex): its router presents it to the workers' gRPC service."""
+        return self._secret
 
     # --- start ---------------------------------------------------------------------------
 

@@ -115,8 +115,11 @@ class Router:
         tokenizer: Tokenizer | None,
         metrics: Metrics | None = None,
         policy: RoutingPolicy | None = None,
+        worker_token: str | None = None,
     ) -> None:
+        """``worker_token``: the cluster's secret, which its workers' gRPC service asks for."""
         self.settings = settings
+        self._worker_token = worker_token
         self.registry = registry
         self.tokenizer = tokenizer
         self.metrics = metrics
@@ -292,7 +295,7 @@ class Router:
             return link
         if link is not None:  # replaced worker at a new address
             self._spawn(link.close())
-        link = self._links[worker.worker_id] = WorkerLink(worker.address)
+        link = self._links[worker.worker_id] = WorkerLink(worker.address, self._worker_token)
         return link
 
     def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:

@@ -21,6 +21,7 @@ import logging
 
 import grpc
 
+from orchestrator.api.security import token_interceptors
 from protos.pdserve.v1 import worker_pb2 as wpb
 from protos.pdserve.v1 import worker_pb2_grpc as wpb_grpc
 
@@ -35,9 +36,12 @@ DeltaQueue = asyncio.Queue[wpb.RequestDelta | LinkBroken]
 
 
 class WorkerLink:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, token: str | None = None) -> None:
+        """``token``: the cluster's secret, which the worker's service asks of every call."""
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address)
+        self._channel = grpc.aio.insecure_channel(
+            address, interceptors=token_interceptors(token) if token else None
+        )
         self._stub = wpb_grpc.WorkerStub(self._channel)
         self._call: grpc.aio.StreamStreamCall | None = None
         self._reader: asyncio.Task[None] | None = None

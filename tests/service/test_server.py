@@ -151,3 +151,46 @@ def test_start_failures_have_their_status(
             return failed.value.code()
 
     assert asyncio.run(run()) == code
+
+
+def test_a_worker_with_a_cluster_secret_serves_only_who_presents_it(tiny_model_dir: Path) -> None:
+    """Every call but health checks needs the cluster's secret as a bearer token: without it,
+    or with another, UNAUTHENTICATED and nothing reaches the engine; the router's link (which
+    presents it) is served."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from orchestrator.api.security import token_metadata
+    from orchestrator.router.worker_link import WorkerLink
+
+    backend = MixedBackend(tiny_model_dir, EngineConfig(num_pages=64, max_model_len=256))
+    server = WorkerServer(WorkerServicer("mixed-0", backend), token="s3cret")
+
+    async def run() -> None:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            stub = wpb_grpc.WorkerStub(channel)
+            for metadata in ((), token_metadata("other")):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    async for _ in stub.Generate(request("x", 2), metadata=metadata):
+                        pass
+                assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            health = health_pb2_grpc.HealthStub(channel)
+            reply = await health.Check(health_pb2.HealthCheckRequest(service=""))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            assert backend.engine.stats.num_sampled_tokens == 0
+        link = WorkerLink(server.address, "s3cret")
+        try:
+            queue = await link.start(request("ok", 2))
+            deltas = [await asyncio.wait_for(queue.get(), BOUND)]
+            while not getattr(deltas[-1], "finish_reason", "error"):
+                deltas.append(await asyncio.wait_for(queue.get(), BOUND))
+        finally:
+            await link.close()
+        assert isinstance(deltas[-1], wpb.RequestDelta), deltas[-1]
+        assert deltas[-1].finish_reason == "length"
+        assert sum(len(d.token_ids) for d in deltas if isinstance(d, wpb.RequestDelta)) == 2
+
+    try:
+        asyncio.run(run())
+    finally:
+        server.stop(0.1)
+        backend.close()

@@ -43,8 +43,9 @@ class WorkerSpec:
     transfer: dict[str, Any] = field(default_factory=dict)
     metrics_port: int | None = 0  # the worker's /metrics on ``host`` (0: any free; None: none)
     nice: int = 0  # GroupConfig.nice: CPU priority of the process and of every thread it starts
-    # The cluster's secret (hex), which authenticates KV control messages between its workers
-    # (`workers.kv.protocol`); empty: none.
+    # The cluster's secret (hex): the MAC key of KV control messages between its workers
+    # (`workers.kv.protocol`) and the token the router presents to their gRPC service
+    # (`workers.service.token_auth`); empty: none.
     cluster_secret: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -134,7 +135,11 @@ class WorkerActor:
         )
         address = ""
         if spec.role != "prefill":
-            self._server = WorkerServer(WorkerServicer(spec.worker_id, self._backend), host)
+            self._server = WorkerServer(
+                WorkerServicer(spec.worker_id, self._backend),
+                host,
+                token=spec.cluster_secret or None,
+            )
             address = advertised_address(host, self._server.port)
         metrics_port = 0
         if spec.metrics_port is not None:

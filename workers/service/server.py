@@ -31,6 +31,7 @@ from protos.pdserve.v1 import worker_pb2_grpc as wpb_grpc
 from workers.netaddr import join_host_port
 from workers.service.backend import WorkerBackend
 from workers.service.connect import ConnectSession, status_of_submit_error
+from workers.service.token_auth import TokenAuthInterceptor
 from workers.wire import TokenDelta, sampling_from_proto
 
 logger = logging.getLogger(__name__)
@@ -149,8 +150,17 @@ class WorkerServer:
     Health (``grpc.health.v1``) and reflection are on, as on the router.
     """
 
-    def __init__(self, servicer: WorkerServicer, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self,
+        servicer: WorkerServicer,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: str | None = None,
+    ) -> None:
+        """``token``: calls but health checks must carry ``authorization: Bearer <token>``
+        (`workers.service.token_auth`); the cluster's secret, which only its router holds."""
         self.servicer = servicer
+        self._token = token
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="worker-grpc")
         self._thread.daemon = True
@@ -165,7 +175,8 @@ class WorkerServer:
 
     async def _start(self, host: str, port: int) -> int:
         server = grpc.aio.server(
-            options=[("grpc.max_concurrent_streams", 4096), ("grpc.so_reuseport", 0)]
+            interceptors=[TokenAuthInterceptor(self._token)] if self._token else None,
+            options=[("grpc.max_concurrent_streams", 4096), ("grpc.so_reuseport", 0)],
         )
         wpb_grpc.add_WorkerServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
