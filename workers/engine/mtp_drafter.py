@@ -81,13 +81,7 @@ class MTPDrafter:
         """Write the MTP KV of each item's positions; returns, per item, the draft predicted at
         its last position (the token after the sequence's newest) and the module's output
         there (what a chain continues from, `chain`)."""
-        input_ids: list[int] = []
-        for seq, start, hidden in work:
-            # Position j reads token j + 1.
-            input_ids.extend(seq.token_ids[start + 1 : start + hidden.shape[0] + 1])
-        runs = [(seq.page_ids, start, hidden.shape[0]) for seq, start, hidden in work]
-        hidden = torch.cat([h for _, _, h in work])
-        x, batch = self._step(runs, input_ids, hidden, None)
+        x, batch = self._run(work, None)
         out = x.index_select(0, last_rows(batch))
         return self._drafts(out), out
 
@@ -123,14 +117,20 @@ class MTPDrafter:
     def write(self, work: Sequence[MTPWork], progress: LayerProgress) -> None:
         """Prefill role: write the MTP KV of each item's positions (no drafts) and report the
         layer done to ``progress``, also when there is nothing to write."""
-        if not work:
+        if work:
+            self._run(work, progress)
+        else:
             progress.mark_layer_done(self.layer)
-            return
+
+    def _run(
+        self, work: Sequence[MTPWork], progress: LayerProgress | None
+    ) -> tuple[torch.Tensor, AttentionBatch]:
         input_ids: list[int] = []
         for seq, start, hidden in work:
+            # Position j reads token j + 1.
             input_ids.extend(seq.token_ids[start + 1 : start + hidden.shape[0] + 1])
         runs = [(seq.page_ids, start, hidden.shape[0]) for seq, start, hidden in work]
-        self._step(runs, input_ids, torch.cat([h for _, _, h in work]), progress)
+        return self._step(runs, input_ids, torch.cat([h for _, _, h in work]), progress)
 
     def _drafts(self, out: torch.Tensor) -> list[int]:
         """The module's head over output rows: the greedy draft of each."""
