@@ -29,6 +29,7 @@ FORBIDDEN: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("workers.service", ("orchestrator",)),
     ("workers.wire", ("workers.service", "workers.kv", "orchestrator")),
     ("workers.netaddr", ("workers.service", "workers.kv", "workers.engine", "orchestrator")),
+    ("workers.token_auth", ("workers.service", "workers.kv", "workers.engine", "orchestrator")),
     ("workers.metrics", ("workers.service", "workers.kv", "orchestrator")),
     # The router and the API read the registry (the controller writes it), nothing else of the
     # control plane.

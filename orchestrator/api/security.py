@@ -27,16 +27,16 @@ import grpc
 from orchestrator.config.sections import ConfigError, TLSConfig
 
 # The server side of the token (shared with the workers' own gRPC service), re-exported.
-from workers.service.token_auth import (
+from workers.token_auth import (
     AUTH_METADATA_KEY as AUTH_METADATA_KEY,
 )
-from workers.service.token_auth import (
+from workers.token_auth import (
     OPEN_METHOD_PREFIXES as OPEN_METHOD_PREFIXES,
 )
-from workers.service.token_auth import (
+from workers.token_auth import (
     TokenAuthInterceptor as TokenAuthInterceptor,
 )
-from workers.service.token_auth import (
+from workers.token_auth import (
     bearer_matches as bearer_matches,
 )
 

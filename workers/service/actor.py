@@ -45,7 +45,7 @@ class WorkerSpec:
     nice: int = 0  # GroupConfig.nice: CPU priority of the process and of every thread it starts
     # The cluster's secret (hex): the MAC key of KV control messages between its workers
     # (`workers.kv.protocol`) and the token the router presents to their gRPC service
-    # (`workers.service.token_auth`); empty: none.
+    # (`workers.token_auth`); empty: none.
     cluster_secret: str = ""
 
     def to_dict(self) -> dict[str, Any]:

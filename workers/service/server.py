@@ -31,7 +31,7 @@ from protos.pdserve.v1 import worker_pb2_grpc as wpb_grpc
 from workers.netaddr import join_host_port
 from workers.service.backend import WorkerBackend
 from workers.service.connect import ConnectSession, status_of_submit_error
-from workers.service.token_auth import TokenAuthInterceptor
+from workers.token_auth import TokenAuthInterceptor
 from workers.wire import TokenDelta, sampling_from_proto
 
 logger = logging.getLogger(__name__)
@@ -158,7 +158,7 @@ class WorkerServer:
         token: str | None = None,
     ) -> None:
         """``token``: calls but health checks must carry ``authorization: Bearer <token>``
-        (`workers.service.token_auth`); the cluster's secret, which only its router holds."""
+        (`workers.token_auth`); the cluster's secret, which only its router holds."""
         self.servicer = servicer
         self._token = token
         self._loop = asyncio.new_event_loop()

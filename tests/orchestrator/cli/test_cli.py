@@ -188,7 +188,8 @@ def test_a_workers_failure_is_its_cause_in_one_line(
     assert main(["serve", str(config)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
-    assert err.startswith("error: UnsupportedCheckpointError: ") and "config.json" in err
+    assert err.startswith("error: FileNotFoundError: mixed-0 on node ")
+    assert f"no checkpoint at {tmp_path / 'absent'}" in err
 
 
 # Ctrl-C exactly while the router's gRPC server starts: SIGINT to itself from inside the start.
