@@ -74,44 +74,46 @@ def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             yield address
 
 
-def test_groups_on_two_nodes_serve_with_the_default_addresses(
-    two_nodes: str, tiny_model_dir: Path, tmp_path: Path
-) -> None:
-    router = f"{HEAD_IP}:{free_port()}"
-    fabric = {"provider": "tcp;ofi_rxm"}  # no node: each worker's node IP
-    working_dir = tmp_path / "job"
+def _groups() -> dict[str, dict[str, object]]:
+    """Prefill on the head, decode on the other node, the fabric's address left to each."""
+    fabric = {"provider": "tcp;ofi_rxm"}
+    on = {"prefill": "on_head", "decode": "on_node"}
+    return {
+        role: {"resources_per_rank": {"cpu": 0.5, "custom": {on[role]: 1}}, "fabric": fabric}
+        for role in on
+    }
+
+
+def _submit(address: str, working_dir: Path, config: dict[str, object], *args: str) -> str:
+    """Submit ``orchestrator.control.launch cluster.yaml ARGS`` with ``config`` as the
+    working directory's only file (as the README's command ships configs/); its job id."""
     working_dir.mkdir()
-    (working_dir / "cluster.yaml").write_text(
-        yaml.safe_dump(
-            {
-                "model": "../.cache/models/tiny",  # --model names the real one
-                "dtype": "float32",
-                "limits": {"max_model_len": 128, "num_pages": 32, "max_num_batched_tokens": 64},
-                "groups": {
-                    "prefill": {
-                        "resources_per_rank": {"cpu": 0.5, "custom": {"on_head": 1}},
-                        "fabric": fabric,
-                    },
-                    "decode": {
-                        "resources_per_rank": {"cpu": 0.5, "custom": {"on_node": 1}},
-                        "fabric": fabric,
-                    },
-                },
-                "router": {"address": router, "http_address": None, "grace_seconds": 1},
-            }
-        )
-    )
+    (working_dir / "cluster.yaml").write_text(yaml.safe_dump(config))
     job_id = f"pdserve-multinode-{uuid.uuid4().hex[:8]}"
     ray_job(
-        two_nodes,
+        address,
         "submit",
         "--no-wait",
         f"--submission-id={job_id}",
         f"--working-dir={working_dir}",
         "--",
-        sys.executable,
-        *("-m", "orchestrator.control.launch", "cluster.yaml", "--model", str(tiny_model_dir)),
+        *(sys.executable, "-m", "orchestrator.control.launch", "cluster.yaml", *args),
     )
+    return job_id
+
+
+def test_groups_on_two_nodes_serve_with_the_default_addresses(
+    two_nodes: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    router = f"{HEAD_IP}:{free_port()}"
+    config = {
+        "model": "../.cache/models/tiny",  # --model names the real one
+        "dtype": "float32",
+        "limits": {"max_model_len": 128, "num_pages": 32, "max_num_batched_tokens": 64},
+        "groups": _groups(),  # no worker_host, no fabric.node: each worker's node IP
+        "router": {"address": router, "http_address": None, "grace_seconds": 1},
+    }
+    job_id = _submit(two_nodes, tmp_path / "job", config, "--model", str(tiny_model_dir))
     try:
 
         def serving() -> bool:
@@ -143,27 +145,9 @@ def test_groups_on_two_nodes_serve_with_the_default_addresses(
 
 
 def test_a_node_without_the_model_fails_the_start_clearly(two_nodes: str, tmp_path: Path) -> None:
-    working_dir = tmp_path / "job"
-    working_dir.mkdir()
-    fabric = {"provider": "tcp;ofi_rxm"}
-    custom = {"prefill": {"on_head": 1}, "decode": {"on_node": 1}}
-    groups = {
-        role: {"resources_per_rank": {"cpu": 0.5, "custom": custom[role]}, "fabric": fabric}
-        for role in ("prefill", "decode")
-    }
     router = {"address": f"{HEAD_IP}:{free_port()}", "http_address": None, "grace_seconds": 1}
-    config = {"model": "/nonexistent/model", "groups": groups, "router": router}
-    (working_dir / "cluster.yaml").write_text(yaml.safe_dump(config))
-    job_id = f"pdserve-nomodel-{uuid.uuid4().hex[:8]}"
-    ray_job(
-        two_nodes,
-        "submit",
-        "--no-wait",
-        f"--submission-id={job_id}",
-        f"--working-dir={working_dir}",
-        "--",
-        *(sys.executable, "-m", "orchestrator.control.launch", "cluster.yaml"),
-    )
+    config = {"model": "/nonexistent/model", "groups": _groups(), "router": router}
+    job_id = _submit(two_nodes, tmp_path / "job", config)
     wait_until(
         lambda: job_status(two_nodes, job_id) in ("FAILED", "STOPPED", "SUCCEEDED"),
         timeout=180,
