@@ -50,7 +50,6 @@ from orchestrator.api.openai_protocol import (
     stream_chunk,
     usage_chunk,
 )
-from orchestrator.api.security import bearer_matches
 from orchestrator.errors import (
     CapacityError,
     ContextLengthError,
@@ -63,6 +62,7 @@ from orchestrator.errors import (
 from orchestrator.router.core import Router
 from orchestrator.router.types import StreamEvent
 from workers.netaddr import join_host_port
+from workers.token_auth import bearer_matches
 
 logger = logging.getLogger(__name__)
 

@@ -3,9 +3,10 @@ client side.
 
 Server: `load_server_tls` reads ``router.tls`` once at start-up and returns the credentials of
 both fronts (`ServerTLS`); ``ca`` set means mutual TLS (a client certificate signed by it is
-required). `TokenAuthInterceptor` rejects gRPC calls without ``authorization: Bearer <token>``
-metadata with UNAUTHENTICATED; ``grpc.health.v1.Health`` stays open, as ``/health`` does on HTTP
-(`orchestrator.api.http`), so that load balancers and probes need no secret.
+required). `workers.token_auth.TokenAuthInterceptor` rejects gRPC calls without ``authorization:
+Bearer <token>`` metadata with UNAUTHENTICATED; ``grpc.health.v1.Health`` stays open, as
+``/health`` does on HTTP (`orchestrator.api.http`), so that load balancers and probes need no
+secret.
 
 Client: `channel_credentials` (root CA, optional client certificate) and `token_metadata` /
 `token_interceptors` for the token (`orchestrator.api.client.channel` puts them together).
@@ -25,20 +26,7 @@ from typing import Any
 import grpc
 
 from orchestrator.config.sections import ConfigError, TLSConfig
-
-# The server side of the token (shared with the workers' own gRPC service), re-exported.
-from workers.token_auth import (
-    AUTH_METADATA_KEY as AUTH_METADATA_KEY,
-)
-from workers.token_auth import (
-    OPEN_METHOD_PREFIXES as OPEN_METHOD_PREFIXES,
-)
-from workers.token_auth import (
-    TokenAuthInterceptor as TokenAuthInterceptor,
-)
-from workers.token_auth import (
-    bearer_matches as bearer_matches,
-)
+from workers.token_auth import AUTH_METADATA_KEY
 
 
 class TLSFileError(ConfigError):

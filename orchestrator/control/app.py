@@ -166,7 +166,7 @@ class ServingApp:
         await self._start_http(model_info.model_name)
 
     def _interceptors(self) -> list[Any]:
-        from orchestrator.api.security import TokenAuthInterceptor
+        from workers.token_auth import TokenAuthInterceptor
 
         token = self.config.router.auth.token
         return [TokenAuthInterceptor(token)] if token else []

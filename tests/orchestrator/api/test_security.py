@@ -37,8 +37,6 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from orchestrator.api.client import channel, complete, pb, pb_grpc
 from orchestrator.api.security import (
     TLSFileError,
-    TokenAuthInterceptor,
-    bearer_matches,
     channel_credentials,
     load_server_tls,
     server_ssl_context,
@@ -48,6 +46,7 @@ from orchestrator.config.cluster import ClusterConfig, ConfigError
 from orchestrator.config.sections import TLSConfig
 from orchestrator.control.app import ServingApp
 from tests.system.cluster_helpers import ServedCluster, cluster_config, mixed_groups
+from workers.token_auth import TokenAuthInterceptor, bearer_matches
 
 TOKEN = "s3cret-token"
 TIMEOUT = 60.0  # a bound for one call on a loaded machine, never a timing assertion
