@@ -58,6 +58,8 @@ LABEL_VALUES: Mapping[str, tuple[str, ...]] = {
     # Draft positions of speculative decoding (0: the first draft after the newest token), up
     # to `workers.engine.speculative.MAX_SPECULATIVE_TOKENS`.
     "position": tuple(str(i) for i in range(16)),
+    # A decoder's prompt KV pages: written by a prefill worker, or held in its prefix cache.
+    "outcome": ("written", "skipped"),
 }
 
 # Buckets, vLLM-like: client-visible latencies span milliseconds (a short prompt on an idle
@@ -226,6 +228,12 @@ METRIC_SPECS: tuple[MetricSpec, ...] = (
         "counter",
         "KV control messages refused for a missing or wrong MAC of the cluster's secret.",
     ),
+    MetricSpec(
+        "pdserve_kv_transfer_pages_total",
+        "counter",
+        "A decoder's prompt KV pages: asked of a prefill worker, or held in its prefix cache.",
+        labels=("outcome",),
+    ),
     # --- router -------------------------------------------------------------------------------
     MetricSpec(
         "pdserve_router_decisions_total",
@@ -318,6 +326,11 @@ class Metrics:
         """``count`` more drafts kept at draft ``position``."""
         name = "pdserve_spec_decode_num_accepted_tokens_per_pos_total"
         self._counters[name].labels(*self._labels(name, "position", str(position))).inc(count)
+
+    def count_transfer_pages(self, outcome: str, count: int) -> None:
+        """``count`` more prompt pages a decoder had ``written`` or ``skipped`` (cached)."""
+        name = "pdserve_kv_transfer_pages_total"
+        self._counters[name].labels(*self._labels(name, "outcome", outcome)).inc(count)
 
     def set_queue_depth(self, queue: str, depth: int) -> None:
         name = "pdserve_kv_messenger_queue_depth"

@@ -55,6 +55,8 @@ class WorkerLoad:
     num_spec_accepted_tokens: int = 0  # of them, kept
     num_spec_accepted_per_pos: tuple[int, ...] = ()  # kept, by draft position
     num_unauthenticated_messages: int = 0  # KV control messages refused for their MAC
+    num_kv_pages_written: int = 0  # decoder: prompt KV pages asked of prefill workers
+    num_kv_pages_skipped: int = 0  # decoder: prompt KV pages held in its prefix cache
 
 
 def sampling_from_proto(message: wpb.WorkerSamplingParams) -> SamplingParams:

@@ -247,12 +247,6 @@ class ClusterConfig(Section):
         self._check_limits(self.limits, "limits")
         for group in self.groups:
             self._check_limits(group.limits, f"groups.{group.role}.limits")
-            if group.limits.enable_prefix_caching and group.role != "mixed":
-                raise ConfigError(
-                    f"groups.{group.role}.limits.enable_prefix_caching",
-                    "prefix caching runs on mixed groups only so far (the KV transfer does not "
-                    "yet skip cached pages)",
-                )
             try:
                 self.engine_config(group.role)
             except ValueError as exc:  # the engine's own rules, should ours miss one

@@ -53,7 +53,7 @@ GROUP_ROLES: tuple[str, ...] = ("prefill", "decode", "mixed")
 FABRIC_PROVIDERS: tuple[str, ...] = ("tcp;ofi_rxm", "shm", "verbs;ofi_rxm", "efa")
 # Short names accepted for convenience, as in `workers.fabric.providers`.
 FABRIC_PROVIDER_ALIASES: dict[str, str] = {"tcp": "tcp;ofi_rxm", "verbs": "verbs;ofi_rxm"}
-ROUTING_POLICIES: tuple[str, ...] = ("least_outstanding", "round_robin", "random")
+ROUTING_POLICIES: tuple[str, ...] = ("least_outstanding", "round_robin", "random", "kv_aware")
 # The loopback addresses `localhost` resolves to (either or both): binding it takes them.
 LOOPBACK_HOSTS: frozenset[str] = frozenset({"127.0.0.1", "::1"})
 # router.max_request_bytes: gRPC's own default receive limit, so nothing that fit before is
@@ -342,7 +342,16 @@ class RouterConfig(Section):
     """HTTP ``host:port`` of ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` and
     ``/health``; null serves no HTTP."""
     policy: Annotated[str, OneOf(ROUTING_POLICIES)] = "least_outstanding"
-    """How the router picks a worker."""
+    """How the router picks a worker. ``kv_aware``: the decode (or mixed) worker whose prefix
+    cache is thought to hold most of the prompt, weighed against its load, and the prefill
+    worker with the least uncomputed work queued, counting what it holds cached (the router's
+    estimate from what it sent each worker); pair it with ``limits.enable_prefix_caching``."""
+    kv_cache_weight: float = Field(default=1.0, ge=0)
+    """``kv_aware``: weight of the share of a prompt a worker holds cached in its score."""
+    kv_load_weight: float = Field(default=1.0, ge=0)
+    """``kv_aware``: weight of a worker's load (requests in flight / ``limits.max_num_seqs``)
+    in its score; with both weights 1 a worker keeps a conversation whose history it holds until
+    it carries a full worker's load more than another."""
     max_queue: int = Field(default=1024, ge=0)
     """Requests held while no decode worker has room; more get RESOURCE_EXHAUSTED."""
     default_max_tokens: int = Field(default=256, ge=1)

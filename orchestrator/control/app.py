@@ -322,6 +322,9 @@ def describe(config: ClusterConfig, registry: Any, seed: int | None) -> tuple[An
         worker_retries=config.router.worker_retries,
         local_prefill_fallback=config.router.local_prefill_fallback,
         eos_token_ids=frozenset(eos),
+        page_size=config.page_size,
+        kv_cache_weight=config.router.kv_cache_weight,
+        kv_load_weight=config.router.kv_load_weight,
     )
     groups = [GroupView(g.role, g.role, g.replicas, g.tp) for g in config.groups]
     return model_info, tokenizer, settings, groups

@@ -92,6 +92,7 @@ class GrpcClient:
             async for response in self._stub.Generate(message, timeout=self._timeout):
                 arrived = now()
                 result.chunks.append((arrived, len(response.token_ids)))
+                result.token_ids.extend(response.token_ids)
                 if response.finish_reason:
                     result.finish_reason = response.finish_reason
                     result.usage_completion_tokens = response.usage.completion_tokens

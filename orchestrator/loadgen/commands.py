@@ -17,7 +17,9 @@ if TYPE_CHECKING:
 
 
 def add_subcommands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    bench = sub.add_parser("bench", help="open-loop load generator (run, compare, sweep, validate)")
+    bench = sub.add_parser(
+        "bench", help="load generator (run, multiturn, compare, sweep, validate)"
+    )
     commands = bench.add_subparsers(dest="bench_command", required=True)
 
     p = commands.add_parser("run", help="load a running router; report latencies and goodput")
@@ -31,6 +33,30 @@ def add_subcommands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--backend", choices=["grpc", "http"], default="grpc")
     _add_workload_arguments(p)
     p.set_defaults(func=_run)
+
+    p = commands.add_parser(
+        "multiturn",
+        help="multi-turn chat conversations against a running router (gRPC): TTFT by turn",
+    )
+    p.add_argument("--address", required=True, help="router gRPC HOST:PORT")
+    p.add_argument("--api-key", default=None, help="bearer token of the router")
+    p.add_argument(
+        "--prompt",
+        default="multiturn:8:5",
+        help="multiturn:CONVERSATIONS:TURNS (each turn: the conversation so far + a question)",
+    )
+    p.add_argument("--system-tokens", type=int, default=256, help="shared system prompt")
+    p.add_argument("--question-tokens", default="32-64", help="N or A-B tokens per question")
+    p.add_argument("--output-tokens", type=int, default=32, help="tokens per answer")
+    p.add_argument("--rate", type=float, default=0.5, help="conversations started per second")
+    p.add_argument("--arrival", choices=["poisson", "fixed"], default="poisson")
+    p.add_argument("--think-time", type=float, default=0.0, help="seconds between turns")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ttft-slo", type=float, default=2.0, help="seconds")
+    p.add_argument("--tpot-slo", type=float, default=0.1, help="seconds per output token")
+    p.add_argument("--timeout", type=float, default=600.0, help="per turn, seconds")
+    p.add_argument("--json", default=None, help="write the summary and every turn here")
+    p.set_defaults(func=_multiturn)
 
     p = commands.add_parser(
         "compare",
@@ -209,6 +235,54 @@ def _run(args: argparse.Namespace) -> int:
     if args.plot:
         write_plot(args.plot, [(args.backend, outcome)])
     return 0 if summary["errored"] == 0 else 1
+
+
+def _multiturn(args: argparse.Namespace) -> int:
+    import json
+
+    from orchestrator.loadgen.conversations import (
+        format_turns,
+        measure_conversations,
+        multiturn_shape,
+    )
+    from orchestrator.loadgen.stats import SLOs
+
+    try:
+        shape = multiturn_shape(args)
+        slos = SLOs(args.ttft_slo, args.tpot_slo)
+    except ValueError as error:
+        print(f"pdserve bench multiturn: {error}", file=sys.stderr)
+        return 2
+    import grpc
+
+    try:
+        turns, summary = asyncio.run(
+            measure_conversations(
+                args.address, shape, slos, timeout_s=args.timeout, api_key=args.api_key
+            )
+        )
+    except ValueError as error:
+        print(f"pdserve bench multiturn: {error}", file=sys.stderr)
+        return 2
+    except grpc.aio.AioRpcError as error:
+        print(
+            f"pdserve bench multiturn: {args.address}: {error.code().name}: {error.details()}",
+            file=sys.stderr,
+        )
+        return 2
+    print(format_turns(summary))
+    if args.json:
+        document = {
+            "command": "multiturn",
+            "argv": sys.argv,
+            "summary": summary,
+            "turns": [
+                {"conversation": t.conversation, "turn": t.turn, **t.result.to_json()}
+                for t in turns
+            ],
+        }
+        Path(args.json).write_text(json.dumps(document, indent=2))
+    return 0 if summary["errored"] == 0 and summary["not_sent"] == 0 else 1
 
 
 def _compare(args: argparse.Namespace) -> int:

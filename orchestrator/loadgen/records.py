@@ -26,6 +26,8 @@ class RequestResult:
     finish_reason: str = ""
     usage_completion_tokens: int | None = None  # the server's own count, when it sent one
     error: str | None = None  # gRPC status name, "HTTP 503", "stream: ...": counted, not dropped
+    # The answer's token ids (the gRPC client; a multi-turn run's next prompt extends them).
+    token_ids: list[int] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:

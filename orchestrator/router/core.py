@@ -56,7 +56,7 @@ from orchestrator.errors import (
     UnavailableError,
     WorkerFailedError,
 )
-from orchestrator.router.policy import RoutingPolicy, create_policy
+from orchestrator.router.policy import KVAwareWeights, RoutingPolicy, create_policy
 from orchestrator.router.prefill_choice import PrefillCharge, PrefillChoice
 from orchestrator.router.prepare import check_request_id, prompt_ids, sampling_params
 from orchestrator.router.suspicion import Suspects
@@ -81,6 +81,7 @@ class _InFlight:
     finished: bool = False
     # Its prompt, charged to its prefill source while its prefill runs (`PrefillChoice`).
     prefill: PrefillCharge = field(default_factory=PrefillCharge)
+    blocks: list[bytes] = field(default_factory=list)  # its prompt's (kv_aware's index)
 
 
 class _LostBeforeFirstToken(Exception):
@@ -123,8 +124,16 @@ class Router:
         self.registry = registry
         self.tokenizer = tokenizer
         self.metrics = metrics
-        self.policy = policy or create_policy(settings.policy, settings.seed)
-        self.prefill = PrefillChoice(registry, metrics, settings.seed)
+        weights = KVAwareWeights(
+            settings.kv_cache_weight,
+            settings.kv_load_weight,
+            settings.capacity_per_worker,
+            settings.page_size,
+        )
+        self.policy = policy or create_policy(settings.policy, settings.seed, weights)
+        # kv_aware: what this router sent each worker (serving and prefill), kept current here.
+        self.index = self.policy.index
+        self.prefill = PrefillChoice(registry, metrics, settings.seed, self.index)
         self.suspects = Suspects()
         self._outstanding: dict[str, int] = {}
         self._requests: dict[str, _InFlight] = {}
@@ -163,12 +172,14 @@ class Router:
         if request_id in self._requests:
             raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
         inflight = _InFlight(request_id)
+        if self.index is not None:
+            inflight.blocks = self.index.blocks(prompt)
         self._requests[request_id] = inflight
         worker: WorkerRecord | None = None  # the one holding the request's slot
         admitted = completed = False
         tried: set[str] = set()  # workers that lost this request before its first token
         try:
-            worker = await self._admit()
+            worker = await self._admit(blocks=inflight.blocks)
             admitted = True
             queue_time = time.perf_counter() - arrived
             while True:
@@ -196,7 +207,7 @@ class Router:
                     # finally release the slot a second time.
                     lost_worker, worker = worker, None
                     await self._release(lost_worker.worker_id)
-                    worker = await self._admit(exclude=tried)
+                    worker = await self._admit(exclude=tried, blocks=inflight.blocks)
         finally:
             del self._requests[request_id]
             self._gauge()  # `_admit` counted it while it was still in `_requests`
@@ -231,7 +242,10 @@ class Router:
             if not self.suspects.is_suspect(w) and w.worker_id not in exclude
         ]
 
-    async def _admit(self, exclude: set[str] | None = None) -> WorkerRecord:
+    async def _admit(
+        self, exclude: set[str] | None = None, blocks: list[bytes] | None = None
+    ) -> WorkerRecord:
+        """A worker with room for a request with prompt ``blocks`` (`RoutingPolicy.pick`)."""
         settings = self.settings
         queued = False
         try:
@@ -256,10 +270,12 @@ class Router:
                         if self._outstanding.get(w.worker_id, 0) < settings.capacity_per_worker
                     ]
                     if room:
-                        worker = self.policy.pick(room, self._outstanding)
+                        worker = self.policy.pick(room, self._outstanding, blocks or ())
                         self._outstanding[worker.worker_id] = (
                             self._outstanding.get(worker.worker_id, 0) + 1
                         )
+                        if self.index is not None:  # it will hold the prompt's KV
+                            self.index.record(worker.worker_id, blocks or ())
                         if self.metrics is not None:
                             self.metrics.count_router_decision(worker.worker_id)
                         return worker
@@ -317,8 +333,10 @@ class Router:
             sampling=sampling_to_proto(params),
         )
         tried: set[str] = set()  # prefill sources of this request ("": the decoder itself)
+        generated: list[int] = []  # kv_aware: the answer's KV stays in the worker's cache
         if self.settings.is_disaggregated:
             inflight.prefill.tokens = len(prompt)
+            inflight.prefill.blocks = inflight.blocks
             endpoint = self.prefill.source(inflight.prefill, tried, self.settings)
             if endpoint is None:
                 raise UnavailableError("no ready prefill worker")
@@ -346,6 +364,8 @@ class Router:
                     self.metrics.inter_token_latency.observe(now - last)
                 last = now
                 num_tokens += len(delta.token_ids)
+                if self.index is not None:
+                    generated.extend(delta.token_ids)
             reason = delta.finish_reason
             for token_id in text_token_ids(delta.token_ids, reason, params, eos):
                 text.push(token_id)
@@ -398,6 +418,8 @@ class Router:
                 event = replace(event, text_offsets=offsets)
             if final:
                 inflight.finished = delta.finish_reason != ""
+                if self.index is not None:
+                    self.index.record(worker.worker_id, self.index.blocks(prompt + generated))
                 end = time.perf_counter()
                 itl = (last - first) / (num_tokens - 1) if num_tokens > 1 else 0.0
                 ttft = first - arrived if num_tokens else end - arrived
@@ -435,6 +457,8 @@ class Router:
 
     def _worker_down(self, record: WorkerRecord) -> None:
         """The controller took ``record`` out of service: end its requests with an error."""
+        if self.index is not None:
+            self.index.forget(record.worker_id)  # a replacement starts with an empty cache
         link = self._links.pop(record.worker_id, None)
         if link is None:
             return

@@ -10,10 +10,11 @@ the request itself, once (an empty prefill endpoint).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from orchestrator.control.registry import Registry, WorkerRecord
 from orchestrator.router.policy import PrefillLoad
+from orchestrator.router.prefix_index import PrefixIndex
 from orchestrator.router.types import RouterSettings
 from workers.metrics import Metrics
 
@@ -24,17 +25,28 @@ DECODER_ITSELF = ""
 @dataclass
 class PrefillCharge:
     """One request's prompt tokens, charged to its prefill source in `PrefillLoad` (``source``
-    "": none, or released)."""
+    "": none, or released); ``charged``: the part of them charged there (less what it holds
+    cached, with ``kv_aware``); ``blocks``: the prompt's blocks (``kv_aware``)."""
 
     tokens: int = 0
     source: str = ""
+    charged: int = 0
+    blocks: list[bytes] = field(default_factory=list)
 
 
 class PrefillChoice:
-    def __init__(self, registry: Registry, metrics: Metrics | None, seed: int | None) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        metrics: Metrics | None,
+        seed: int | None,
+        index: PrefixIndex | None = None,
+    ) -> None:
+        """``index``: ``kv_aware``'s prompt-prefix index (the prefill workers' part of it)."""
         self.registry = registry
         self.metrics = metrics
         self.load = PrefillLoad(seed)
+        self.index = index
 
     def source(
         self, charge: PrefillCharge, tried: set[str], settings: RouterSettings
@@ -77,13 +89,22 @@ class PrefillChoice:
         """The request's prefill is over (first token) or will not happen (error, retry, end)."""
         worker_id, charge.source = charge.source, ""
         if worker_id:
-            self.load.release(worker_id, charge.tokens)
+            self.load.release(worker_id, charge.charged)
             self._gauge(worker_id)
 
     def _charge(self, charge: PrefillCharge, workers: list[WorkerRecord]) -> WorkerRecord:
         """Charge the request's prompt to the least-loaded of ``workers`` and make it the
         request's source (`release` undoes both)."""
-        worker = self.load.pick(workers, charge.tokens)
+        index = self.index
+        cached = None
+        if index is not None and charge.blocks:
+
+            def cached(worker_id: str) -> int:
+                return index.matched(worker_id, charge.blocks) * index.page_size
+
+        worker, charge.charged = self.load.pick(workers, charge.tokens, cached)
+        if index is not None:
+            index.record(worker.worker_id, charge.blocks)  # its cache will hold them
         charge.source = worker.worker_id
         self._gauge(worker.worker_id)
         return worker

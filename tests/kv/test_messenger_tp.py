@@ -24,7 +24,8 @@ on ``deepseek-tiny`` (MLA: one latent plane, the same on every rank, so every de
 takes whole pages from one source rank, ``d · runs`` writes per layer); (1,1) and (2,2) on
 ``qwen3-moe-tiny``. Speculating decoders: ngram on ``tiny`` (1,1), (2,2), a draft model (1,2); MTP on
 ``deepseek-tiny`` (1,1), (2,2), the prefill computing the module's layer (one more layer in the
-write count) and the decoder's first drafts made from the shipped hidden state. Cost is dominated by process start-up (torch import, checkpoint load per
+write count) and the decoder's first drafts made from the shipped hidden state. Prefix caching
+on both sides at (1,2) and (2,2): a second turn's held pages skipped, parity kept. Cost is dominated by process start-up (torch import, checkpoint load per
 rank); every process runs one intra-op thread.
 """
 
@@ -202,6 +203,7 @@ class TPPair:
         d: int,
         speculative: SpeculativeConfig | None = None,
         mtp_kv: bool = False,
+        prefix_caching: bool = False,
     ) -> None:
         self.prefill: RemotePrefill | None = None
         self.decode: DecodeWorker | None = None
@@ -216,6 +218,7 @@ class TPPair:
                     "max_num_batched_tokens": BUDGET,
                     "tensor_parallel_size": p,
                     "mtp_kv": mtp_kv,
+                    "enable_prefix_caching": prefix_caching,
                 },
                 num_threads=1,
                 daemon=False,  # it spawns its own ranks
@@ -224,7 +227,10 @@ class TPPair:
             self.decode = DecodeWorker(
                 model_dir,
                 EngineConfig(
-                    num_pages=DECODE_PAGES, tensor_parallel_size=d, speculative=speculative
+                    num_pages=DECODE_PAGES,
+                    tensor_parallel_size=d,
+                    speculative=speculative,
+                    enable_prefix_caching=prefix_caching,
                 ),
                 provider=PROVIDER,
             )
@@ -359,6 +365,59 @@ def test_mtp_decoder_gets_the_mtp_layer_and_drafts_from_the_shipped_state(
     assert sorted(first_drafts) == [f"tp{i}" for i in range(1, len(prompts))]
     for tokens, draft in first_drafts.values():
         assert draft == reference_mtp_draft(reference.model_dir, tokens)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("p", "d"), [(1, 2), (2, 2)])
+def test_prefix_caching_on_both_sides_keeps_parity_and_skips_held_pages(
+    p: int, d: int, references: dict[str, Reference]
+) -> None:
+    """Prefix caching on both groups under TP: a second turn reuses the prefill worker's
+    cached pages (every rank's pool holds their KV) and is written only past the pages the
+    decoder holds (every rank's pool), with the tokens of a plain engine."""
+    reference = references["tiny"]
+    plain = make_engine(reference.model_dir)
+    system, follow_up = prompts_of_lengths([75, 28], seed=21)
+    pair = TPPair(reference.model_dir, p, d, prefix_caching=True)
+    try:
+        assert pair.decode is not None and pair.prefill is not None
+        answer, final = pair.decode.submit("turn1", system, GREEDY, pair.endpoint).result(90)
+        assert final.error is None and answer == run_engine(plain, [system], GREEDY)[0]
+        turn2 = system + answer + follow_up
+        tokens, final = pair.decode.submit("turn2", turn2, GREEDY, pair.endpoint).result(90)
+        assert final.error is None and tokens == run_engine(plain, [turn2], GREEDY)[0]
+        record = pair.decode.transfer_stats("turn2")
+        assert record is not None and record["state"] == "ready"
+        held = (len(system) + len(answer) - 1) // PAGE
+        assert record["num_pages_skipped"] == held
+        assert len(record["page_ids"]) == (len(turn2) - 2) // PAGE + 1 - held
+        prefill_stats = pair.prefill.stats("turn2")
+        max_run = pair.decode.fabric.max_pages_per_run(
+            pair.decode.messenger.pools.layout.page_bytes
+        )
+        config = reference.config
+        assert record["num_writes_expected"] == formula_count(
+            p,
+            d,
+            config.num_kv_heads,
+            config.num_layers,
+            prefill_stats["src_pages"],
+            record["page_ids"],
+            pair.endpoint.segment_pages,
+            max_run,
+        )
+        assert pair.prefill.state()["num_prefix_cache_hits"] == (len(system) - 1) // PAGE * PAGE
+        wait_until(
+            lambda: (
+                pair.decode is not None and pair.decode.state()["num_free_pages"] == DECODE_PAGES
+            ),
+            what="decode pool full",
+        )
+    finally:
+        pair.close()
+    wait_until(
+        lambda: not pair.alive_ranks(), timeout=10, what="every TP rank gone with its worker"
+    )
 
 
 def _check_case(

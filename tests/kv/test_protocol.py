@@ -61,6 +61,7 @@ MESSAGES: list[Message] = [
     make_request(dst_page_ids=((1, 2, 3), (7, 8, 9)), context_descriptor=b"", source_sets=()),
     make_request(checksum=True),
     make_request(mtp_layers=1),
+    make_request(skip_pages=2, dst_page_ids=((9,),)),  # the decoder holds 2 of the 3 pages
     PrefillAccepted("req-1", 5, 640),
     PrefillRejected("req-1", 5, RejectReason.NO_PAGES, "pool full"),
     AbortPrefill("req-1", 5),
@@ -111,11 +112,18 @@ def test_request_helpers_and_compactness() -> None:
         ("context_descriptor", b"x" * 5000),
         ("expected_write_count", -3),
         ("timeout_ms", 0),
+        ("skip_pages", 1),  # then 2 pages are written, not the 3 listed
+        ("skip_pages", -1),
     ],
 )
 def test_invalid_request_fields_are_rejected(field: str, value: object) -> None:
     with pytest.raises(ProtocolError):
         make_request(**{field: value})
+
+
+def test_a_request_skipping_every_page_is_rejected() -> None:
+    with pytest.raises(ProtocolError, match="no page to write"):
+        make_request(skip_pages=3, dst_page_ids=((),))
 
 
 def test_mla_request_carries_one_source_rank_per_decode_rank() -> None:
@@ -188,7 +196,14 @@ def test_unknown_version_type_and_field_count() -> None:
 def test_wrong_wire_types_are_rejected() -> None:
     # Every field on the wire, the optional ones too.
     good = wire(
-        make_request(checksum=True, prefill_incarnation=1, decode_incarnation=1, mtp_layers=1)
+        make_request(
+            checksum=True,
+            prefill_incarnation=1,
+            decode_incarnation=1,
+            mtp_layers=1,
+            skip_pages=1,
+            dst_page_ids=((5, 9),),
+        )
     )
     names = [f.name for f in dataclasses.fields(PrefillRequest)]
     valid = [("request_id", "s"), ("context_descriptor", b"b"), ("source_sets", [1])]

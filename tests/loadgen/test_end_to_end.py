@@ -5,6 +5,7 @@ counts match the requested lengths (ignore_eos)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.loadgen.clients import GrpcClient, HttpClient
+from orchestrator.loadgen.conversations import MultiTurn, Turn, measure_conversations
 from orchestrator.loadgen.records import RequestResult
 from orchestrator.loadgen.requests import TimedRequest
 from orchestrator.loadgen.session import BenchOptions, measure
@@ -105,3 +107,27 @@ def test_errors_are_counted_by_status(cluster: ServedCluster) -> None:
     assert summary["errored"] == 2 and summary["completed"] == 0
     assert summary["errors_by_code"] == {"HTTP 400": 1, "INVALID_ARGUMENT": 1}
     assert json.dumps(summary)  # nothing in it that the JSON file cannot hold
+
+
+def test_multiturn_conversations_carry_their_history(cluster: ServedCluster) -> None:
+    """Each turn's prompt is the previous turn's prompt, its answer and a new question."""
+    shape = MultiTurn(3, 3, system_tokens=24, question_tokens=(4, 12), output_tokens=6, rate=4.0)
+    slos = SLOs(ttft_s=60.0, tpot_s=10.0)
+    turns, summary = asyncio.run(
+        measure_conversations(cluster.address, shape, slos, timeout_s=120.0)
+    )
+    assert summary["completed"] == 9 and summary["errored"] == summary["not_sent"] == 0
+    by_conversation: dict[int, list[Turn]] = {}
+    for turn in sorted(turns, key=lambda t: (t.conversation, t.turn)):
+        by_conversation.setdefault(turn.conversation, []).append(turn)
+    systems = {conversation[0].prompt[:24] for conversation in by_conversation.values()}
+    assert len(systems) == 1  # one system prompt, shared
+    for conversation in by_conversation.values():
+        assert all(len(t.result.token_ids) == t.result.output_tokens == 6 for t in conversation)
+        assert 24 + 4 <= len(conversation[0].prompt) <= 24 + 12
+        for before, after in itertools.pairwise(conversation):
+            history = (*before.prompt, *before.result.token_ids)
+            assert after.prompt[: len(history)] == history
+            assert 4 <= len(after.prompt) - len(history) <= 12
+    assert summary["prompt_tokens_sent"] == sum(t.result.prompt_tokens for t in turns)
+    assert set(summary["ttft_by_turn_s"]) == {"1", "2", "3"}

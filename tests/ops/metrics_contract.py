@@ -76,6 +76,7 @@ EXPORTED_BY: dict[str, tuple[str, ...]] = {
     "pdserve_kv_messenger_queue_depth": _KV_ROLES,
     "pdserve_kv_checksum_failures_total": ("decode",),
     "pdserve_kv_unauthenticated_messages_total": ("prefill", "decode"),
+    "pdserve_kv_transfer_pages_total": ("decode",),
     "pdserve_router_decisions_total": _ROUTER,
     "pdserve_router_retries_total": _ROUTER,
     "pdserve_router_prefill_tokens_in_flight": _ROUTER,

@@ -240,6 +240,8 @@ class _FakeBackend:
             num_spec_accepted_tokens=12,
             num_spec_accepted_per_pos=(8, 4),
             num_unauthenticated_messages=1,
+            num_kv_pages_written=6,
+            num_kv_pages_skipped=2,
         )
 
 

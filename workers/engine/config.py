@@ -41,7 +41,10 @@ class EngineConfig:
     cuda_graph_max_batch: on CUDA, decode steps of up to this many sequences replay CUDA
         graphs (`workers.engine.decode_graphs`); 0 runs every step eagerly. Ignored on CPU.
     enable_prefix_caching: reuse the KV of full pages whose tokens (from the sequence's start)
-        match an earlier sequence's (`workers.engine.prefix_cache`); mixed role only so far.
+        match an earlier sequence's (`workers.engine.prefix_cache`). Prefill role: a cached
+        prefix is not computed again (its pages are still sent); decode role: finished
+        requests' pages stay cached and a prompt's cached prefix is not transferred again.
+        Not with speculative decoding or ``mtp_kv`` yet.
     speculative: speculative decoding (`workers.engine.speculative`): drafts verified by the
         model, lossless; mixed and decode roles, not with prefix caching yet. None: off.
     mtp_kv: prefill role: also run the checkpoint's MTP module over the prompt and send its KV
@@ -103,10 +106,9 @@ class EngineConfig:
         check_device_name(self.device)
         if self.cuda_graph_max_batch < 0:
             raise ValueError(f"cuda_graph_max_batch must be >= 0, got {self.cuda_graph_max_batch}")
-        if self.enable_prefix_caching and self.role != "mixed":
-            raise ValueError(
-                f"enable_prefix_caching is supported on the mixed role only, not {self.role!r}"
-            )
+        if self.enable_prefix_caching and self.mtp_kv:
+            # A page's MTP-layer KV depends on the token after the page, which its name omits.
+            raise ValueError("mtp_kv with enable_prefix_caching is not supported yet")
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
             # As it arrives from a serialised config (a worker's spec): a plain mapping.
             raw = cast(Mapping[str, Any], self.speculative)

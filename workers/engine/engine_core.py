@@ -280,6 +280,23 @@ class EngineCore:
         """Pages a decoder reserves for a prompt: the KV of all its tokens but the last."""
         return self.block_manager.pages_for_tokens(num_prompt_tokens - 1)
 
+    def acquire_cached_prefix(self, prompt_token_ids: Sequence[int]) -> list[int]:
+        """Decode role with prefix caching: share the cached pages holding the longest cached
+        prefix of a prompt's KV (full pages of all its tokens but the last), which then need no
+        transfer; [] with caching off. Give them back with `release_cached` unless they go to
+        `add_prefilled_request`."""
+        if not self.scheduler.caching:
+            return []
+        prompt = list(prompt_token_ids)
+        max_pages = (len(prompt) - 1) // self.config.page_size
+        pages = self.scheduler.acquire_prefix([], prompt, max_pages)
+        self.scheduler.count_query(len(prompt), len(pages))
+        return pages
+
+    def release_cached(self, page_ids: Sequence[int]) -> None:
+        """Give back pages `acquire_cached_prefix` shared (their request failed or waits)."""
+        self.block_manager.free(page_ids)
+
     def add_prefilled_request(
         self,
         request_id: str,
@@ -287,8 +304,11 @@ class EngineCore:
         params: SamplingParams | None,
         page_ids: Sequence[int],
         hidden_state: torch.Tensor | None = None,
+        num_cached_pages: int = 0,
     ) -> None:
-        """Admit a request whose KV for all prompt tokens but the last is in pinned ``page_ids``.
+        """Admit a request whose KV for all prompt tokens but the last is in ``page_ids``: the
+        first ``num_cached_pages`` shared from the prefix cache (`acquire_cached_prefix`), the
+        rest pinned.
 
         The pages pass to the request (unpinned); its first step runs the last prompt token.
         Drafting with MTP, the pages' MTP layer holds every position but the last prefilled one,
@@ -297,11 +317,12 @@ class EngineCore:
         """
         params = params or SamplingParams()
         prompt = self.validate(request_id, prompt_token_ids, params)
-        self._check_pinned_pages(page_ids, len(prompt))
+        self._check_pinned_pages(page_ids[num_cached_pages:], len(prompt), num_cached_pages)
         seq = Seq(request_id, prompt, params)
-        self.block_manager.unpin(page_ids)
+        self.block_manager.unpin(page_ids[num_cached_pages:])
         seq.page_ids = list(page_ids)
         seq.num_computed_tokens = len(prompt) - 1
+        self.scheduler.name_computed_pages(seq)
         if self.mtp is not None and len(prompt) > 1:
             seq.mtp_computed = len(prompt) - 2
             if hidden_state is not None:
@@ -513,12 +534,14 @@ class EngineCore:
             has_tokenizer=self.stop_checker.tokenizer is not None,
         )
 
-    def _check_pinned_pages(self, page_ids: Sequence[int], num_prompt_tokens: int) -> None:
-        needed = self.num_prefill_pages(num_prompt_tokens)
+    def _check_pinned_pages(
+        self, page_ids: Sequence[int], num_prompt_tokens: int, num_cached_pages: int = 0
+    ) -> None:
+        needed = self.num_prefill_pages(num_prompt_tokens) - num_cached_pages
         if len(page_ids) < needed:
             raise InvalidRequestError(
-                f"{len(page_ids)} pages given for {num_prompt_tokens - 1} prefilled tokens "
-                f"({needed} needed)"
+                f"{len(page_ids) + num_cached_pages} pages given for {num_prompt_tokens - 1} "
+                f"prefilled tokens ({needed + num_cached_pages} needed)"
             )
         if len(set(page_ids)) != len(page_ids):
             raise InvalidRequestError("page ids repeat")

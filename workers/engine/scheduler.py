@@ -20,10 +20,12 @@ being finished. Only a sequence that outgrows the whole pool is finished (``leng
 prefill role a sequence gets all its pages when admitted, so it is never preempted (its KV is
 already on its way to a decoder).
 
-Prefix caching (``enable_prefix_caching``, mixed role): a sequence admitted with nothing
-computed first takes the longest run of named pages matching its tokens (`BlockManager.lookup`)
-and starts computing after them; every page a step fills is named (`postprocess`). Preempted
-sequences benefit too: their pages stay cached until something needs the room.
+Prefix caching (``enable_prefix_caching``): a sequence admitted with nothing computed first
+takes the longest run of named pages matching its tokens (`BlockManager.lookup`) and starts
+computing after them; every page a step fills is named (`postprocess`), and so are the pages of
+a decoder's prefilled request when it is admitted (`name_computed_pages`). Preempted sequences
+benefit too: their pages stay cached until something needs the room. A decoder also looks up a
+prompt before it asks for its KV (`acquire_prefix`), so only the rest is transferred.
 """
 
 from __future__ import annotations
@@ -157,8 +159,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             if cached is not None:
-                self.num_prefix_cache_queries += seq.num_tokens
-                self.num_prefix_cache_hits += cached * self.page_size
+                self.count_query(seq.num_tokens, cached)
             seq.start_running()
             self.running.append(seq)
             seq.page_ids.extend(self.block_manager.allocate(self._pages_needed(seq, reserve)))
@@ -194,20 +195,38 @@ class Scheduler:
         """The names of the full pages of ``token_ids`` in this pool."""
         return extend_page_hashes([], token_ids, self.page_size, len(token_ids), self._salt)
 
-    def _take_cached_prefix(self, seq: Sequence) -> int | None:
-        """Give a sequence with nothing computed the cached pages of its longest cached prefix
-        (at most all its tokens but the last); returns how many pages it got, None when the
-        cache was not asked (caching off, or KV already computed)."""
-        if not self.caching or seq.num_computed_tokens or seq.page_ids or seq.prefill_only:
-            return None
-        usable = (seq.num_tokens - 1) // self.page_size
-        names = extend_page_hashes(
-            seq.page_hashes, seq.token_ids, self.page_size, usable, self._salt
-        )
-        pages = self.block_manager.lookup(names[:usable])
-        if not pages:
-            return 0
+    def acquire_prefix(
+        self, hashes: list[bytes], token_ids: list[int], max_pages: int
+    ) -> list[int]:
+        """Share the cached pages of the longest cached prefix of ``token_ids`` (at most
+        ``max_pages`` pages) with one more owner; ``hashes``: the tokens' chain so far, extended
+        in place."""
+        names = extend_page_hashes(hashes, token_ids, self.page_size, max_pages, self._salt)
+        pages = self.block_manager.lookup(names[:max_pages])
         self.block_manager.acquire(pages)
+        return pages
+
+    def count_query(self, num_tokens: int, num_cached_pages: int) -> None:
+        """A lookup of ``num_tokens`` that found ``num_cached_pages`` (counted in tokens)."""
+        self.num_prefix_cache_queries += num_tokens
+        self.num_prefix_cache_hits += num_cached_pages * self.page_size
+
+    def name_computed_pages(self, seq: Sequence) -> None:
+        """Name every full page of a sequence admitted with its KV computed elsewhere (a
+        decoder's prefilled request)."""
+        if self.caching:
+            self._name_pages(seq, 0, seq.num_computed_tokens // self.page_size)
+
+    def _take_cached_prefix(self, seq: Sequence) -> int | None:
+        """Give a sequence with nothing computed the cached pages of its longest cached prefix;
+        returns how many pages it got, None when the cache was not asked (caching off, or KV
+        already computed). The last token's KV is always computed: its logits sample the next
+        token. On the prefill role the last token is the decoder's, and the one before it is
+        computed for the hidden state the decoder is sent."""
+        if not self.caching or seq.num_computed_tokens or seq.page_ids:
+            return None
+        last = seq.num_tokens - (2 if seq.prefill_only else 1)
+        pages = self.acquire_prefix(seq.page_hashes, seq.token_ids, max(last, 0) // self.page_size)
         seq.page_ids = pages
         seq.num_computed_tokens = len(pages) * self.page_size
         return len(pages)
@@ -221,7 +240,9 @@ class Scheduler:
     def _name_full_pages(self, seq: Sequence, num_new: int) -> None:
         """Name the pages this step filled (their KV is complete)."""
         first = (seq.num_computed_tokens - num_new) // self.page_size
-        full = seq.num_computed_tokens // self.page_size
+        self._name_pages(seq, first, seq.num_computed_tokens // self.page_size)
+
+    def _name_pages(self, seq: Sequence, first: int, full: int) -> None:
         if full <= first:
             return
         names = extend_page_hashes(seq.page_hashes, seq.token_ids, self.page_size, full, self._salt)

@@ -10,6 +10,12 @@ Queues and life cycle (keyed by request id)::
       ──(all writes landed | acknowledged count landed | prefill process gone)──▶ free
 
 - A one-token prompt has no KV to prefill: it goes to the engine at once.
+- **Prefix cache** (decode engine with ``enable_prefix_caching``): when a request leaves
+  pending, the cached pages of its prompt's longest cached prefix are shared with it
+  (`EngineCore.acquire_cached_prefix`); only the pages after them are pinned and asked for
+  (`PrefillRequest.skip_pages`), and the count covers only those. A prompt whose KV is all
+  cached goes to the engine at once. The cached pages are never written by the transfer, so a
+  failed one gives them back at once (only its pinned pages are quarantined).
 - A pending request waits at most ``admission_timeout_s`` (default: the transfer deadline) for
   its pages and slot, then fails (`AdmissionTimeoutError`'s message); it holds nothing yet, so
   nothing is freed.
@@ -149,6 +155,9 @@ class DecodeMessenger:
         )
         self.context = self._context.buffer
         self.num_checksum_failures = 0
+        # Prompt pages asked of prefill workers, and those found in the prefix cache instead.
+        self.num_pages_requested = 0
+        self.num_pages_skipped = 0
         # Control messages refused for a missing or wrong MAC (`workers.kv.protocol`).
         self.num_unauthenticated_messages = 0
         self.imm_layout = ImmLayout()
@@ -225,15 +234,24 @@ class DecodeMessenger:
         self._start_pending()
 
     def _start_pending(self) -> None:
+        engine = self.engine
         while self._pending:
             incoming = self._by_id[self._pending[0]]
-            num_pages = self.engine.num_prefill_pages(len(incoming.prompt))
-            if (
-                self.slots.num_live >= self.slots.capacity
-                or not self.engine.block_manager.can_allocate(num_pages)
-            ):
+            if self.slots.num_live >= self.slots.capacity:
+                return
+            # The prompt's cached prefix (decode role with prefix caching) is not asked for.
+            cached = engine.acquire_cached_prefix(incoming.prompt)
+            num_pages = engine.num_prefill_pages(len(incoming.prompt)) - len(cached)
+            if not engine.block_manager.can_allocate(num_pages):
+                engine.release_cached(cached)
                 return
             request_id = self._pending.popleft()
+            incoming.cached_pages = cached
+            self.num_pages_skipped += len(cached)
+            if num_pages == 0:  # every page of the prompt's KV is here: nothing to transfer
+                del self._by_id[request_id]
+                self._admit(request_id, incoming, (), None)
+                continue
             try:
                 self._request(request_id, incoming, num_pages)
             except (KvTransferError, FabricError) as error:
@@ -247,6 +265,7 @@ class DecodeMessenger:
         except KvTransferError:
             self.engine.free_pinned(pages)
             raise
+        self.num_pages_requested += num_pages
         slot, _ = self.imm_layout.decode(imm)
         incoming.transfer = DecodeTransfer(
             request_id, imm, tuple(pages), None, now + self.config.transfer_timeout_s, now
@@ -260,7 +279,14 @@ class DecodeMessenger:
         endpoint = incoming.endpoint
         incoming.peer = self._peers.peer(endpoint)  # afresh for a new incarnation
         planned = self._planner.plan(
-            request_id, imm, slot, incoming.prompt, pages, endpoint, self.incarnation
+            request_id,
+            imm,
+            slot,
+            incoming.prompt,
+            pages,
+            endpoint,
+            self.incarnation,
+            skip_pages=len(incoming.cached_pages),
         )
         incoming.checksum_plan = planned.checksum_plan
         if planned.expected:  # computed here: armed before the request goes
@@ -424,13 +450,31 @@ class DecodeMessenger:
         hidden_state = self._context.hidden_state(slot)
         self._table.keep_context(request_id, hidden_state)
         del self._by_id[request_id]
-        self._table.remember(request_id, transfer)
+        self._table.remember(request_id, transfer, len(incoming.cached_pages))
+        self._admit(request_id, incoming, transfer.page_ids, hidden_state)
+
+    def _admit(
+        self,
+        request_id: str,
+        incoming: Incoming,
+        pinned: Sequence[int],
+        hidden_state: Any,
+    ) -> None:
+        """Hand a request whose KV is all here (its cached pages, then the ``pinned`` ones that
+        were written) to the engine."""
+        cached = incoming.cached_pages
         try:
             self.engine.add_prefilled_request(
-                request_id, incoming.prompt, incoming.params, list(transfer.page_ids), hidden_state
+                request_id,
+                incoming.prompt,
+                incoming.params,
+                [*cached, *pinned],
+                hidden_state,
+                num_cached_pages=len(cached),
             )
         except Exception as error:  # the KV is complete, so nothing can still land
-            self.engine.free_pinned(transfer.page_ids)
+            self.engine.free_pinned(pinned)
+            self.engine.release_cached(cached)
             self._failures.append((request_id, f"engine refused the prefilled request: {error}"))
 
     def _fail(
@@ -449,6 +493,9 @@ class DecodeMessenger:
         still watch the peer, whose death would leave that count unreachable); ``send_aborts``
         False: the caller frees the peer's pages next (`_gone`), so no AbortPrefill goes now."""
         incoming = self._by_id.pop(request_id)
+        # Cached pages are the decoder's own: no write of the transfer targets them.
+        num_skipped = len(incoming.cached_pages)
+        self.engine.release_cached(incoming.cached_pages)
         transfer = incoming.transfer
         if transfer is None:  # still pending (or its allocation failed): nothing to free
             if request_id in self._pending:
@@ -465,7 +512,9 @@ class DecodeMessenger:
         # writes still to come, so the pages stay held (closed is set before it disarms).
         fired = incoming.armed and not still_armed and self.fabric.closed_reason() is None
         transfer.fail(reason, now)
-        self._table.remember(request_id, transfer)  # before any release, which it records
+        self._table.remember(
+            request_id, transfer, num_skipped
+        )  # before any release, which it records
         self.slots.release(imm, drained=False)
         self._ledger.hold(
             QuarantinedPages(imm, request_id, transfer.page_ids, incoming.endpoint.address),
@@ -528,6 +577,8 @@ class DecodeMessenger:
             "num_quarantined_pages": self.quarantine.num_pages,
             "num_parked_slots": self.slots.num_parked,
             "num_checksum_failures": self.num_checksum_failures,
+            "num_pages_requested": self.num_pages_requested,
+            "num_pages_skipped": self.num_pages_skipped,
             "num_unauthenticated_messages": self.num_unauthenticated_messages,
         }
 

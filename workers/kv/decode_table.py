@@ -22,7 +22,11 @@ class DecodeTable:
         self.context_states: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._finished_memory = finished_memory
 
-    def remember(self, request_id: str, transfer: DecodeTransfer) -> None:
+    def remember(
+        self, request_id: str, transfer: DecodeTransfer, num_pages_skipped: int = 0
+    ) -> None:
+        """Record a transfer that ended; ``num_pages_skipped``: the prompt's leading pages the
+        decoder had cached, so not transferred (``page_ids`` are the pages after them)."""
         self.finished[request_id] = {
             "imm": transfer.imm,
             "state": transfer.state.value,
@@ -31,6 +35,7 @@ class DecodeTable:
             "requested_s": transfer.entered_at(DecodeState.REQUESTED),
             "kv_ready_s": transfer.stats.kv_ready_s,
             "page_ids": list(transfer.page_ids),
+            "num_pages_skipped": num_pages_skipped,
         }
         while len(self.finished) > self._finished_memory:
             self.finished.popitem(last=False)

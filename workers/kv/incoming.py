@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from workers.engine.errors import HeadPlacementError
 from workers.engine.sampling_params import SamplingParams
@@ -37,6 +37,9 @@ class Incoming:
     peer: PeerHandle | None = None
     armed: bool = False
     checksum_plan: TransferPlan | None = None  # checksum mode: the plan's destination side
+    # The prompt's leading pages this decoder holds (its prefix cache): not transferred, shared
+    # with the request from `_request` on (the transfer's pinned pages follow them).
+    cached_pages: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -83,10 +86,12 @@ class RequestPlanner:
         pages: Sequence[int],
         endpoint: PrefillEndpoint,
         decode_incarnation: int,
+        skip_pages: int = 0,
     ) -> PlannedRequest:
         """The request for ``prompt``'s KV (all but its last token) into ``pages`` and the
         context row of ``slot``, counted under ``imm``, from the decoder's
-        ``decode_incarnation``."""
+        ``decode_incarnation``; the decoder holds the first ``skip_pages`` pages already, so
+        ``pages`` hold the rest."""
         geometry = self._geometry
         source_sets: tuple[int, ...] = ()
         expected = 0
@@ -135,5 +140,6 @@ class RequestPlanner:
             prefill_incarnation=endpoint.incarnation,
             decode_incarnation=decode_incarnation,
             mtp_layers=self._mtp_layers,
+            skip_pages=skip_pages,
         )
         return PlannedRequest(message, expected, checksum_plan)

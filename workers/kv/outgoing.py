@@ -3,7 +3,9 @@
 `Outgoing.plan_chunk` turns one scheduled chunk into the `PushItem` of the pages it makes
 sendable (`workers.kv.pages.sendable_pages`: whole segments, or the rest after the last chunk)
 and, at the last chunk, fixes the exact write count: only then are all source page ids, and so
-the coalesced runs, known.
+the coalesced runs, known. Pages the decoder holds (`PrefillRequest.skip_pages`) are computed
+(or found in this worker's prefix cache) but never written: ``src_pages`` and every page index
+here start after them.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ class Outgoing:
     deadline_s: float
     num_pages_total: int
     context_row: int
-    src_pages: list[int] = field(default_factory=list)
+    src_pages: list[int] = field(default_factory=list)  # the engine's, from skip_pages on
     num_pages_sent: int = 0
     in_engine: bool = False
     prefilled: bool = False
@@ -42,6 +44,16 @@ class Outgoing:
     checksums: ChecksumAccumulator | None = None
     context_staged: bool = False  # hidden state copied into the staging row
     context_sent: bool = False
+
+    @property
+    def skip_pages(self) -> int:
+        """The prompt's leading pages the decoder holds: computed here, never written."""
+        return self.checked.request.skip_pages
+
+    @property
+    def num_engine_pages(self) -> int:
+        """Pages the engine holds for the request: its whole prompt's, skipped ones included."""
+        return self.num_pages_total + self.skip_pages
 
     @property
     def request(self) -> PrefillRequest:
@@ -71,7 +83,10 @@ class Outgoing:
             )
             self.transfer.set_planned(planned)
             accepted = PrefillAccepted(self.request_id, self.transfer.imm, planned)
-        done = num_pages_for_tokens(chunk.end, plan.geometry.page_size)
+        # Pages are counted from the first one written (the decoder's cached ones skipped),
+        # here and on the decoder, so runs and segments agree whatever the skip.
+        done = num_pages_for_tokens(chunk.end, plan.geometry.page_size) - self.skip_pages
+        done = max(done, 0)
         pages = sendable_pages(done, self.num_pages_total, self.num_pages_sent, plan.segment_pages)
         if not pages:
             return None, accepted

@@ -181,7 +181,7 @@ def check_checksums(
     checksums = ChecksumAccumulator(
         side.geometry.num_layers,
         num_shards,
-        num_pages_for_tokens(len(request.token_ids), side.geometry.page_size),
+        num_pages_for_tokens(len(request.token_ids), side.geometry.page_size) - request.skip_pages,
     )
     checksums.flip_pending = request.request_id in fault_flip_after_checksum
     return checksums

@@ -86,7 +86,11 @@ class PassHooks:
                     self._pass_last.append((out, row))
                 if out.transfer.state is PrefillState.QUEUED:
                     out.transfer.advance(PrefillState.PREFILLING, time.monotonic())
-                out.src_pages.extend(chunk.page_ids)
+                if not out.src_pages:
+                    # The prefill role holds every page of a prompt from its admission; with
+                    # prefix caching the first ones come from the cache, in no chunk.
+                    pages = self._engine.pages_of(chunk.request_id)
+                    out.src_pages = pages[out.skip_pages : out.num_engine_pages]
                 if out.transfer.accepts_writes:
                     item, accepted = out.plan_chunk(chunk, self._src_layout)
                     if accepted is not None:
@@ -151,6 +155,6 @@ class PassHooks:
             elif output.finished and out.active:
                 if out.in_engine:  # the engine already ended it: nothing to abort there
                     out.in_engine = False
-                    table.reserved_pages -= out.num_pages_total
+                    table.reserved_pages -= out.num_engine_pages
                 detail = f"engine ended the request ({output.finish_reason})"
                 self._give_up(out, FailReason.ENGINE_ERROR, detail)

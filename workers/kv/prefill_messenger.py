@@ -295,7 +295,8 @@ class PrefillMessenger:
             peer,
             PrefillTransfer(request.request_id, request.transfer_id, None, now),
             now + request.timeout_ms / 1000,
-            num_pages_for_tokens(len(request.token_ids), self.geometry.page_size),
+            num_pages_for_tokens(len(request.token_ids), self.geometry.page_size)
+            - request.skip_pages,
             self._context.take_row(),
         )
         out.checksums = checksums
@@ -317,7 +318,7 @@ class PrefillMessenger:
         table = self._table
         while table.queued:
             out = table.queued[0]
-            if table.reserved_pages + out.num_pages_total > self.engine.num_pages:
+            if table.reserved_pages + out.num_engine_pages > self.engine.num_pages:
                 return
             if out.request_id in table.engine_ending:
                 return  # admitted after the engine's next step (`PrefillTable.engine_ending`)
@@ -338,7 +339,7 @@ class PrefillMessenger:
                 self._reject_admission(out, error)
                 continue
             out.in_engine = True
-            table.reserved_pages += out.num_pages_total
+            table.reserved_pages += out.num_engine_pages
 
     def _reject_admission(self, out: Outgoing, error: EngineError) -> None:
         """Answer a queued request the engine refused (`PrefillRejected`) and drop it: nothing
@@ -445,7 +446,7 @@ class PrefillMessenger:
         # Remembered first: were the engine to fail below, a re-sent abort still gets the count.
         table.remember(out)
         if out.in_engine:
-            table.reserved_pages -= out.num_pages_total
+            table.reserved_pages -= out.num_engine_pages
             if self._engine_failed:
                 pass  # never call a failed engine; its pages go with the process
             elif out.transfer.state is PrefillState.DONE:
@@ -466,6 +467,8 @@ class PrefillMessenger:
             "transfers_by_state": by_state,
             "num_queued": len(self._table.queued),
             "num_passes_pushed": self._push.num_passes,
+            # Prompt tokens found in this worker's prefix cache (not computed; still sent).
+            "num_prefix_cache_hits": self.engine.scheduler.num_prefix_cache_hits,
             "num_unauthenticated_messages": self.num_unauthenticated_messages,
         }
 

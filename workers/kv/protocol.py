@@ -259,7 +259,11 @@ class PrefillRequest(_Message):
     they write with belong to a process that is gone). ``mtp_layers`` (optional, 0: none) is the
     number of MTP layers after the model's in the decoder's pool, which it drafts with and wants
     written too (`workers.engine.mtp_drafter`); a prefill worker whose pool differs rejects with
-    INCOMPATIBLE.
+    INCOMPATIBLE. ``skip_pages`` (optional, 0: none) is the number of leading pages of the
+    prompt the decoder already holds (its prefix cache): the prefill worker still computes (or
+    finds cached) their KV, but writes only the pages after them, so ``dst_page_ids`` hold the
+    pages of the tokens from ``skip_pages * page_size`` on, and the write count covers only
+    those; at least one page is left to write.
     """
 
     TYPE: ClassVar[MessageType] = MessageType.PREFILL_REQUEST
@@ -285,8 +289,9 @@ class PrefillRequest(_Message):
         _Int(0, U64_MAX),
         _Int(0, U64_MAX),
         _Int(0, 1),
+        _Int(0, MAX_TOKENS),
     )
-    _OPTIONAL_TAIL: ClassVar[int] = 4
+    _OPTIONAL_TAIL: ClassVar[int] = 5
 
     request_id: str
     transfer_id: int
@@ -309,6 +314,7 @@ class PrefillRequest(_Message):
     prefill_incarnation: int = 0
     decode_incarnation: int = 0
     mtp_layers: int = 0
+    skip_pages: int = 0
 
     def _validate(self) -> None:
         try:
@@ -321,7 +327,9 @@ class PrefillRequest(_Message):
             raise ProtocolError(f"source_sets needs 0 or {num_picks} entries")
         if len(self.dst_page_ids) not in (1, self.decode_tp_size):
             raise ProtocolError("dst_page_ids needs one list or one per decode rank")
-        num_pages = num_pages_for_tokens(len(self.token_ids), self.page_size)
+        num_pages = num_pages_for_tokens(len(self.token_ids), self.page_size) - self.skip_pages
+        if num_pages < 1:
+            raise ProtocolError("skip_pages leaves no page to write")
         if any(len(pages) != num_pages for pages in self.dst_page_ids):
             raise ProtocolError(f"every dst page list needs {num_pages} pages")
         if len(self.dst_descriptors) != self.decode_tp_size:

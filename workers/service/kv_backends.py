@@ -105,6 +105,8 @@ class DecodeBackend:
             num_total_kv_pages=int(state["num_pages"]),
             num_transfers_in_flight=int(state.get("num_transfers", 0)),
             num_unauthenticated_messages=int(state.get("num_unauthenticated_messages", 0)),
+            num_kv_pages_written=int(state.get("num_pages_requested", 0)),
+            num_kv_pages_skipped=int(state.get("num_pages_skipped", 0)),
             **engine_counters(self.worker.engine),  # off the step thread: module docstring
         )
 

@@ -9,6 +9,7 @@ backend when Prometheus scrapes (no polling thread).
     kv_transfer_failures_total                                    decode / prefill
     kv_checksum_failures_total                                    decode (checksum mode)
     kv_unauthenticated_messages_total                             decode / prefill (messenger)
+    kv_transfer_pages_total{outcome="written"|"skipped"}          decode (messenger)
 
 The token counters are this worker's engine's, not the requests' (the router counts those):
 ``prompt_tokens_total`` counts prompt tokens run through the model, so a prompt recomputed after
@@ -120,6 +121,11 @@ class WorkerMetricsExporter:
             "unauthenticated",
             load.num_unauthenticated_messages,
         )
+        for outcome, total in (
+            ("written", load.num_kv_pages_written),
+            ("skipped", load.num_kv_pages_skipped),
+        ):
+            metrics.count_transfer_pages(outcome, self._growth(f"pages_{outcome}", total))
         for position, total in enumerate(load.num_spec_accepted_per_pos):
             metrics.count_accepted_at(position, self._growth(f"spec_kept_{position}", total))
         worker = getattr(self.backend, "worker", None)  # the KV roles' `workers.service.kv_worker`
