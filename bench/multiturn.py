@@ -98,6 +98,8 @@ FIGURES = (
     ("TTFT p50 ms", "ttft_p50_s", 1000.0, ".0f"),
     ("TTFT p99 ms", "ttft_p99_s", 1000.0, ".0f"),
     ("TTFT p50 turns>=2 ms", "ttft_later_p50_s", 1000.0, ".0f"),
+    ("ITL p99 ms", "itl_p99_s", 1000.0, ".0f"),
+    ("TPOT mean ms", "tpot_mean_s", 1000.0, ".0f"),
     ("prompt computed / sent", "computed_share", 1.0, ".2f"),
     ("pages written", "pages_written", 1.0, ".0f"),
     ("pages skipped", "pages_skipped", 1.0, ".0f"),
@@ -111,6 +113,8 @@ def medians(runs: list[dict[str, Any]], variants: list[str]) -> dict[str, dict[s
         mine = [r for r in runs if r["variant"] == variant]
         for run in mine:
             run["computed_share"] = run["prompt_tokens_computed"] / run["prompt_tokens_sent"]
+            run["itl_p99_s"] = run["summary"]["itl_s"]["p99"]
+            run["tpot_mean_s"] = run["summary"]["tpot_s"]["mean"]
         out[variant] = {
             key: statistics.median(r[key] for r in mine) for _, key, _, _ in FIGURES if mine
         }
@@ -145,10 +149,18 @@ def main() -> int:
     parser.add_argument("--output-tokens", type=int, default=32)
     parser.add_argument("--rate", type=float, default=0.5, help="conversations per second")
     parser.add_argument("--json", type=Path, default=ROOT / "bench" / "out" / "multiturn.json")
+    parser.add_argument(
+        "--from-json", type=Path, default=None, help="print the table of a saved run; run nothing"
+    )
     args = parser.parse_args()
     variants = args.variants.split(",")
     if not set(variants) <= set(VARIANTS):
         parser.error(f"--variants: of {VARIANTS}")
+    if args.from_json is not None:
+        saved = json.loads(args.from_json.read_text())["runs"]
+        variants = [v for v in VARIANTS if any(r["variant"] == v for r in saved)]
+        print(table(medians(saved, variants), variants))
+        return 0
     low, _, high = args.question_tokens.partition("-")
     runs = []
     for seed in [int(s) for s in args.seeds.split(",")]:

@@ -12,6 +12,7 @@ __all__ = [
     "InvalidRequestError",
     "QueueFullError",
     "RouterError",
+    "ScaleInProgressError",
     "UnavailableError",
     "WorkerFailedError",
 ]
@@ -31,6 +32,10 @@ class UnavailableError(RouterError):
 
 class DuplicateRequestError(RouterError):
     """A request with this id is already in flight."""
+
+
+class ScaleInProgressError(RouterError):
+    """A group's size is being changed already (one scale at a time)."""
 
 
 class WorkerFailedError(RouterError):

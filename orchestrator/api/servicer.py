@@ -19,6 +19,7 @@ the router's ``finally`` aborts the request on its worker.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -27,12 +28,13 @@ from typing import Any, TypeVar
 import grpc
 
 from orchestrator.api.request_checks import MalformedRequest, checked_deserializer
-from orchestrator.control.registry import Registry
+from orchestrator.control.registry import Registry, ScaleResult
 from orchestrator.errors import (
     CapacityError,
     DuplicateRequestError,
     InvalidRequestError,
     QueueFullError,
+    ScaleInProgressError,
     UnavailableError,
     WorkerFailedError,
 )
@@ -54,6 +56,7 @@ _STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (UnavailableError, grpc.StatusCode.UNAVAILABLE),
     (WorkerFailedError, grpc.StatusCode.UNAVAILABLE),
     (DuplicateRequestError, grpc.StatusCode.ALREADY_EXISTS),
+    (ScaleInProgressError, grpc.StatusCode.FAILED_PRECONDITION),
 )
 _ROLES = {
     "prefill": pb.WORKER_ROLE_PREFILL,
@@ -139,11 +142,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         model_info: pb.GetModelInfoResponse,
         groups: Sequence[GroupView],
         refresh: Callable[[], Awaitable[None]] | None = None,
+        scale: Callable[[str, int], Awaitable[ScaleResult]] | None = None,
     ) -> None:
+        """``scale(group, replicas)``: the control plane's (`Controller.scale`); None: this
+        router cannot scale its cluster (UNIMPLEMENTED)."""
         self.router = router
         self.model_info = model_info
         self.groups = list(groups)
         self.refresh = refresh
+        self.scale = scale
 
     @property
     def registry(self) -> Registry:
@@ -204,6 +211,27 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 )
         return response
 
+    async def ScaleGroup(
+        self, request: pb.ScaleGroupRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ScaleGroupResponse:
+        if self.scale is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this router cannot scale")
+        assert self.scale is not None  # abort() raises
+        try:
+            result = await self.scale(request.group, request.replicas)
+        except Exception as error:
+            code = status_of(error)
+            if code is grpc.StatusCode.INTERNAL:
+                logger.exception("scaling %s failed", request.group)
+            await context.abort(code, str(error) or type(error).__name__)
+        self.groups = [
+            dataclasses.replace(g, num_replicas=result.replicas) if g.role == request.group else g
+            for g in self.groups
+        ]
+        return pb.ScaleGroupResponse(
+            replicas=result.replicas, added=result.added, removed=result.removed
+        )
+
 
 # --- registration: request bytes checked before the handlers ----------------------------------
 
@@ -256,6 +284,11 @@ def add_generation_servicer(servicer: GenerationServicer, server: grpc.aio.Serve
             _unary_unary(servicer.GetClusterState),
             request_deserializer=checked_deserializer(pb.GetClusterStateRequest, limit),
             response_serializer=pb.GetClusterStateResponse.SerializeToString,
+        ),
+        "ScaleGroup": grpc.unary_unary_rpc_method_handler(
+            _unary_unary(servicer.ScaleGroup),
+            request_deserializer=checked_deserializer(pb.ScaleGroupRequest, limit),
+            response_serializer=pb.ScaleGroupResponse.SerializeToString,
         ),
     }
     server.add_generic_rpc_handlers(

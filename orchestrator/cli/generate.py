@@ -33,7 +33,7 @@ async def generate(args: argparse.Namespace) -> int:
     if args.temperature is not None:
         request.sampling.temperature = args.temperature
     try:
-        chan = _open_channel(args)
+        chan = open_channel(args)
     except TLSFileError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -79,7 +79,9 @@ def _token(args: argparse.Namespace) -> str | None:
     return args.token or os.environ.get(TOKEN_ENV) or None
 
 
-def _open_channel(args: argparse.Namespace) -> grpc.aio.Channel:
+def open_channel(args: argparse.Namespace) -> grpc.aio.Channel:
+    """The channel to ``args.address`` with the connection flags (TLS files, token)."""
+
     def path(value: str | None) -> Path | None:
         return Path(value).expanduser() if value else None
 

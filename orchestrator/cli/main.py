@@ -59,6 +59,24 @@ def _generate(args: argparse.Namespace) -> int:
         return 130
 
 
+def _scale(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from orchestrator.cli.scale import scale
+
+    return asyncio.run(scale(args))
+
+
+def _add_connection_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls", action="store_true", help="TLS, trusting the system's root CAs")
+    p.add_argument("--tls-ca", metavar="PEM", help="TLS, trusting this CA (router.tls.cert's)")
+    p.add_argument("--tls-cert", metavar="PEM", help="client certificate (mTLS; with --tls-key)")
+    p.add_argument("--tls-key", metavar="PEM", help="client certificate's private key")
+    p.add_argument(
+        "--token", default=None, help="bearer token (router.auth.token); default $PDSERVE_TOKEN"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdserve", description="Disaggregated prefill/decode LLM serving."
@@ -119,14 +137,20 @@ def build_parser() -> argparse.ArgumentParser:
         "served model's own template: the router applies none over gRPC",
     )
     p.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")
-    p.add_argument("--tls", action="store_true", help="TLS, trusting the system's root CAs")
-    p.add_argument("--tls-ca", metavar="PEM", help="TLS, trusting this CA (router.tls.cert's)")
-    p.add_argument("--tls-cert", metavar="PEM", help="client certificate (mTLS; with --tls-key)")
-    p.add_argument("--tls-key", metavar="PEM", help="client certificate's private key")
-    p.add_argument(
-        "--token", default=None, help="bearer token (router.auth.token); default $PDSERVE_TOKEN"
-    )
+    _add_connection_arguments(p)
     p.set_defaults(func=_generate)
+
+    p = sub.add_parser(
+        "scale",
+        help="set the replicas of a group of a serving cluster (new workers join when healthy, "
+        "removed ones finish their requests first)",
+    )
+    p.add_argument("--address", default="127.0.0.1:50051", help="router HOST:PORT")
+    p.add_argument("--group", required=True, help="prefill, decode or mixed")
+    p.add_argument("--replicas", type=int, required=True)
+    p.add_argument("--timeout", type=float, default=900.0, help="deadline in seconds")
+    _add_connection_arguments(p)
+    p.set_defaults(func=_scale)
 
     # simulate / plan / calibrate: the cluster simulator (orchestrator/sim/); argparse only.
     from orchestrator.sim.commands import add_subcommands as add_sim_subcommands

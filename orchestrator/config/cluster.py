@@ -402,6 +402,11 @@ class ClusterConfig(Section):
         group = self.group(role)
         limits = group.limits
         spec = group.speculative
+        # Decoders that draft with MTP need the module's KV of the prompt from prefill.
+        mtp_kv = role == "prefill" and self._decoders_draft_with_mtp
+        caching = limits.enable_prefix_caching
+        if caching is None:  # on wherever it is supported
+            caching = spec is None and not mtp_kv
         return EngineConfig(
             role=role,  # type: ignore[arg-type]  # checked against GROUP_ROLES
             page_size=self.page_size,
@@ -410,13 +415,12 @@ class ClusterConfig(Section):
             max_num_seqs=limits.max_num_seqs,
             max_num_batched_tokens=limits.max_num_batched_tokens,
             enable_chunked_prefill=limits.enable_chunked_prefill,
-            enable_prefix_caching=limits.enable_prefix_caching,
+            enable_prefix_caching=caching,
             max_model_len=self.limits.max_model_len,
             dtype=self.dtype,
             device=self.device,
             speculative=_speculative(spec) if spec is not None else None,
-            # Decoders that draft with MTP need the module's KV of the prompt from prefill.
-            mtp_kv=role == "prefill" and self._decoders_draft_with_mtp,
+            mtp_kv=mtp_kv,
         )
 
     @property

@@ -79,10 +79,12 @@ class Limits(Section):
     """KV pool of each rank in bytes, allocated up front (or give ``num_pages``, not both)."""
     enable_chunked_prefill: bool = True
     """Split long prompts into chunks of ``max_num_batched_tokens``."""
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool | None = None
     """Reuse the KV of full pages whose tokens, from the prompt's start, match an earlier
-    request's (system prompts, earlier chat turns): those tokens are not computed again. Mixed
-    groups only so far."""
+    request's (system prompts, earlier chat turns): those tokens are not computed again, and a
+    decoder that holds them is not sent them again. null (the default): on, except in groups
+    that draft speculatively and prefill groups computing the MTP layer for them (not supported
+    together yet); true / false: on / off (true with speculative decoding is refused)."""
 
     @model_validator(mode="after")
     def _consistent(self) -> Limits:

@@ -132,7 +132,9 @@ class ServingApp:
         self.router = Router(
             settings, registry, tokenizer, metrics, worker_token=self.controller.secret
         )
-        servicer = GenerationServicer(self.router, model_info, groups, self.controller.refresh)
+        servicer = GenerationServicer(
+            self.router, model_info, groups, self.controller.refresh, self.scale
+        )
         server = router_grpc_server(self._interceptors(), config.router.max_request_bytes)
         add_generation_servicer(servicer, server)
         self._health = health.aio.HealthServicer()
@@ -164,6 +166,16 @@ class ServingApp:
             "token auth" if config.router.auth.token else "no auth",  # never the token itself
         )
         await self._start_http(model_info.model_name)
+
+    async def scale(self, role: str, replicas: int) -> Any:
+        """Give group ``role`` ``replicas`` workers while serving (`Controller.scale`): removed
+        ones finish their requests within ``router.grace_seconds`` first."""
+        return await self.controller.scale(
+            role,
+            replicas,
+            grace_seconds=self.config.router.grace_seconds,
+            in_flight=self.router.in_flight_on,
+        )
 
     def _interceptors(self) -> list[Any]:
         from workers.token_auth import TokenAuthInterceptor

@@ -7,6 +7,13 @@ Life cycle of one worker id (``decode-1``)::
       ─▶ health check fails (actor died, or no answer in time) ─▶ unhealthy: the router ends
          its requests there with an error ─▶ actor killed, group removed ─▶ placed again
     shutdown: drain (no new requests, running ones finish within grace) ─▶ stop ─▶ kill
+
+Scaling a group while serving (`scale`): new replica ids are placed and started like the
+first ones and join the router when healthy; a removed one (highest replica number first) is
+*leaving*: ``draining`` in the registry, so the router picks it no more, never judged by health
+checks nor replaced; once idle (nothing in flight from the router, nothing running, waiting or
+transferring on it; at most ``grace_seconds``) it is drained, stopped and removed from the
+registry (the router closes its link).
 """
 
 from __future__ import annotations
@@ -15,7 +22,9 @@ import asyncio
 import dataclasses
 import logging
 import secrets
+import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,8 +39,9 @@ from orchestrator.control.placement import (
     remove_worker_placement,
     worker_bundles,
 )
-from orchestrator.control.registry import Registry, WorkerRecord
+from orchestrator.control.registry import Registry, ScaleResult, WorkerRecord
 from orchestrator.control.shutdown import off_loop
+from orchestrator.errors import InvalidRequestError, ScaleInProgressError, UnavailableError
 from workers.engine.config import EngineConfig
 from workers.service.actor import WorkerActor, WorkerSpec
 from workers.wire import WorkerLoad
@@ -57,6 +67,10 @@ class _Placed:
     group: Any
 
 
+# How often a leaving worker is asked whether it is idle.
+_IDLE_POLL_SECONDS = 0.2
+
+
 class Controller:
     def __init__(
         self,
@@ -74,6 +88,8 @@ class Controller:
         self._closing = False
         self._replacing_stopped = False
         self._cluster_id = uuid.uuid4().hex[:8]
+        self._leaving: set[str] = set()  # being scaled away: not judged, not replaced
+        self._scaling = False
         # Drawn per cluster and handed to its workers (through Ray, with their spec): the MAC
         # key of their KV control messages (`workers.kv.protocol`) and the token of their gRPC
         # service, which only the router presents. A process outside the cluster can neither
@@ -198,6 +214,8 @@ class Controller:
         record = self.registry.workers.get(worker_id)
         if placed is None or record is None or record.health in ("starting", "unhealthy"):
             return
+        if worker_id in self._leaving:
+            return  # `scale` watches it until it stops
         try:
             state = await asyncio.wait_for(
                 placed.handle.state.remote(), self.options.health_timeout_seconds
@@ -258,6 +276,113 @@ class Controller:
                     delay = min(delay * 2, 30.0)
         finally:
             self._replacing.discard(worker_id)
+
+    # --- scaling -------------------------------------------------------------------------
+
+    async def scale(
+        self,
+        role: str,
+        replicas: int,
+        *,
+        grace_seconds: float,
+        in_flight: Callable[[WorkerRecord], int] = lambda record: 0,
+    ) -> ScaleResult:
+        """Give group ``role`` ``replicas`` workers while serving (module docstring).
+        ``in_flight(record)``: what the router still has on a worker (requests, or prompt
+        tokens charged to a prefill worker); a leaving worker stops once it is 0 and the worker
+        itself is idle. Raises `InvalidRequestError` (no such group, fewer than 1),
+        `ScaleInProgressError` (another scale, or a worker of the group being replaced),
+        `UnavailableError` (a new worker did not start: the others stay)."""
+        try:
+            group = self.config.group(role)
+        except KeyError:
+            raise InvalidRequestError(f"no group {role!r} in this cluster") from None
+        if replicas < 1:
+            raise InvalidRequestError(f"a group needs at least 1 replica, got {replicas}")
+        if self._scaling:
+            raise ScaleInProgressError("another scale of this cluster is in progress")
+        current = sorted(self.registry.of_role(role), key=lambda r: r.replica)
+        replacing = sorted(r.worker_id for r in current if r.worker_id in self._replacing)
+        if replacing:
+            raise ScaleInProgressError(
+                f"{', '.join(replacing)} is being replaced; scale once it is back"
+            )
+        self._scaling = True
+        try:
+            if replicas > len(current):
+                return await self._scale_up(group, current, replicas)
+            leaving = current[replicas:]
+            await asyncio.gather(
+                *(self._remove(record, grace_seconds, in_flight) for record in leaving)
+            )
+            return ScaleResult(replicas, removed=tuple(r.worker_id for r in leaving))
+        finally:
+            self._scaling = False
+
+    async def _scale_up(
+        self, group: GroupConfig, current: list[WorkerRecord], replicas: int
+    ) -> ScaleResult:
+        first = max((r.replica for r in current), default=-1) + 1
+        added = [f"{group.role}-{first + i}" for i in range(replicas - len(current))]
+        for offset, worker_id in enumerate(added):
+            self.registry.add(WorkerRecord(worker_id, group.role, first + offset, group.tp))
+        results = await asyncio.gather(
+            *(self._launch(group, worker_id) for worker_id in added), return_exceptions=True
+        )
+        failed = [w for w, r in zip(added, results, strict=True) if isinstance(r, BaseException)]
+        for worker_id in failed:
+            self._discard(worker_id)
+            self.registry.remove(worker_id)
+        if failed:
+            first_error = next(r for r in results if isinstance(r, BaseException))
+            raise UnavailableError(
+                f"{', '.join(failed)} did not start ({first_error!r}); the group has "
+                f"{replicas - len(failed)} replicas"
+            )
+        logger.info("%s scaled up to %d: %s", group.role, replicas, ", ".join(added))
+        return ScaleResult(replicas, added=tuple(added))
+
+    async def _remove(
+        self,
+        record: WorkerRecord,
+        grace_seconds: float,
+        in_flight: Callable[[WorkerRecord], int],
+    ) -> None:
+        worker_id = record.worker_id
+        self._leaving.add(worker_id)
+        self.registry.set_health(worker_id, "draining")  # the router picks it no more
+        try:
+            placed = self._placed.get(worker_id)
+            if placed is not None:
+                deadline = time.monotonic() + grace_seconds
+                while time.monotonic() < deadline and not await self._idle(
+                    placed, record, in_flight
+                ):
+                    await asyncio.sleep(_IDLE_POLL_SECONDS)
+                await self._stop(worker_id, placed, max(0.0, deadline - time.monotonic()))
+                await off_loop(
+                    lambda: self._discard(worker_id),
+                    DISCARD_TIMEOUT_SECONDS,
+                    f"removing {worker_id}'s actor and placement group",
+                )
+        finally:
+            self._leaving.discard(worker_id)
+            self.registry.remove(worker_id)
+        logger.info("%s scaled away", worker_id)
+
+    async def _idle(
+        self, placed: _Placed, record: WorkerRecord, in_flight: Callable[[WorkerRecord], int]
+    ) -> bool:
+        if in_flight(record):
+            return False
+        try:
+            state = await asyncio.wait_for(
+                placed.handle.state.remote(), self.options.health_timeout_seconds
+            )
+        except (ray.exceptions.RayError, TimeoutError):
+            return True  # gone: nothing of it can finish
+        busy = ("num_running_requests", "num_waiting_requests", "num_transfers_in_flight")
+        return not any(int(state.get(key, 0)) for key in busy)
 
     def handle_of(self, worker_id: str) -> Any:
         """The Ray actor handle of a worker (tests kill one to check replacement)."""

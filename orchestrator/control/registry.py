@@ -1,8 +1,9 @@
 """The registry of live workers: what the router and decoders read, what the controller writes.
 
 One `WorkerRecord` per worker id (``decode-2``), kept across replacements (``generation`` counts
-them). Only the controller changes records; listeners hear when a worker leaves service so the
-router can end the requests it had there (with an error, never a hang).
+them). Only the controller changes records (and adds or removes them when a group is scaled);
+listeners hear when a worker leaves service so the router can end the requests it had there
+(with an error, never a hang).
 """
 
 from __future__ import annotations
@@ -48,6 +49,15 @@ class WorkerRecord:
 WorkerListener = Callable[[WorkerRecord], None]
 
 
+@dataclass(frozen=True)
+class ScaleResult:
+    """A group's size after `Controller.scale`, and the worker ids it started and stopped."""
+
+    replicas: int
+    added: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+
+
 class Registry:
     def __init__(self) -> None:
         self.workers: dict[str, WorkerRecord] = {}
@@ -70,8 +80,17 @@ class Registry:
         was_ready = record.is_ready
         record.health = health
         if was_ready and health == "unhealthy":
-            for listener in self._on_down:
-                try:
-                    listener(record)
-                except Exception:
-                    logger.exception("worker-down listener failed for %s", worker_id)
+            self._down(record)
+
+    def remove(self, worker_id: str) -> None:
+        """The worker left the cluster for good (scaled down): listeners hear it as down."""
+        record = self.workers.pop(worker_id, None)
+        if record is not None:
+            self._down(record)
+
+    def _down(self, record: WorkerRecord) -> None:
+        for listener in self._on_down:
+            try:
+                listener(record)
+            except Exception:
+                logger.exception("worker-down listener failed for %s", record.worker_id)

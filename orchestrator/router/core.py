@@ -156,6 +156,13 @@ class Router:
     def num_queued(self) -> int:
         return self._num_queued
 
+    def in_flight_on(self, record: WorkerRecord) -> int:
+        """What this router still has on a worker: requests on a serving worker, prompt tokens
+        charged to a prefill worker (until their first token); 0 when it can go."""
+        if record.role == "prefill":
+            return self.prefill.load.tokens(record.worker_id)
+        return self._outstanding.get(record.worker_id, 0)
+
     # --- the request path ------------------------------------------------------------------
 
     async def generate(self, request: GenerationInput) -> AsyncGenerator[StreamEvent, None]:

@@ -105,9 +105,10 @@ SUFFIXES = prompts_of_lengths([9, 23, 17, 30], seed=8)
 PROMPTS = [SYSTEM + suffix for suffix in SUFFIXES]
 
 
-@pytest.fixture(scope="module", params=["tiny", "qwen3"])
-def model_dir(request: pytest.FixtureRequest, tiny_model_dir: Path, qwen3_model_dir: Path) -> Path:
-    return tiny_model_dir if request.param == "tiny" else qwen3_model_dir
+@pytest.fixture(scope="module", params=["tiny", "qwen3", "deepseek"])
+def model_dir(request: pytest.FixtureRequest) -> Path:
+    """Llama, Qwen3 (QK norm), and DeepSeek: MLA's latent pages are cached like any other."""
+    return Path(request.getfixturevalue(f"{request.param}_model_dir"))
 
 
 @pytest.fixture(scope="module")

@@ -289,9 +289,13 @@ class EngineCore:
             return []
         prompt = list(prompt_token_ids)
         max_pages = (len(prompt) - 1) // self.config.page_size
-        pages = self.scheduler.acquire_prefix([], prompt, max_pages)
-        self.scheduler.count_query(len(prompt), len(pages))
-        return pages
+        return self.scheduler.acquire_prefix([], prompt, max_pages)
+
+    def count_cached_prefix(self, num_prompt_tokens: int, num_cached_pages: int) -> None:
+        """Count a decoder's lookup (`acquire_cached_prefix`) whose request went ahead, in the
+        prefix cache counters (a lookup given back and repeated later is counted once)."""
+        if self.scheduler.caching:
+            self.scheduler.count_query(num_prompt_tokens, num_cached_pages)
 
     def release_cached(self, page_ids: Sequence[int]) -> None:
         """Give back pages `acquire_cached_prefix` shared (their request failed or waits)."""

@@ -248,6 +248,7 @@ class DecodeMessenger:
             request_id = self._pending.popleft()
             incoming.cached_pages = cached
             self.num_pages_skipped += len(cached)
+            engine.count_cached_prefix(len(incoming.prompt), len(cached))
             if num_pages == 0:  # every page of the prompt's KV is here: nothing to transfer
                 del self._by_id[request_id]
                 self._admit(request_id, incoming, (), None)

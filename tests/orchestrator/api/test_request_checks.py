@@ -116,6 +116,7 @@ def test_no_client_field_can_steer_workers_or_kv_transfers() -> None:
         "pdserve.v1.SamplingParams",
         "pdserve.v1.GetModelInfoRequest",
         "pdserve.v1.GetClusterStateRequest",
+        "pdserve.v1.ScaleGroupRequest",  # a group's size; never which worker serves what
     }
     words = ("descriptor", "page", "fabric", "transfer", "endpoint", "imm", "worker", "prefill")
     for message in _client_messages():
