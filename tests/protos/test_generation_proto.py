@@ -34,9 +34,10 @@ def test_descriptor_names_package_and_streaming() -> None:
     service = pb.DESCRIPTOR.services_by_name["Generation"]
     assert service.full_name == "pdserve.v1.Generation"
     methods = {m.name: m for m in service.methods}
-    assert set(methods) == {"Generate", "GetModelInfo", "GetClusterState"}
+    assert set(methods) == {"Generate", "GetModelInfo", "GetClusterState", "ScaleGroup"}
     assert methods["Generate"].server_streaming and not methods["Generate"].client_streaming
     assert not methods["GetModelInfo"].server_streaming
+    assert not methods["ScaleGroup"].server_streaming
     assert hasattr(pb_grpc, "GenerationStub") and hasattr(pb_grpc, "GenerationServicer")
 
 
