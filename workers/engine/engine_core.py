@@ -280,16 +280,16 @@ class EngineCore:
         """Pages a decoder reserves for a prompt: the KV of all its tokens but the last."""
         return self.block_manager.pages_for_tokens(num_prompt_tokens - 1)
 
-    def acquire_cached_prefix(self, prompt_token_ids: Sequence[int]) -> list[int]:
+    def acquire_cached_prefix(self, prompt: list[int], hashes: list[bytes]) -> list[int]:
         """Decode role with prefix caching: share the cached pages holding the longest cached
         prefix of a prompt's KV (full pages of all its tokens but the last), which then need no
-        transfer; [] with caching off. Give them back with `release_cached` unless they go to
-        `add_prefilled_request`."""
+        transfer; [] with caching off. ``hashes``: the prompt's page names so far, extended in
+        place (a caller that asks again does not hash again). Give the pages back with
+        `release_cached` unless they go to `add_prefilled_request`."""
         if not self.scheduler.caching:
             return []
-        prompt = list(prompt_token_ids)
         max_pages = (len(prompt) - 1) // self.config.page_size
-        return self.scheduler.acquire_prefix([], prompt, max_pages)
+        return self.scheduler.acquire_prefix(hashes, prompt, max_pages)
 
     def count_cached_prefix(self, num_prompt_tokens: int, num_cached_pages: int) -> None:
         """Count a decoder's lookup (`acquire_cached_prefix`) whose request went ahead, in the

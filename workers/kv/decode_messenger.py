@@ -240,7 +240,7 @@ class DecodeMessenger:
             if self.slots.num_live >= self.slots.capacity:
                 return
             # The prompt's cached prefix (decode role with prefix caching) is not asked for.
-            cached = engine.acquire_cached_prefix(incoming.prompt)
+            cached = engine.acquire_cached_prefix(incoming.prompt, incoming.page_hashes)
             num_pages = engine.num_prefill_pages(len(incoming.prompt)) - len(cached)
             if not engine.block_manager.can_allocate(num_pages):
                 engine.release_cached(cached)
@@ -513,9 +513,8 @@ class DecodeMessenger:
         # writes still to come, so the pages stay held (closed is set before it disarms).
         fired = incoming.armed and not still_armed and self.fabric.closed_reason() is None
         transfer.fail(reason, now)
-        self._table.remember(
-            request_id, transfer, num_skipped
-        )  # before any release, which it records
+        # Before any release, which it records.
+        self._table.remember(request_id, transfer, num_skipped)
         self.slots.release(imm, drained=False)
         self._ledger.hold(
             QuarantinedPages(imm, request_id, transfer.page_ids, incoming.endpoint.address),

@@ -40,6 +40,8 @@ class Incoming:
     # The prompt's leading pages this decoder holds (its prefix cache): not transferred, shared
     # with the request from `_request` on (the transfer's pinned pages follow them).
     cached_pages: list[int] = field(default_factory=list)
+    # The prompt's page names, kept while it waits: its cache lookup is retried every poll.
+    page_hashes: list[bytes] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
