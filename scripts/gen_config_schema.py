@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a file, from any directory
 
 from orchestrator.config.schema import JsonObject, cluster_config_schema  # noqa: E402
-from orchestrator.config.sections import FABRIC_PROVIDERS  # noqa: E402
+from orchestrator.config.sections import FABRIC_PROVIDERS, NICS_SCHEMA  # noqa: E402
 
 SOURCE = REPO / "helm" / "pdserve-values.schema.in.json"
 TARGET = REPO / "helm" / "pdserve" / "values.schema.json"
@@ -56,6 +56,7 @@ def chart_parts() -> dict[str, JsonObject]:
         "clusterConfig": values,
         "groupLimits": group_limits,
         "fabricProvider": {"enum": providers},
+        "fabricNics": copy.deepcopy(NICS_SCHEMA),
     }
 
 

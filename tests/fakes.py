@@ -79,6 +79,12 @@ class FakeBackend:
     def prefill_endpoint(self) -> bytes:
         return b""
 
+    def cache_naming(self) -> None:
+        return None
+
+    def cache_events(self, full: bool = False) -> None:
+        return None
+
     def close(self) -> None:
         pass
 
@@ -200,6 +206,12 @@ class FakeIdleBackend:
 
     def prefill_endpoint(self) -> bytes:
         return b""
+
+    def cache_naming(self) -> None:
+        return None
+
+    def cache_events(self, full: bool = False) -> None:
+        return None
 
     def close(self) -> None:
         pass

@@ -255,6 +255,21 @@ METRIC_SPECS: tuple[MetricSpec, ...] = (
         "back: the load it picks prefill workers by.",
         labels=("worker",),
     ),
+    MetricSpec(
+        "pdserve_router_prefix_index_blocks",
+        "gauge",
+        "KV page names the router's kv_aware index holds, over all workers.",
+    ),
+    MetricSpec(
+        "pdserve_router_prefix_query_tokens_total",
+        "counter",
+        "Prompt tokens, in full KV pages, of the requests the kv_aware policy routed.",
+    ),
+    MetricSpec(
+        "pdserve_router_prefix_hit_tokens_total",
+        "counter",
+        "Of them, tokens the chosen worker was thought to hold cached (the index's estimate).",
+    ),
 )
 
 
@@ -306,6 +321,13 @@ class Metrics:
         self.kv_unauthenticated_messages = self._bound_counter(
             "pdserve_kv_unauthenticated_messages_total"
         )
+        self.router_prefix_index_blocks = self._bound_gauge("pdserve_router_prefix_index_blocks")
+        self.router_prefix_query_tokens = self._bound_counter(
+            "pdserve_router_prefix_query_tokens_total"
+        )
+        self.router_prefix_hit_tokens = self._bound_counter(
+            "pdserve_router_prefix_hit_tokens_total"
+        )
         # Zero-valued series for every closed-vocabulary value (see LABEL_VALUES).
         for spec in METRIC_SPECS:
             for label in spec.labels:
@@ -347,6 +369,10 @@ class Metrics:
     def count_router_retry(self, kind: str) -> None:
         name = "pdserve_router_retries_total"
         self._counters[name].labels(*self._labels(name, "kind", kind)).inc()
+
+    def count_router_prefix_lookup(self, query_tokens: int, hit_tokens: int) -> None:
+        self.router_prefix_query_tokens.inc(query_tokens)
+        self.router_prefix_hit_tokens.inc(hit_tokens)
 
     def set_prefill_tokens_in_flight(self, worker_id: str, tokens: int) -> None:
         """The router's prefill load on ``worker_id`` (a prefill worker of the registry)."""

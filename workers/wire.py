@@ -59,6 +59,16 @@ class WorkerLoad:
     num_kv_pages_skipped: int = 0  # decoder: prompt KV pages held in its prefix cache
 
 
+@dataclass(frozen=True)
+class CacheNaming:
+    """How a worker names the pages of its prefix cache (`workers.engine.prefix_cache`): the
+    chain's root and the tokens per page. A router that names a prompt's pages the same way can
+    match them against the names the worker publishes."""
+
+    salt: bytes
+    page_size: int
+
+
 def sampling_from_proto(message: wpb.WorkerSamplingParams) -> SamplingParams:
     """Raises `InvalidRequestError` for values the engine refuses."""
     return SamplingParams(

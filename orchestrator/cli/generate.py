@@ -79,14 +79,15 @@ def _token(args: argparse.Namespace) -> str | None:
     return args.token or os.environ.get(TOKEN_ENV) or None
 
 
-def open_channel(args: argparse.Namespace) -> grpc.aio.Channel:
-    """The channel to ``args.address`` with the connection flags (TLS files, token)."""
+def open_channel(args: argparse.Namespace, address: str | None = None) -> grpc.aio.Channel:
+    """The channel to ``address`` (default ``args.address``) with the connection flags (TLS
+    files, token)."""
 
     def path(value: str | None) -> Path | None:
         return Path(value).expanduser() if value else None
 
     return channel(
-        args.address,
+        address or args.address,
         tls_ca=path(args.tls_ca),
         client_cert=path(args.tls_cert),
         client_key=path(args.tls_key),

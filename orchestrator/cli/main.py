@@ -8,6 +8,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
+from orchestrator.cli.flags import add_connection_arguments
 from workers.log import configure_logging, set_progress
 
 
@@ -65,16 +66,6 @@ def _scale(args: argparse.Namespace) -> int:
     from orchestrator.cli.scale import scale
 
     return asyncio.run(scale(args))
-
-
-def _add_connection_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tls", action="store_true", help="TLS, trusting the system's root CAs")
-    p.add_argument("--tls-ca", metavar="PEM", help="TLS, trusting this CA (router.tls.cert's)")
-    p.add_argument("--tls-cert", metavar="PEM", help="client certificate (mTLS; with --tls-key)")
-    p.add_argument("--tls-key", metavar="PEM", help="client certificate's private key")
-    p.add_argument(
-        "--token", default=None, help="bearer token (router.auth.token); default $PDSERVE_TOKEN"
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -137,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
         "served model's own template: the router applies none over gRPC",
     )
     p.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")
-    _add_connection_arguments(p)
+    add_connection_arguments(p)
     p.set_defaults(func=_generate)
 
     p = sub.add_parser(
@@ -149,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--group", required=True, help="prefill, decode or mixed")
     p.add_argument("--replicas", type=int, required=True)
     p.add_argument("--timeout", type=float, default=900.0, help="deadline in seconds")
-    _add_connection_arguments(p)
+    add_connection_arguments(p)
     p.set_defaults(func=_scale)
 
     # simulate / plan / calibrate: the cluster simulator (orchestrator/sim/); argparse only.

@@ -8,6 +8,7 @@ places them under the section's own (``groups.decode.tp``). Rules across section
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
@@ -156,6 +157,48 @@ class Resources(Section):
         return {name: amount for name, amount in amounts.items() if amount > 0}
 
 
+# At most this many NICs per rank (`workers.kv.protocol.MAX_NICS`: what a request can name).
+MAX_NICS = 16
+# fabric.nics: a list of interface names or addresses, or "auto"; as JSON schema.
+NICS_SCHEMA: dict[str, Any] = {
+    "oneOf": [
+        {"const": "auto"},
+        {
+            "type": "array",
+            "items": {"type": "string", "minLength": 1},
+            "minItems": 1,
+            "maxItems": MAX_NICS,
+            "uniqueItems": True,
+        },
+    ]
+}
+# Linux interface names: at most 15 bytes (IFNAMSIZ less its NUL), no "/" nor whitespace.
+_MAX_INTERFACE_NAME = 15
+
+
+def nic_entry_problem(entry: str) -> str | None:
+    """What is wrong with one ``fabric.nics`` entry by its form (None: nothing). Whether it
+    names an interface or an address of the host is known only there: each worker resolves
+    its entries when it starts (`workers.fabric.nics.resolve_nic`)."""
+    try:
+        address = ipaddress.ip_address(entry)
+    except ValueError:
+        address = None
+    if address is not None:
+        if address.is_unspecified:
+            return f"{entry} is every interface, not one NIC"
+        if address.is_multicast:
+            return f"{entry} is a multicast address"
+        return None
+    if entry == "auto":
+        return "auto stands alone (nics: auto), not in a list"
+    if len(entry.encode()) > _MAX_INTERFACE_NAME or "/" in entry or entry in (".", ".."):
+        return f"{entry!r} is neither an IP address nor an interface name"
+    if any(char.isspace() for char in entry):
+        return f"{entry!r} is neither an IP address nor an interface name"
+    return None
+
+
 class FabricConfig(Section):
     """How a prefill or decode group's KV moves."""
 
@@ -166,7 +209,58 @@ class FabricConfig(Section):
     """Address (or host name) the transfer engine binds to. Null: with ``tcp;ofi_rxm`` the IP
     of the Ray node each worker lands on (what the other nodes reach), with the other providers
     the interface they pick. A loopback address is refused once workers land on several
-    nodes."""
+    nodes. Give ``node`` or a list of ``nics``, not both."""
+    nics: Annotated[str | tuple[str, ...], WithJsonSchema(NICS_SCHEMA)] = Field(
+        default="auto", json_schema_extra={"default": "auto"}
+    )
+    """The NICs each worker's leader rank moves KV through: ``auto`` (the default), one, as set
+    by ``node``; or a list of interface names (``eth1``) or addresses of the worker's host. With
+    several, the rank opens one transfer engine (libfabric domain and endpoint) per NIC and
+    registers its KV pools with each; the first is the one peers know (control messages, the
+    prefill endpoint). A prefill worker sends each request's KV writes through one pair of its
+    NICs and the decoder's, taken in turn, and the decoder counts them on all of its NICs
+    (design §5). Entries are resolved on the host each worker lands on, when it starts: one
+    that names neither an interface nor an address there fails the worker's start, naming
+    it. Not with ``shm`` (it moves KV through the host's memory, no NIC), nor with ``node``."""
+
+    @field_validator("nics", mode="before")
+    @classmethod
+    def _nic_list(cls, value: object) -> object:
+        if value == "auto":
+            return value
+        if not isinstance(value, list | tuple):
+            raise ConfigError(
+                "", f"must be auto or a list of interface names or addresses, got {value!r}"
+            )
+        if not value:
+            raise ConfigError("", "an empty list opens no NIC; leave it auto for one")
+        if len(value) > MAX_NICS:
+            raise ConfigError("", f"at most {MAX_NICS} NICs, got {len(value)}")
+        for index, entry in enumerate(value):
+            if not isinstance(entry, str) or not entry:
+                raise ConfigError(str(index), f"must be a non-empty string, got {entry!r}")
+            problem = nic_entry_problem(entry)
+            if problem is not None:
+                raise ConfigError(str(index), problem)
+            if entry in value[:index]:
+                raise ConfigError(str(index), f"{entry} is listed twice")
+        return tuple(value)
+
+    @model_validator(mode="after")
+    def _nics_and_node(self) -> FabricConfig:
+        entries = self.nic_entries
+        if entries and self.node is not None:
+            raise ConfigError("nics", "give node or a list of nics, not both")
+        if self.provider == "shm" and len(entries) > 1:
+            raise ConfigError(
+                "nics", "shm moves KV through the host's memory, not a NIC: give one or auto"
+            )
+        return self
+
+    @property
+    def nic_entries(self) -> tuple[str, ...]:
+        """The listed NICs; empty for ``auto``."""
+        return self.nics if isinstance(self.nics, tuple) else ()
 
 
 class SpeculativeSection(Section):

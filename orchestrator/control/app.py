@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.config.cluster import DTYPE_BYTES, ClusterConfig
@@ -46,6 +46,9 @@ class AppOptions:
     num_cpus: int | None = None  # embedded Ray only
     metrics_port: int | None = None  # serve /metrics of the router when set
     seed: int | None = None
+    # The cluster's key as hex (`orchestrator.control.cluster_secret`); None: drawn per cluster.
+    # Out of repr: options get logged, secrets must not be.
+    cluster_secret: str | None = field(default=None, repr=False)
 
 
 def router_grpc_server(interceptors: list[Any], max_request_bytes: int) -> Any:
@@ -103,7 +106,9 @@ class ServingApp:
             raise FileNotFoundError(f"model directory {self.config.model} does not exist")
         self._ray = connect_ray(self.options.ray_address, self.options.num_cpus)
         registry = Registry()
-        self.controller = Controller(self.config, registry, self._controller_options)
+        self.controller = Controller(
+            self.config, registry, self._controller_options, secret=self.options.cluster_secret
+        )
         try:
             await self.controller.start()
             await self._start_router(registry)
@@ -334,7 +339,6 @@ def describe(config: ClusterConfig, registry: Any, seed: int | None) -> tuple[An
         worker_retries=config.router.worker_retries,
         local_prefill_fallback=config.router.local_prefill_fallback,
         eos_token_ids=frozenset(eos),
-        page_size=config.page_size,
         kv_cache_weight=config.router.kv_cache_weight,
         kv_load_weight=config.router.kv_load_weight,
     )

@@ -8,6 +8,11 @@ Life cycle of one worker id (``decode-1``)::
          its requests there with an error ─▶ actor killed, group removed ─▶ placed again
     shutdown: drain (no new requests, running ones finish within grace) ─▶ stop ─▶ kill
 
+A worker whose node cannot open the model (`ModelNotOnNodeError`, raised by the worker before
+it loads anything) fails the start, or the scale, with that error; a replacement that meets it
+is not retried: the worker stays unhealthy with the error in its record (``failure``) and in
+the log, since every retry on that node would fail the same way.
+
 Scaling a group while serving (`scale`): new replica ids are placed and started like the
 first ones and join the router when healthy; a removed one (highest replica number first) is
 *leaving*: ``draining`` in the registry, so the router picks it no more, never judged by health
@@ -42,9 +47,11 @@ from orchestrator.control.placement import (
 from orchestrator.control.registry import Registry, ScaleResult, WorkerRecord
 from orchestrator.control.shutdown import off_loop
 from orchestrator.errors import InvalidRequestError, ScaleInProgressError, UnavailableError
+from workers.engine.cache_events import CacheEventBatch
 from workers.engine.config import EngineConfig
 from workers.service.actor import WorkerActor, WorkerSpec
-from workers.wire import WorkerLoad
+from workers.service.model_dir import ModelNotOnNodeError
+from workers.wire import CacheNaming, WorkerLoad
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +65,18 @@ class ControllerOptions:
     health_interval_seconds: float = 2.0
     health_timeout_seconds: float = 10.0
     replace_failed: bool = True
+    # A worker's whole prefix cache is fetched this often (its changes at every health check):
+    # the router's index then drops what it recorded for requests whose KV was never cached.
+    cache_resync_seconds: float = 60.0
     worker_metrics_port: int | None = 0  # each worker's /metrics (0: any free port; None: none)
+
+
+def failure_text(error: BaseException) -> str:
+    """``Type: message`` of a worker's failure to start, on one line: of a remote error its
+    cause (Ray's text of it carries the remote traceback)."""
+    if isinstance(error, ray.exceptions.RayTaskError) and isinstance(error.cause, BaseException):
+        error = error.cause
+    return f"{type(error).__name__}: {str(error).strip().partition(chr(10))[0]}"
 
 
 @dataclass
@@ -77,7 +95,10 @@ class Controller:
         config: ClusterConfig,
         registry: Registry,
         options: ControllerOptions | None = None,
+        secret: str | None = None,
     ) -> None:
+        """``secret``: the cluster's key as hex (`orchestrator.control.cluster_secret`); None:
+        one drawn for this cluster."""
         self.config = config
         self.registry = registry
         self.options = options or ControllerOptions()
@@ -89,12 +110,13 @@ class Controller:
         self._replacing_stopped = False
         self._cluster_id = uuid.uuid4().hex[:8]
         self._leaving: set[str] = set()  # being scaled away: not judged, not replaced
+        self._cache_synced: dict[str, float] = {}  # worker id -> when its whole cache came
         self._scaling = False
-        # Drawn per cluster and handed to its workers (through Ray, with their spec): the MAC
-        # key of their KV control messages (`workers.kv.protocol`) and the token of their gRPC
-        # service, which only the router presents. A process outside the cluster can neither
-        # have a prefill worker act on a request nor start a generation on a worker.
-        self._secret = secrets.token_hex(32)
+        # Handed to the workers (through Ray, with their spec): the MAC key of their KV control
+        # messages (`workers.kv.protocol`) and the token of their gRPC service, which only the
+        # router presents. A process outside the cluster can neither have a prefill worker act
+        # on a request nor start a generation on a worker.
+        self._secret = secret if secret is not None else secrets.token_hex(32)
 
     @property
     def secret(self) -> str:
@@ -132,6 +154,7 @@ class Controller:
             tp_size=group.tp,
             provider=fabric.provider if fabric else "tcp;ofi_rxm",
             fabric_node=fabric.node if fabric else None,
+            fabric_nics=fabric.nic_entries if fabric else (),
             host=self.config.worker_host,
             transfer=self.config.transfer.model_dump(),
             metrics_port=self.options.worker_metrics_port,
@@ -172,6 +195,13 @@ class Controller:
         self._placed[worker_id] = _Placed(handle, placement)
         try:
             info = await asyncio.wait_for(handle.start.remote(), self.options.start_timeout_seconds)
+        except ModelNotOnNodeError as error:
+            self._discard(worker_id)
+            # Ray's wrapper (an instance of the cause's class too) carries the remote
+            # traceback; the worker's own error says all there is to fix.
+            raise ModelNotOnNodeError(
+                error.worker_id, error.node, error.path, error.reason
+            ) from None
         except BaseException:
             self._discard(worker_id)
             raise
@@ -181,6 +211,8 @@ class Controller:
         record.metrics_port = info.get("metrics_port", 0)
         record.pid = info["pid"]
         record.node_ip = info["node_ip"]
+        naming = info.get("cache_naming")
+        record.cache_naming = None if naming is None else CacheNaming(**naming)
         try:
             check_reachable(self.config, record, self.registry.workers.values())
         except PlacementError:
@@ -250,6 +282,29 @@ class Controller:
         record.load = WorkerLoad(**ints)
         if state["health"] in ("healthy", "draining"):
             record.health = state["health"]
+        if record.cache_naming is not None:
+            await self._fetch_cache_events(worker_id, placed)
+
+    async def _fetch_cache_events(self, worker_id: str, placed: _Placed) -> None:
+        """Hand what the worker's prefix cache gained and lost to the registry's listeners (the
+        router's index); the whole cache every ``cache_resync_seconds``, and after a batch that
+        did not arrive (it is lost on the worker too: drained)."""
+        now = time.monotonic()
+        synced = self._cache_synced.pop(worker_id, None)
+        full = synced is None or now - synced >= self.options.cache_resync_seconds
+        try:
+            events = await asyncio.wait_for(
+                placed.handle.cache_events.remote(full), self.options.health_timeout_seconds
+            )
+        except (ray.exceptions.RayError, TimeoutError) as error:
+            logger.debug("%s: prefix cache events not fetched: %r", worker_id, error)
+            return  # the health check judges the worker
+        self._cache_synced[worker_id] = now if full or synced is None else synced
+        if events is not None and self._placed.get(worker_id) is placed:
+            batch = CacheEventBatch(
+                tuple(events["stored"]), tuple(events["removed"]), bool(events["reset"])
+            )
+            self.registry.publish_cache_events(worker_id, batch)
 
     async def _health_loop(self) -> None:
         while not self._closing:
@@ -268,6 +323,12 @@ class Controller:
                 try:
                     await self._launch(group, worker_id)
                     logger.info("%s replaced (generation %d)", worker_id, record.generation)
+                    return
+                except ModelNotOnNodeError as error:
+                    # Its node lacks the model: every retry there would fail the same way.
+                    record.health = "unhealthy"
+                    record.failure = str(error)
+                    logger.error("%s is not replaced: %s", worker_id, error)
                     return
                 except Exception:
                     logger.exception("replacing %s failed; retrying in %.0f s", worker_id, delay)
@@ -336,8 +397,8 @@ class Controller:
         if failed:
             first_error = next(r for r in results if isinstance(r, BaseException))
             raise UnavailableError(
-                f"{', '.join(failed)} did not start ({first_error!r}); the group has "
-                f"{replicas - len(failed)} replicas"
+                f"{', '.join(failed)} did not start ({failure_text(first_error)}); the group "
+                f"has {replicas - len(failed)} replicas"
             )
         logger.info("%s scaled up to %d: %s", group.role, replicas, ", ".join(added))
         return ScaleResult(replicas, added=tuple(added))

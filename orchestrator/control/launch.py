@@ -138,15 +138,19 @@ def run_reporting(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     from orchestrator.config.cluster import ConfigError
     from orchestrator.control.app import AppOptions, serve
+    from orchestrator.control.cluster_secret import ClusterSecretError, cluster_secret
     from orchestrator.control.controller import ControllerOptions
     from orchestrator.control.embedded_ray import exit_abandoning_ray, ray_abandoned
 
     try:
         config = config_from_args(args)
-    except ConfigError as error:
+        secret = cluster_secret()  # $PDSERVE_CLUSTER_SECRET (the Helm chart's), else drawn
+    except (ConfigError, ClusterSecretError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    options = AppOptions(ray_address=args.ray_address, metrics_port=args.metrics_port)
+    options = AppOptions(
+        ray_address=args.ray_address, metrics_port=args.metrics_port, cluster_secret=secret
+    )
     worker_port = args.worker_metrics_port
     controller = ControllerOptions(worker_metrics_port=None if worker_port < 0 else worker_port)
     warn_of_job_stop_wait(config.router.grace_seconds)

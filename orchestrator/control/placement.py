@@ -83,8 +83,8 @@ def check_reachable(
 ) -> None:
     """Raise `PlacementError` when ``started`` runs on another node than some of ``workers``
     and the config holds what only works on one node: a loopback ``worker_host`` (the router
-    could not dial the workers), a loopback ``fabric.node`` or the ``shm`` provider (KV could
-    not cross)."""
+    could not dial the workers), a loopback ``fabric.node`` or ``fabric.nics`` entry or the
+    ``shm`` provider (KV could not cross)."""
     others = {w.node_ip for w in workers if w.node_ip and w.worker_id != started.worker_id}
     if not others - {started.node_ip}:
         return
@@ -105,6 +105,11 @@ def check_reachable(
             problems.append(
                 f"{path}.node {fabric.node} is loopback: KV cannot reach other nodes (null: "
                 "each worker's node IP)"
+            )
+        loopback = [nic for nic in fabric.nic_entries if is_loopback(nic) or nic == "lo"]
+        if loopback:
+            problems.append(
+                f"{path}.nics: {', '.join(loopback)} on loopback: KV cannot reach other nodes"
             )
     if problems:
         raise PlacementError(

@@ -58,12 +58,14 @@ from orchestrator.errors import (
 )
 from orchestrator.router.policy import KVAwareWeights, RoutingPolicy, create_policy
 from orchestrator.router.prefill_choice import PrefillCharge, PrefillChoice
+from orchestrator.router.prefix_index import PromptPages
 from orchestrator.router.prepare import check_request_id, prompt_ids, sampling_params
 from orchestrator.router.suspicion import Suspects
 from orchestrator.router.text_stream import TextStream, text_token_ids
 from orchestrator.router.types import GenerationInput, RouterSettings, StreamEvent, Timings
 from orchestrator.router.worker_link import DeltaQueue, LinkBroken, WorkerLink
 from protos.pdserve.v1 import worker_pb2 as wpb
+from workers.engine.cache_events import CacheEventBatch
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.tokenizer import Tokenizer
 from workers.metrics import Metrics
@@ -81,7 +83,7 @@ class _InFlight:
     finished: bool = False
     # Its prompt, charged to its prefill source while its prefill runs (`PrefillChoice`).
     prefill: PrefillCharge = field(default_factory=PrefillCharge)
-    blocks: list[bytes] = field(default_factory=list)  # its prompt's (kv_aware's index)
+    prompt: PromptPages | None = None  # its prompt's pages (kv_aware's index)
 
 
 class _LostBeforeFirstToken(Exception):
@@ -125,13 +127,11 @@ class Router:
         self.tokenizer = tokenizer
         self.metrics = metrics
         weights = KVAwareWeights(
-            settings.kv_cache_weight,
-            settings.kv_load_weight,
-            settings.capacity_per_worker,
-            settings.page_size,
+            settings.kv_cache_weight, settings.kv_load_weight, settings.capacity_per_worker
         )
         self.policy = policy or create_policy(settings.policy, settings.seed, weights)
-        # kv_aware: what this router sent each worker (serving and prefill), kept current here.
+        # kv_aware: what each worker's prefix cache holds (serving and prefill), as the workers
+        # publish it and as this router sends them prompts.
         self.index = self.policy.index
         self.prefill = PrefillChoice(registry, metrics, settings.seed, self.index)
         self.suspects = Suspects()
@@ -145,6 +145,7 @@ class Router:
         self.draining = False
         self._drain_expired = False  # the grace period ended: queued requests give up
         registry.on_worker_down(self._worker_down)
+        registry.on_cache_events(self._cache_events)
 
     # --- introspection ---------------------------------------------------------------------
 
@@ -180,13 +181,13 @@ class Router:
             raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
         inflight = _InFlight(request_id)
         if self.index is not None:
-            inflight.blocks = self.index.blocks(prompt)
+            inflight.prompt = PromptPages(prompt)
         self._requests[request_id] = inflight
         worker: WorkerRecord | None = None  # the one holding the request's slot
         admitted = completed = False
         tried: set[str] = set()  # workers that lost this request before its first token
         try:
-            worker = await self._admit(blocks=inflight.blocks)
+            worker = await self._admit(prompt=inflight.prompt)
             admitted = True
             queue_time = time.perf_counter() - arrived
             while True:
@@ -214,7 +215,7 @@ class Router:
                     # finally release the slot a second time.
                     lost_worker, worker = worker, None
                     await self._release(lost_worker.worker_id)
-                    worker = await self._admit(exclude=tried, blocks=inflight.blocks)
+                    worker = await self._admit(exclude=tried, prompt=inflight.prompt)
         finally:
             del self._requests[request_id]
             self._gauge()  # `_admit` counted it while it was still in `_requests`
@@ -250,9 +251,9 @@ class Router:
         ]
 
     async def _admit(
-        self, exclude: set[str] | None = None, blocks: list[bytes] | None = None
+        self, exclude: set[str] | None = None, prompt: PromptPages | None = None
     ) -> WorkerRecord:
-        """A worker with room for a request with prompt ``blocks`` (`RoutingPolicy.pick`)."""
+        """A worker with room for a request with ``prompt`` (`RoutingPolicy.pick`)."""
         settings = self.settings
         queued = False
         try:
@@ -277,12 +278,14 @@ class Router:
                         if self._outstanding.get(w.worker_id, 0) < settings.capacity_per_worker
                     ]
                     if room:
-                        worker = self.policy.pick(room, self._outstanding, blocks or ())
+                        worker = self.policy.pick(room, self._outstanding, prompt)
                         self._outstanding[worker.worker_id] = (
                             self._outstanding.get(worker.worker_id, 0) + 1
                         )
-                        if self.index is not None:  # it will hold the prompt's KV
-                            self.index.record(worker.worker_id, blocks or ())
+                        if self.index is not None and prompt is not None:
+                            self._count_prefix_hit(worker, prompt)
+                            self.index.record(worker, prompt)  # it will hold the prompt's KV
+                            self._gauge_index()
                         if self.metrics is not None:
                             self.metrics.count_router_decision(worker.worker_id)
                         return worker
@@ -343,7 +346,7 @@ class Router:
         generated: list[int] = []  # kv_aware: the answer's KV stays in the worker's cache
         if self.settings.is_disaggregated:
             inflight.prefill.tokens = len(prompt)
-            inflight.prefill.blocks = inflight.blocks
+            inflight.prefill.prompt = inflight.prompt
             endpoint = self.prefill.source(inflight.prefill, tried, self.settings)
             if endpoint is None:
                 raise UnavailableError("no ready prefill worker")
@@ -426,7 +429,7 @@ class Router:
             if final:
                 inflight.finished = delta.finish_reason != ""
                 if self.index is not None:
-                    self.index.record(worker.worker_id, self.index.blocks(prompt + generated))
+                    self.index.record(worker, PromptPages(prompt + generated))
                 end = time.perf_counter()
                 itl = (last - first) / (num_tokens - 1) if num_tokens > 1 else 0.0
                 ttft = first - arrived if num_tokens else end - arrived
@@ -462,10 +465,31 @@ class Router:
             return
         self.suspects.mark(worker, self.settings.suspect_hold_seconds, why)
 
+    def _cache_events(self, record: WorkerRecord, batch: CacheEventBatch) -> None:
+        """A worker's prefix cache gained and lost pages (the controller's report)."""
+        if self.index is not None:
+            self.index.apply(record, batch)
+            self._gauge_index()
+
+    def _count_prefix_hit(self, worker: WorkerRecord, prompt: PromptPages) -> None:
+        """The prompt's tokens in full pages, and of them those ``worker`` is thought to hold:
+        the index's hit estimate (compare the workers' own prefix cache counters)."""
+        if self.metrics is None or self.index is None or worker.cache_naming is None:
+            return
+        pages = len(prompt.names(worker.cache_naming))
+        self.metrics.count_router_prefix_lookup(
+            pages * worker.cache_naming.page_size, self.index.matched_tokens(worker, prompt)
+        )
+
+    def _gauge_index(self) -> None:
+        if self.metrics is not None and self.index is not None:
+            self.metrics.router_prefix_index_blocks.set(self.index.num_blocks)
+
     def _worker_down(self, record: WorkerRecord) -> None:
         """The controller took ``record`` out of service: end its requests with an error."""
         if self.index is not None:
             self.index.forget(record.worker_id)  # a replacement starts with an empty cache
+            self._gauge_index()
         link = self._links.pop(record.worker_id, None)
         if link is None:
             return

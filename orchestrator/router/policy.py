@@ -2,7 +2,7 @@
 fills its KV (`PrefillLoad`).
 
 Contract of `RoutingPolicy.pick`: given the ready workers with room (never empty), the
-router's count of outstanding requests per worker id and the request's prompt blocks
+router's count of outstanding requests per worker id and the request's prompt pages
 (`orchestrator.router.prefix_index`; only ``kv_aware`` reads them), return one of them. Policies
 keep no references to records between calls. ``create_policy(name)`` is the registry of names
 (`orchestrator.config.sections.ROUTING_POLICIES`).
@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from orchestrator.control.registry import WorkerRecord
-from orchestrator.router.prefix_index import PrefixIndex
+from orchestrator.router.prefix_index import PrefixIndex, PromptPages
 
 
 class RoutingPolicy(ABC):
@@ -28,7 +28,7 @@ class RoutingPolicy(ABC):
         self,
         workers: Sequence[WorkerRecord],
         outstanding: Mapping[str, int],
-        blocks: Sequence[bytes] = (),
+        prompt: PromptPages | None = None,
     ) -> WorkerRecord: ...
 
 
@@ -43,7 +43,7 @@ class LeastOutstanding(RoutingPolicy):
         self,
         workers: Sequence[WorkerRecord],
         outstanding: Mapping[str, int],
-        blocks: Sequence[bytes] = (),
+        prompt: PromptPages | None = None,
     ) -> WorkerRecord:
         least = min(outstanding.get(w.worker_id, 0) for w in workers)
         tied = [w for w in workers if outstanding.get(w.worker_id, 0) == least]
@@ -58,7 +58,7 @@ class RoundRobin(RoutingPolicy):
         self,
         workers: Sequence[WorkerRecord],
         outstanding: Mapping[str, int],
-        blocks: Sequence[bytes] = (),
+        prompt: PromptPages | None = None,
     ) -> WorkerRecord:
         ordered = sorted(workers, key=lambda w: w.worker_id)
         worker = ordered[self._next % len(ordered)]
@@ -74,7 +74,7 @@ class RandomChoice(RoutingPolicy):
         self,
         workers: Sequence[WorkerRecord],
         outstanding: Mapping[str, int],
-        blocks: Sequence[bytes] = (),
+        prompt: PromptPages | None = None,
     ) -> WorkerRecord:
         return self._random.choice(list(workers))
 
@@ -89,7 +89,6 @@ class KVAwareWeights:
     cache: float = 1.0
     load: float = 1.0
     capacity: int = 64  # requests in flight per worker (the router's queueing bound)
-    page_size: int = 16  # tokens per block (the engines' page size)
     max_blocks_per_worker: int = 1 << 16
 
 
@@ -100,7 +99,7 @@ class KVAware(RoutingPolicy):
 
     def __init__(self, seed: int | None = None, weights: KVAwareWeights | None = None) -> None:
         self.weights = weights or KVAwareWeights()
-        self.prefixes = PrefixIndex(self.weights.page_size, self.weights.max_blocks_per_worker)
+        self.prefixes = PrefixIndex(self.weights.max_blocks_per_worker)
         self.index = self.prefixes
         self._random = random.Random(seed)
 
@@ -108,13 +107,13 @@ class KVAware(RoutingPolicy):
         self,
         workers: Sequence[WorkerRecord],
         outstanding: Mapping[str, int],
-        blocks: Sequence[bytes] = (),
+        prompt: PromptPages | None = None,
     ) -> WorkerRecord:
         weights = self.weights
 
         def score(worker: WorkerRecord) -> tuple[float, int]:
             load = outstanding.get(worker.worker_id, 0)
-            hit = self.prefixes.matched(worker.worker_id, blocks) / len(blocks) if blocks else 0.0
+            hit = self.prefixes.share(worker, prompt) if prompt is not None else 0.0
             return round(weights.cache * hit - weights.load * load / weights.capacity, 9), -load
 
         scores = {worker.worker_id: score(worker) for worker in workers}
@@ -162,16 +161,16 @@ class PrefillLoad:
         self,
         workers: Sequence[WorkerRecord],
         num_tokens: int,
-        cached_tokens: Callable[[str], int] | None = None,
+        cached_tokens: Callable[[WorkerRecord], int] | None = None,
     ) -> tuple[WorkerRecord, int]:
         """Charge the prompt's ``num_tokens`` to the least-loaded of ``workers`` (not empty);
         returns it and the tokens charged, which the caller `release`s once the prefill is over
-        (first token or end). ``cached_tokens(worker_id)``: the prompt's tokens that worker is
+        (first token or end). ``cached_tokens(worker)``: the prompt's tokens that worker is
         thought to hold cached (``kv_aware``): it is charged only the rest, and the worker with
         the least work queued once this prompt is added wins."""
 
         def work(worker: WorkerRecord) -> int:
-            cached = cached_tokens(worker.worker_id) if cached_tokens is not None else 0
+            cached = cached_tokens(worker) if cached_tokens is not None else 0
             return self._tokens.get(worker.worker_id, 0) + num_tokens - cached
 
         least = min(work(w) for w in workers)

@@ -10,11 +10,11 @@ the request itself, once (an empty prefill endpoint).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from orchestrator.control.registry import Registry, WorkerRecord
 from orchestrator.router.policy import PrefillLoad
-from orchestrator.router.prefix_index import PrefixIndex
+from orchestrator.router.prefix_index import PrefixIndex, PromptPages
 from orchestrator.router.types import RouterSettings
 from workers.metrics import Metrics
 
@@ -26,12 +26,12 @@ DECODER_ITSELF = ""
 class PrefillCharge:
     """One request's prompt tokens, charged to its prefill source in `PrefillLoad` (``source``
     "": none, or released); ``charged``: the part of them charged there (less what it holds
-    cached, with ``kv_aware``); ``blocks``: the prompt's blocks (``kv_aware``)."""
+    cached, with ``kv_aware``); ``prompt``: the prompt's pages (``kv_aware``)."""
 
     tokens: int = 0
     source: str = ""
     charged: int = 0
-    blocks: list[bytes] = field(default_factory=list)
+    prompt: PromptPages | None = None
 
 
 class PrefillChoice:
@@ -95,16 +95,16 @@ class PrefillChoice:
     def _charge(self, charge: PrefillCharge, workers: list[WorkerRecord]) -> WorkerRecord:
         """Charge the request's prompt to the least-loaded of ``workers`` and make it the
         request's source (`release` undoes both)."""
-        index = self.index
+        index, prompt = self.index, charge.prompt
         cached = None
-        if index is not None and charge.blocks:
+        if index is not None and prompt is not None:
 
-            def cached(worker_id: str) -> int:
-                return index.matched(worker_id, charge.blocks) * index.page_size
+            def cached(worker: WorkerRecord) -> int:
+                return index.matched_tokens(worker, prompt)
 
         worker, charge.charged = self.load.pick(workers, charge.tokens, cached)
-        if index is not None:
-            index.record(worker.worker_id, charge.blocks)  # its cache will hold them
+        if index is not None and prompt is not None:
+            index.record(worker, prompt)  # its cache will hold them
         charge.source = worker.worker_id
         self._gauge(worker.worker_id)
         return worker

@@ -41,8 +41,6 @@ class RouterSettings:
     # EOS ids whose text is not output (the engine's `StopChecker`: the model config's and the
     # tokenizer's); ``ignore_eos`` disables them.
     eos_token_ids: frozenset[int] = frozenset()
-    # The engines' page size: the blocks of the ``kv_aware`` policy's prefix index.
-    page_size: int = 16
     # ``kv_aware``: weight of the share of a prompt a worker holds cached, and of its load
     # (outstanding requests / capacity_per_worker), in its score (`KVAwareWeights`).
     kv_cache_weight: float = 1.0

@@ -1,8 +1,9 @@
 """``pdserve calibrate``: measure our engine (and optionally the fabric) on this machine and
 write the JSON that `calibrated.fit` reads.
 
-The engine runs the ``small`` preset (random weights; only shapes matter for time) in mixed
-role, one process, one rank. Prefill points: one-shot prompts up to the token budget, then
+The engine runs a preset (``small`` by default; ``deepseek-tiny`` to price MLA and MoE steps
+as our engine runs them; random weights: only shapes matter for time) in mixed role, one
+process, one rank. Prefill points: one-shot prompts up to the token budget, then
 one long prompt (``prefill_context`` tokens) in budget-sized chunks (so that the attention term
 sees context up to the workload's longest prompts). Decode
 points: batches of short prompts (and, with ``decode_contexts``, of longer ones, so that the
@@ -331,10 +332,12 @@ def check_options(
     decode_batches: Sequence[int] = (1,),
     decode_contexts: Sequence[int] = (PROMPT_LEN,),
     mixed_batches: Sequence[int] = (),
+    preset: str = "small",
 ) -> int:
     """Validate `run_calibration`'s process count, background requests (prompt, output tokens),
-    long prompt, timed runs per point and the decode and mixed points' batches and contexts
-    before anything is measured; returns the long prompt's length (default: 4 chunks)."""
+    long prompt, timed runs per point, the decode and mixed points' batches and contexts and
+    the preset before anything is measured; returns the long prompt's length (default: 4
+    chunks)."""
     if not decode_batches or min(decode_batches) < 1:
         raise ValueError(f"decode batches must be >= 1 sequences, got {list(decode_batches)}")
     if not decode_contexts or min(decode_contexts) < 1:
@@ -354,12 +357,14 @@ def check_options(
         raise ValueError(f"repeats must be >= 1 (timed runs per point), got {repeats}")
     from workers.engine.presets import PRESETS
 
-    max_positions = PRESETS["small"]["max_position_embeddings"]  # the calibrated model's
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    max_positions = PRESETS[preset]["max_position_embeddings"]  # the calibrated model's
     prompt, output = background
     if prompt < 1 or output < 1 or prompt + output > max_positions:
         raise ValueError(
             f"background requests need >= 1 prompt and >= 1 output token and at most "
-            f"{max_positions} in all (the small preset's positions), got {prompt} + {output}"
+            f"{max_positions} in all (the {preset} preset's positions), got {prompt} + {output}"
         )
     if prefill_context is None:
         return 4 * budget
@@ -385,6 +390,7 @@ def run_calibration(
     prefill_context: int | None = None,
     background: tuple[int, int] = (BACKGROUND_PROMPT, BACKGROUND_OUTPUT),
     budget: int = BUDGET,
+    preset: str = "small",
     fabric: bool = False,
     fabric_sizes: Sequence[int] = (64 << 10, 1 << 20, 4 << 20, 16 << 20),
 ) -> dict[str, Any]:
@@ -399,6 +405,7 @@ def run_calibration(
         decode_batches=decode_batches,
         decode_contexts=decode_contexts,
         mixed_batches=mixed_batches,
+        preset=preset,
     )
     # The measuring stages, one bar step each: (prefill, decode) alone and among background
     # engines (or just once), their start, the mixed points, the fabric.
@@ -407,7 +414,7 @@ def run_calibration(
         tempfile.TemporaryDirectory(prefix="pdserve-calibrate-") as tmp,
         progress(desc="calibrate", total=stages, unit="stage", leave=True) as bar,
     ):
-        model_dir = write_random_checkpoint("small", Path(tmp) / "small")
+        model_dir = write_random_checkpoint(preset, Path(tmp) / preset)
         # Decode points at long contexts need every sequence's pages at once (16 per page).
         pages = max(
             (b * (c + _decode_max_tokens(b, c, budget)) // 16 + b)
@@ -423,13 +430,10 @@ def run_calibration(
             config = engine.model_config
             element = engine.kv_cache.element_size()
             data: dict[str, Any] = {
-                "model": "small",
+                "model": preset,
                 "num_layers": config.num_layers,
-                "kv_bytes_per_token": 2
-                * config.num_layers
-                * config.num_kv_heads
-                * config.head_dim
-                * element,
+                # K and V per head, or MLA's one latent per token (`ModelConfig.kv_page_bytes`).
+                "kv_bytes_per_token": config.kv_page_bytes(1, element),
                 "kv_capacity_tokens": engine.num_pages * engine.config.page_size,
             }
 

@@ -16,7 +16,10 @@ measured run (`orchestrator.loadgen.overheads`); absent, they are 0.
 Fits (least squares, coefficients kept >= 0 by dropping a feature that comes out negative):
 prefill = a + b * tokens + c * attention (attention = the positions the chunk's tokens attend
 to); decode = a + b * batch + c * kv_tokens; transfer = a + bytes / bandwidth (no points: free).
-A mixed step pays the larger intercept once plus every variable term.
+A mixed step pays the larger intercept once plus every variable term. Speculative decoding
+is not measured by any calibration yet: a verified draft is priced as one more decode row over
+its sequence's context, and a position of the MTP module as one layer's share of a token
+(`CalibratedCostModel._price`), an assumption a calibration with drafts should replace.
 
 Shared cores: a calibration taken with ``--concurrent N`` (``"contention": {"processes": N}``)
 holds its points measured while N - 1 other engine processes stepped, and under ``"alone"``
@@ -171,6 +174,15 @@ class CalibratedCostModel:
             + p_attention * shape.num_prefill_attention
             + d_seq * shape.num_decode_seqs
             + d_kv * shape.num_decode_kv_tokens
+        )
+        # Speculative decoding, not measured yet: a draft is one more decode row reading its
+        # sequence's context (the per-sequence and per-KV-token terms), and an MTP position
+        # one layer of a token's pass (the per-token cost of whichever role the fit has).
+        per_token = max(p_token, d_seq)
+        variable += (
+            d_seq * shape.num_draft_tokens
+            + d_kv * shape.num_draft_attention
+            + per_token * shape.num_mtp_tokens / self.num_layers
         )
         overhead = self.tp_step_overhead_s if tp > 1 else 0.0
         return intercept + variable / tp + overhead

@@ -1,7 +1,7 @@
 """The ``simulate``, ``plan`` and ``calibrate`` subcommands of ``pdserve``.
 
-Only argparse is imported here; each command imports what it runs, so that ``pdserve --help``
-stays fast.
+Only argparse (and `orchestrator.cli.flags`, argparse only too) is imported here; each command
+imports what it runs, so that ``pdserve --help`` stays fast.
 """
 
 from __future__ import annotations
@@ -10,12 +10,15 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
+from orchestrator.cli.flags import add_connection_arguments
+
 if TYPE_CHECKING:
     from orchestrator.sim.cost import CostModel
     from orchestrator.sim.instances import EngineLimits
     from orchestrator.sim.metrics import SLO
-    from orchestrator.sim.simulator import Layout
-    from orchestrator.sim.workload import Workload
+    from orchestrator.sim.options import ServingOptions
+    from orchestrator.sim.simulator import Layout, SimResult
+    from orchestrator.sim.workload import Arrivals
 
 
 def add_subcommands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -43,6 +46,17 @@ def add_subcommands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--emit-helm", default=None, help="write the best layout's Helm values")
     p.add_argument("--model-path", default="/models/model", help="model path in the config")
     p.add_argument("--provider", default="verbs;ofi_rxm", help="libfabric provider to emit")
+    p.add_argument(
+        "--apply",
+        metavar="ADDRESS",
+        default=None,
+        help="then scale the cluster whose router is at ADDRESS to the best layout, one group "
+        "at a time (replica counts only: another TP size or serving mode is refused)",
+    )
+    p.add_argument(
+        "--apply-timeout", type=float, default=900.0, help="deadline of each group's scale (s)"
+    )
+    add_connection_arguments(p)  # for --apply
     p.set_defaults(func=_plan)
 
     p = sub.add_parser(
@@ -50,6 +64,12 @@ def add_subcommands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.add_argument("--out", default="calibration.json")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per point (median)")
+    p.add_argument(
+        "--preset",
+        default="small",
+        help="the engine preset measured (random weights): small, or deepseek-tiny for MLA "
+        "and MoE steps",
+    )
     p.add_argument("--fabric", action="store_true", help="also time loopback tcp writes")
     p.add_argument(
         "--decode-context",
@@ -124,16 +144,76 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
         help="roofline:MODEL:GPU[:NIC][:key=value] (models: llama-3-70b, qwen3-coder-480b, "
         "deepseek-r1; GPUs: h100, h200; NICs: 8x400g, efa-3200g, 1x100g) or calibrated:PATH",
     )
-    p.add_argument("--rate", type=float, default=1.0, help="arrivals per second (plan: start)")
-    p.add_argument("--num-requests", type=int, default=200)
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=1.0,
+        help="arrivals per second, conversations started per second with multiturn (plan: start)",
+    )
+    p.add_argument(
+        "--num-requests",
+        type=int,
+        default=None,
+        help="default 200 (not with multiturn: it sends CONVERSATIONS x TURNS)",
+    )
     p.add_argument("--arrival", choices=["poisson", "fixed"], default="poisson")
     p.add_argument(
-        "--prompt", default="uniform:4096-8192", help="fixed:N | uniform:A-B | chat:M[:A-B]"
+        "--prompt",
+        default="uniform:4096-8192",
+        help="fixed:N | uniform:A-B | chat:M[:A-B] | multiturn:CONVERSATIONS:TURNS (each turn "
+        "the conversation so far plus a question, sent when the previous answer is complete)",
     )
     p.add_argument(
-        "--output", default="uniform:1024-2048", help="fixed:N | uniform:A-B | chat:M[:A-B]"
+        "--output",
+        default="uniform:1024-2048",
+        help="fixed:N | uniform:A-B | chat:M[:A-B] (multiturn: the answers)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--system-tokens", type=int, default=None, help="multiturn: shared system prompt (256)"
+    )
+    p.add_argument(
+        "--question-tokens", default=None, help="multiturn: question lengths, N or A-B (32-64)"
+    )
+    p.add_argument(
+        "--think-time", type=float, default=None, help="multiturn: seconds between turns (0)"
+    )
+    p.add_argument(
+        "--prefix-hit",
+        type=float,
+        default=0.0,
+        help="share of each prompt every instance finds in its prefix cache (whole pages)",
+    )
+    p.add_argument(
+        "--no-prefix-caching", action="store_true", help="instances cache no prompt prefixes"
+    )
+    p.add_argument(
+        "--routing",
+        choices=["least_outstanding", "kv_aware"],
+        default="least_outstanding",
+        help="the router's policy (kv_aware: the decoder holding most of the prompt)",
+    )
+    p.add_argument("--spec-k", type=int, default=None, help="speculative decoding: drafts per step")
+    p.add_argument(
+        "--spec-acceptance",
+        default=None,
+        metavar="A0,A1,...",
+        help="speculative decoding: per draft position, the chance it is kept given the ones "
+        "before it were (DeepSeek reports 0.85-0.9 for R1's first MTP draft)",
+    )
+    p.add_argument(
+        "--spec-profile",
+        default=None,
+        metavar="FILE",
+        help="speculative decoding: acceptance from a saved /metrics scrape of our workers "
+        "(needs --spec-k) or a JSON of counters or acceptance",
+    )
+    p.add_argument(
+        "--spec-method",
+        choices=["mtp", "ngram"],
+        default="mtp",
+        help="drafts from the model's MTP module (priced) or n-gram lookup (free)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--ttft-slo", type=float, default=2.0, help="seconds")
@@ -171,15 +251,35 @@ def _refuse(command: str, error: Exception) -> int:
     return 2
 
 
-def _inputs(args: argparse.Namespace) -> tuple[Workload, SLO, EngineLimits]:
+def _inputs(
+    args: argparse.Namespace,
+) -> tuple[Arrivals, SLO, EngineLimits, ServingOptions]:
+    from orchestrator.sim.cli_inputs import arrivals_from_args, options_from_args
     from orchestrator.sim.instances import EngineLimits
     from orchestrator.sim.metrics import SLO, check_warmup
-    from orchestrator.sim.workload import Workload
 
     check_warmup(args.warmup)
-    workload = Workload.from_args(args)
+    workload = arrivals_from_args(args)
+    options = options_from_args(args)
     limits = EngineLimits(args.max_num_seqs, args.max_num_batched_tokens)
-    return workload, SLO(args.ttft_slo, args.tpot_slo, args.max_itl_slo), limits
+    return workload, SLO(args.ttft_slo, args.tpot_slo, args.max_itl_slo), limits, options
+
+
+def _workload_text(workload: Arrivals, args: argparse.Namespace) -> str:
+    from orchestrator.sim.conversations import MultiTurnWorkload
+
+    if isinstance(workload, MultiTurnWorkload):
+        return (
+            f"{workload.num_conversations} conversations x {workload.turns} turns, "
+            f"{workload.arrival} {workload.rate}/s, system {workload.system_tokens} tokens, "
+            f"questions {workload.question.low}-{workload.question.high}, answers {args.output}, "
+            f"think {workload.think_time_s}s, seed {workload.seed}"
+        )
+    hit = f", prefix hit {args.prefix_hit:g}" if args.prefix_hit else ""
+    return (
+        f"{workload.num_requests} requests, {args.arrival} {workload.rate}/s, "
+        f"prompt {args.prompt}, output {args.output}{hit}, seed {workload.seed}"
+    )
 
 
 def _slo_text(slo: SLO) -> str:
@@ -197,25 +297,35 @@ def _simulate(args: argparse.Namespace) -> int:
 
 def _run_simulate(args: argparse.Namespace) -> int:
     from orchestrator.sim.cost import create_cost_model
-    from orchestrator.sim.metrics import summarize
+    from orchestrator.sim.metrics import prompt_work, summarize
     from orchestrator.sim.simulator import simulate
+    from orchestrator.sim.workload import Workload
     from workers.log import echo, progress
 
     cost = create_cost_model(args.cost)
-    workload, slo, limits = _inputs(args)
+    workload, slo, limits, options = _inputs(args)
     layouts = [parse_layout(text) for text in args.layout]
     print(f"cost model: {cost.name}")
-    print(
-        f"workload: {workload.num_requests} requests, {workload.arrival} {workload.rate}/s, "
-        f"prompt {args.prompt}, output {args.output}, seed {workload.seed}; "
-        f"SLO {_slo_text(slo)}"
-    )
+    print(f"workload: {_workload_text(workload, args)}; SLO {_slo_text(slo)}")
+    print(f"serving: {options.label()}")
+    shares_prefixes = not isinstance(workload, Workload) or workload.prefix_hit > 0
     for layout in progress(layouts, desc="simulating", unit="layout"):
-        result = simulate(cost, layout, workload, limits)
+        result = simulate(cost, layout, workload, limits, options)
         summary = summarize(result, slo, args.warmup)
-        per_node = workload.rate / (layout.num_mixed or layout.num_decode)
+        # Arrivals per second (a multi-turn run's turns come as fast as they are answered).
+        rate = workload.rate if isinstance(workload, Workload) else summary_rate(result)
+        per_node = rate / (layout.num_mixed or layout.num_decode)
         echo(f"{layout.label:<20} {per_node:5.2f} req/s per decoding instance | {summary.row()}")
+        if shares_prefixes:  # what prefix caching saved (or would have)
+            echo(f"{'':<20} {prompt_work(result, args.warmup).row()}")
     return 0
+
+
+def summary_rate(result: SimResult) -> float:
+    """Requests arrived per second over the run."""
+    times = [r.arrival_time for r in result.records]
+    span = max(times) - min(times)
+    return (len(times) - 1) / span if span > 0 else 0.0
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -229,9 +339,10 @@ def _run_plan(args: argparse.Namespace) -> int:
     from orchestrator.sim.cost import create_cost_model
     from orchestrator.sim.emit import check_helm_options, check_options
     from orchestrator.sim.planner import PlanSpec, format_table, plan
+    from orchestrator.sim.workload import Workload
 
     cost = create_cost_model(args.cost)
-    workload, slo, limits = _inputs(args)
+    workload, slo, limits, options = _inputs(args)
     try:
         tp_choices = tuple(int(tp) for tp in args.tp.split(","))
     except ValueError:
@@ -246,6 +357,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         limits=limits,
         warmup=args.warmup,
         min_duration_s=args.min_duration,
+        options=options,
     )
     try:  # before a search of minutes: what no emitted config could carry
         check_options(limits, model_path=args.model_path, provider=args.provider)
@@ -258,18 +370,30 @@ def _run_plan(args: argparse.Namespace) -> int:
             raise ValueError(f"--emit-helm: {error}") from None
     candidates = plan(cost, spec)
     print(f"cost model: {cost.name}; {len(candidates)} layouts within {args.gpus} GPUs")
-    print(
-        f"goodput: req/s with >= {spec.attainment:.0%} meeting TTFT <= {slo.ttft_s}s and TPOT <= {slo.tpot_s * 1e3:.0f}ms"
-    )
+    print(f"serving: {options.label()}")
+    unit = "req/s" if isinstance(workload, Workload) else "conversations started per second"
+    print(f"goodput: {unit} with >= {spec.attainment:.0%} meeting {_slo_text(slo)}")
     print(format_table(candidates, args.top))
     if not candidates or candidates[0].goodput == 0:
-        print("no layout meets the SLOs; nothing emitted")
+        print("no layout meets the SLOs; nothing emitted" + (" or applied" if args.apply else ""))
         return 1
-    _emit(candidates[0].layout, limits, cost, args)
+    _emit(candidates[0].layout, limits, cost, args, options)
+    if args.apply:
+        import asyncio
+
+        from orchestrator.cli.apply_layout import apply_layout
+
+        return asyncio.run(apply_layout(candidates[0].layout, args))
     return 0
 
 
-def _emit(best: Layout, limits: EngineLimits, cost: CostModel, args: argparse.Namespace) -> None:
+def _emit(
+    best: Layout,
+    limits: EngineLimits,
+    cost: CostModel,
+    args: argparse.Namespace,
+    options: ServingOptions,
+) -> None:
     """Print the best layout's cluster config and Helm values, and write them when asked:
     only once the orchestrator's loader accepts the config (a ConfigError otherwise)."""
     import yaml
@@ -278,7 +402,7 @@ def _emit(best: Layout, limits: EngineLimits, cost: CostModel, args: argparse.Na
 
     try:
         config = checked_cluster_config(
-            best, limits, cost, model_path=args.model_path, provider=args.provider
+            best, limits, cost, model_path=args.model_path, provider=args.provider, options=options
         )
     except ValueError as error:
         raise ValueError(f"the cluster config of {best.label} would be refused: {error}") from None
@@ -290,7 +414,12 @@ def _emit(best: Layout, limits: EngineLimits, cost: CostModel, args: argparse.Na
             yaml.safe_dump(config, out, sort_keys=False)
     try:  # with --emit-helm, checked before the search
         values = helm_values(
-            best, limits, cost=cost, model_path=args.model_path, provider=args.provider
+            best,
+            limits,
+            cost=cost,
+            model_path=args.model_path,
+            provider=args.provider,
+            options=options,
         )
     except ValueError as error:
         print(f"(no Helm values: {error})")
@@ -300,6 +429,8 @@ def _emit(best: Layout, limits: EngineLimits, cost: CostModel, args: argparse.Na
     else:
         print("--- Helm values ---")
         print(yaml.safe_dump(values, sort_keys=False), end="")
+        if options.speculative is not None:
+            print("(the chart's worker groups carry no speculative section: the plan's drafts)")
         if args.emit_helm:
             with open(args.emit_helm, "w") as out:
                 yaml.safe_dump(values, out, sort_keys=False)
@@ -344,6 +475,7 @@ def _calibrate(args: argparse.Namespace) -> int:
             decode_batches=batches,
             decode_contexts=contexts,
             mixed_batches=mixed,
+            preset=args.preset,
         )
         if args.from_trace:
             from orchestrator.sim.trace_fit import calibration_from_traces
@@ -354,6 +486,7 @@ def _calibrate(args: argparse.Namespace) -> int:
                     ("--fabric", args.fabric),
                     ("--concurrent", args.concurrent != 1),
                     ("--background", args.background is not None),
+                    ("--preset", args.preset != "small"),
                 )
                 if given
             ]
@@ -375,6 +508,7 @@ def _calibrate(args: argparse.Namespace) -> int:
             mixed_batches=mixed,
             prefill_context=args.prefill_context,
             background=background,
+            preset=args.preset,
         )
         model = fit(data)
     if result is not None:

@@ -1,7 +1,8 @@
 """Step-time cost models: the contract the simulator prices engine steps and KV transfers with.
 
 A model prices one engine step of one instance (a TP group) from its `StepShape`: prefill
-tokens (chunks of prompts) and decode sequences in the same forward pass. Prefill-only and
+tokens (chunks of prompts) and decode sequences in the same forward pass, with speculative
+decoding the drafts they verify and the MTP module's passes that propose them. Prefill-only and
 decode-only steps are the special cases `prefill_seconds` / `decode_seconds`; a mixed step
 pays for both in one pass, which is exactly how a prefill chunk stalls a decode batch.
 

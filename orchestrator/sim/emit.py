@@ -11,6 +11,12 @@ Every layout runs on the GPUs it reserves (``device: cuda``, one GPU per rank).
 KV pools: given the cost model the plan priced, each group gets the pool the simulation
 assumed, ``num_pages`` per rank (`kv_num_pages`); without one the engine would fall back to
 its small default pool (`workers.engine.config.DEFAULT_KV_MEMORY_BYTES`).
+
+Serving options (`options.ServingOptions`): the routing policy goes to both; speculative
+decoding (the decode or mixed group's ``speculative``) and prefix caching turned off
+(``limits.enable_prefix_caching: false``) to the cluster config only: the chart's worker
+groups carry neither. A group that drafts runs without prefix caching (the engine does not
+combine them yet), whatever the plan assumed.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from orchestrator.config.cluster import ClusterConfig, ConfigError
 from orchestrator.config.sections import FABRIC_PROVIDER_ALIASES
 from orchestrator.sim.cost import CostModel
 from orchestrator.sim.instances import EngineLimits
+from orchestrator.sim.options import ServingOptions
 from orchestrator.sim.simulator import Layout
 
 PAGE_SIZE = 16  # tokens per KV page of the emitted configs
@@ -65,9 +72,12 @@ def cluster_config(
     model_path: str = "/models/model",
     provider: str = "verbs;ofi_rxm",
     dtype: str = "auto",
+    options: ServingOptions | None = None,
 ) -> dict[str, Any]:
     """``cost``: the model the plan priced, whose KV capacity becomes each group's pool; None
-    emits no pool (only for checking options: the engine's default pool is not the plan's)."""
+    emits no pool (only for checking options: the engine's default pool is not the plan's).
+    ``options``: the serving options the plan assumed (see the module docstring)."""
+    options = options or ServingOptions()
 
     def pages(tp: int) -> int | None:
         return None if cost is None else kv_num_pages(cost, tp, limits)
@@ -83,27 +93,39 @@ def cluster_config(
                 layout.num_decode, layout.tp_decode, provider, pages(layout.tp_decode)
             ),
         }
+    spec = options.speculative
+    if spec is not None:
+        drafting = groups["mixed" if layout.is_mixed else "decode"]
+        drafting["speculative"] = {"method": spec.method, "num_speculative_tokens": spec.k}
+    config_limits: dict[str, Any] = {
+        "max_num_seqs": limits.max_num_seqs,
+        "max_num_batched_tokens": limits.max_num_batched_tokens,
+        "enable_chunked_prefill": True,
+    }
+    if not options.prefix_caching:
+        config_limits["enable_prefix_caching"] = False
     return {
         "model": model_path,
         "dtype": dtype,
         "device": "cuda",
         "page_size": PAGE_SIZE,
-        "limits": {
-            "max_num_seqs": limits.max_num_seqs,
-            "max_num_batched_tokens": limits.max_num_batched_tokens,
-            "enable_chunked_prefill": True,
-        },
+        "limits": config_limits,
         "groups": groups,
-        "router": {"policy": "least_outstanding"},
+        "router": {"policy": options.routing},
     }
 
 
 def checked_cluster_config(
-    layout: Layout, limits: EngineLimits, cost: CostModel | None = None, **options: str
+    layout: Layout,
+    limits: EngineLimits,
+    cost: CostModel | None = None,
+    *,
+    options: ServingOptions | None = None,
+    **strings: str,
 ) -> dict[str, Any]:
     """`cluster_config` (same options), loaded as the orchestrator loads it; `ConfigError` (a
     ValueError) when the loader would refuse it."""
-    config = cluster_config(layout, limits, cost=cost, **options)
+    config = cluster_config(layout, limits, cost=cost, options=options, **strings)
     ClusterConfig.from_dict(config)
     return config
 
@@ -139,9 +161,11 @@ def helm_values(
     cost: CostModel | None = None,
     model_path: str = "/models/model",
     provider: str = "verbs;ofi_rxm",
+    options: ServingOptions | None = None,
 ) -> dict[str, Any] | None:
     """Overrides of `helm/pdserve/values.yaml`; None for a mixed layout (the chart deploys
-    prefill and decode groups only). ``cost`` as in `cluster_config`; ConfigError as in
+    prefill and decode groups only). ``cost`` and ``options`` as in `cluster_config` (of the
+    options, the chart carries the routing policy); ConfigError as in
     `check_helm_options`."""
     if layout.is_mixed:
         return None
@@ -178,5 +202,6 @@ def helm_values(
                 "max_num_batched_tokens": limits.max_num_batched_tokens,
                 "enable_chunked_prefill": True,
             },
+            "router": {"policy": (options or ServingOptions()).routing},
         },
     }

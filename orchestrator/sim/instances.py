@@ -10,7 +10,11 @@ Life cycle of a request (keyed by ``request_id``):
   the step that finishes the prompt yields the first token) -> running.
 
 Admission to a running set needs a free sequence slot and KV room for the whole request
-(prompt + output): the simulator reserves up front instead of modelling preemption.
+(prompt + output): the simulator reserves up front instead of modelling preemption. With
+prefix caching (`caching`) a prefill (or mixed) instance starts a prompt after the tokens it
+finds cached, and a decoder is pushed only the prompt pages it does not hold; cached pages
+live in the KV the reservations leave free. With speculative decoding (`options`) a running
+set is a `spec_batch.SpecDecodeSet`: sequences verify drafts and emit one or more tokens.
 Instances are driven by `simulator.Simulator`: `start_step` plans a step and returns its
 duration (None when idle; priced with ``busy_others``, the other instances in a step at that
 moment, which the simulator sets), `finish_step` applies it at its end time.
@@ -18,13 +22,33 @@ moment, which the simulator sets), `finish_step` applies it at its end time.
 
 from __future__ import annotations
 
-import heapq
 from collections import deque
 from dataclasses import dataclass
 
+from orchestrator.sim.batch import (
+    DecodeBatch,
+    DecodeSet,
+    DecodeWork,
+    SimRequest,
+    request_tokens,
+)
+from orchestrator.sim.caching import PrefixCache
 from orchestrator.sim.cost import CostModel, StepShape
 from orchestrator.sim.noise import NO_NOISE
-from orchestrator.sim.workload import RequestSpec
+from orchestrator.sim.options import ServingOptions
+from orchestrator.sim.spec_batch import SpecDecodeSet
+
+__all__ = [
+    "DecodeInstance",
+    "DecodeSet",
+    "EngineLimits",
+    "InstanceBase",
+    "PrefillInstance",
+    "SimRequest",
+    "chunk_tokens",
+    "decode_shape",
+    "request_tokens",
+]
 
 
 @dataclass(frozen=True)
@@ -63,81 +87,35 @@ def chunk_tokens(done: int, left: int, budget: int, page_size: int) -> int:
     return max((done + budget) // page_size * page_size - done, 0)
 
 
-class SimRequest:
-    """Mutable state of one request inside a run (the simulator's, never shared)."""
-
-    __slots__ = (
-        "decode_index",
-        "finish_time",
-        "first_token_step",
-        "first_token_time",
-        "kv_ready_time",
-        "last_step",
-        "num_prefilled",
-        "prefill_end_time",
-        "prefill_seconds",
-        "prefill_start_time",
-        "spec",
+def decode_shape(
+    work: DecodeWork, prefill_tokens: int = 0, prefill_attention: int = 0
+) -> StepShape:
+    """A step's shape: its prefill chunks and its decode work."""
+    return StepShape(
+        prefill_tokens,
+        prefill_attention,
+        work.num_seqs,
+        work.num_kv_tokens,
+        work.num_draft_tokens,
+        work.num_draft_attention,
+        work.num_mtp_tokens,
+        work.num_mtp_passes,
     )
-
-    def __init__(self, spec: RequestSpec) -> None:
-        self.spec = spec
-        self.decode_index = -1
-        self.num_prefilled = 0
-        self.prefill_seconds = 0.0  # compute time of the passes that ran its chunks
-        self.prefill_start_time: float | None = None
-        self.prefill_end_time: float | None = None
-        self.kv_ready_time: float | None = None
-        self.first_token_time: float | None = None
-        self.finish_time: float | None = None
-        # Step indices (of its decode / mixed instance) of its first and last output token.
-        self.first_token_step = -1
-        self.last_step = -1
-
-
-class DecodeSet:
-    """Sequences decoding one token per step, in O(log n) per join / finish.
-
-    A sequence joined at step j with base context c reads c + (s - j) KV tokens at step s, so
-    the set's total is sum(c) + n * s - sum(j), kept as two running sums.
-    """
-
-    def __init__(self) -> None:
-        self._last_steps: list[tuple[int, int, SimRequest]] = []  # (last step, id, request)
-        self._sum_base = 0
-        self._sum_join = 0
-
-    def __len__(self) -> int:
-        return len(self._last_steps)
-
-    def join(self, request: SimRequest, step: int, base_context: int, num_tokens: int) -> None:
-        heapq.heappush(self._last_steps, (step + num_tokens - 1, request.spec.request_id, request))
-        self._sum_base += base_context
-        self._sum_join += step
-
-    def kv_tokens(self, step: int) -> int:
-        return self._sum_base + len(self._last_steps) * step - self._sum_join
-
-    def pop_finished(self, step: int, base_of: dict[int, tuple[int, int]]) -> list[SimRequest]:
-        done = []
-        while self._last_steps and self._last_steps[0][0] == step:
-            _, request_id, request = heapq.heappop(self._last_steps)
-            base, join = base_of.pop(request_id)
-            self._sum_base -= base
-            self._sum_join -= join
-            done.append(request)
-        return done
-
-
-def request_tokens(request: SimRequest) -> int:
-    return request.spec.num_prompt_tokens + request.spec.num_output_tokens
 
 
 class InstanceBase:
     role = ""  # the worker role it stands for: what a cost model fitted per role prices
 
-    def __init__(self, cost: CostModel, tp: int, limits: EngineLimits) -> None:
+    def __init__(
+        self,
+        cost: CostModel,
+        tp: int,
+        limits: EngineLimits,
+        options: ServingOptions | None = None,
+    ) -> None:
         self.cost, self.tp, self.limits = cost, tp, limits
+        self.options = options or ServingOptions()
+        self.cache = PrefixCache(limits.page_size, self.options.prefix_caching)
         self.noise = NO_NOISE  # the simulation's (`noise`), set by the simulator
         self.is_busy = False
         self.num_outstanding = 0  # requests routed here and not finished (router's load)
@@ -149,6 +127,17 @@ class InstanceBase:
         )
         self.num_reserved_tokens = 0  # KV of admitted requests, prompt + output
         self.busy_others = 0  # other instances in a step when this one starts one (simulator)
+
+    def _new_decode_batch(self) -> DecodeBatch:
+        spec = self.options.speculative
+        if spec is None:
+            return DecodeSet()
+        return SpecDecodeSet(spec, self.options.seed, self.options.mtp)
+
+    @property
+    def free_tokens(self) -> int:
+        """KV tokens no admitted request holds: where cached pages live."""
+        return self.capacity - self.num_reserved_tokens
 
     def _price(self, shape: StepShape) -> float:
         seconds = self.cost.step_seconds(shape, self.tp, self.busy_others, self.role)
@@ -164,15 +153,29 @@ class InstanceBase:
 class PrefillInstance(InstanceBase):
     role = "prefill"
 
-    def __init__(self, cost: CostModel, tp: int, limits: EngineLimits) -> None:
-        super().__init__(cost, tp, limits)
+    def __init__(
+        self,
+        cost: CostModel,
+        tp: int,
+        limits: EngineLimits,
+        options: ServingOptions | None = None,
+    ) -> None:
+        super().__init__(cost, tp, limits, options)
         self.queue: deque[SimRequest] = deque()
-        self.num_queued_tokens = 0
+        self.num_queued_tokens = 0  # prompt tokens to compute (cached ones left out)
         self._chunks: list[tuple[SimRequest, int]] = []
 
+    def cached_tokens(self, request: SimRequest) -> int:
+        """Of the prompt's KV (all but its last token), the tokens found cached here: the
+        last prefilled token is always computed (its hidden state is the context write)."""
+        return self.cache.hit(request.spec, request.spec.num_prompt_tokens - 2)
+
     def add(self, request: SimRequest) -> None:
+        cached = self.cached_tokens(request)
+        self.cache.take(request.spec)
+        request.num_prefilled = request.num_cached_tokens = cached
         self.queue.append(request)
-        self.num_queued_tokens += request.spec.num_prompt_tokens - 1
+        self.num_queued_tokens += request.spec.num_prompt_tokens - 1 - cached
 
     def start_step(self, now: float) -> float | None:
         budget, tokens, attention = self.limits.max_num_batched_tokens, 0, 0
@@ -193,7 +196,10 @@ class PrefillInstance(InstanceBase):
                 request.prefill_start_time = now
         if not tokens:
             return None
-        duration = self._price(StepShape(tokens, attention))
+        # Drafting with MTP, the decoders need the module's KV of the prompt: the prefill
+        # runs the module over its tokens in the same pass (`workers.engine.mtp_drafter`).
+        mtp = (tokens, 1) if self.options.mtp else (0, 0)
+        duration = self._price(StepShape(tokens, attention, 0, 0, 0, 0, *mtp))
         self.is_busy, self.busy_seconds = True, self.busy_seconds + duration
         return duration
 
@@ -209,6 +215,9 @@ class PrefillInstance(InstanceBase):
                 done.append(request)
         for request in done:
             self.queue.remove(request)
+            # Its pages go back to the pool once pushed, still named: cached.
+            room = self.capacity - self.num_queued_tokens
+            self.cache.keep(request.spec, request.spec.num_prompt_tokens - 1, room)
         self.is_busy, self._chunks = False, []
         return done
 
@@ -216,12 +225,17 @@ class PrefillInstance(InstanceBase):
 class DecodeInstance(InstanceBase):
     role = "decode"
 
-    def __init__(self, cost: CostModel, tp: int, limits: EngineLimits) -> None:
-        super().__init__(cost, tp, limits)
+    def __init__(
+        self,
+        cost: CostModel,
+        tp: int,
+        limits: EngineLimits,
+        options: ServingOptions | None = None,
+    ) -> None:
+        super().__init__(cost, tp, limits, options)
         self.waiting: deque[SimRequest] = deque()
-        self.running = DecodeSet()
+        self.running = self._new_decode_batch()
         self.step = 0
-        self._base_of: dict[int, tuple[int, int]] = {}
         self._joined: list[SimRequest] = []
         # ITL samples: per step, (duration, sequences that had emitted a token before it).
         self.itl_steps: list[tuple[float, int]] = []
@@ -231,17 +245,15 @@ class DecodeInstance(InstanceBase):
         while self.waiting and self._admits(self.waiting[0], len(self.running)):
             request = self.waiting.popleft()
             self.num_reserved_tokens += request_tokens(request)
+            self.cache.fit(self.free_tokens)
             # The first step runs the last prompt token over the other prompt tokens' KV.
             base = request.spec.num_prompt_tokens - 1
-            self._base_of[request.spec.request_id] = (base, self.step)
             self.running.join(request, self.step, base, request.spec.num_output_tokens)
             self._joined.append(request)
         if not len(self.running):
             return None
-        # Each sequence also attends to the token it feeds in this step.
-        kv = self.running.kv_tokens(self.step) + len(self.running)
-        shape = StepShape(num_decode_seqs=len(self.running), num_decode_kv_tokens=kv)
-        duration = self._price(shape)
+        work = self.running.plan(self.step, self.limits.max_num_batched_tokens)
+        duration = self._price(decode_shape(work))
         self.itl_steps.append((duration, len(self.running) - len(self._joined)))
         self.is_busy, self.busy_seconds = True, self.busy_seconds + duration
         return duration
@@ -250,10 +262,12 @@ class DecodeInstance(InstanceBase):
         """Requests that finished with this step."""
         for request in self._joined:
             request.first_token_time, request.first_token_step = now, self.step
-        done = self.running.pop_finished(self.step, self._base_of)
+        done = self.running.finish(self.step)
         for request in done:
             request.finish_time, request.last_step = now, self.step
             self.num_reserved_tokens -= request_tokens(request)
+            # The prompt and every answer token but the last have KV: they stay cached.
+            self.cache.keep(request.spec, request_tokens(request) - 1, self.free_tokens)
         self.step += 1
         self.is_busy = False
         return done

@@ -1,4 +1,5 @@
-"""Summaries of a simulation: latency percentiles, per-request decode speed, SLO attainment."""
+"""Summaries of a simulation: latency percentiles, per-request decode speed, SLO attainment,
+and the prompt work prefix caching saved."""
 
 from __future__ import annotations
 
@@ -96,6 +97,37 @@ def summarize(result: SimResult, slo: SLO | None = None, warmup: float = 0.0) ->
         tokens_per_s_per_request=float(speed.mean()),
         output_tokens_per_s=sum(r.num_output_tokens for r in records) / span if span > 0 else 0.0,
         slo_attainment=met / len(records),
+    )
+
+
+@dataclass(frozen=True)
+class PromptWork:
+    """What prefix caching saved over the measured requests: prompt tokens sent, those found
+    cached (not computed), and the bytes of KV pushed to decoders."""
+
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    transferred_bytes: int
+
+    @property
+    def computed_share(self) -> float:
+        if not self.num_prompt_tokens:
+            return 0.0
+        return 1.0 - self.num_cached_tokens / self.num_prompt_tokens
+
+    def row(self) -> str:
+        return (
+            f"prompt tokens computed {self.computed_share:.0%} of {self.num_prompt_tokens} sent; "
+            f"KV pushed {self.transferred_bytes / 2**20:.1f} MiB"
+        )
+
+
+def prompt_work(result: SimResult, warmup: float = 0.0) -> PromptWork:
+    records = measured(result.records, warmup)
+    return PromptWork(
+        sum(r.num_prompt_tokens for r in records),
+        sum(r.num_cached_tokens for r in records),
+        sum(r.transferred_bytes for r in records),
     )
 
 

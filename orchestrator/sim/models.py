@@ -24,6 +24,11 @@ class ModelSpec:
         over heads (QK^T plus PV, 2 FLOPs per multiply-add).
     MoE: ``num_moe_layers`` layers of ``num_experts`` routed experts of ``expert_params``
         each, ``experts_per_token`` active; everything else counts as dense.
+    num_mtp_modules: multi-token-prediction modules the checkpoint ships (DeepSeek-V3: one):
+        each is one decoder layer like the model's MoE layers, a projection of the hidden
+        state and the token embedding (2 h x h) and the output head (``vocab_size`` x h), the
+        draft proposer of speculative decoding's ``mtp`` method. ``vocab_size``: only the
+        head of such a module needs it (0: not given).
     """
 
     name: str
@@ -45,6 +50,8 @@ class ModelSpec:
     num_experts: int = 0
     experts_per_token: int = 0
     expert_params: float = 0.0
+    num_mtp_modules: int = 0
+    vocab_size: int = 0
 
     def __post_init__(self) -> None:
         if self.active_params > self.total_params or self.active_params <= 0:
@@ -53,6 +60,8 @@ class ModelSpec:
             raise ValueError(f"{self.name}: experts_per_token out of range")
         if self.dense_params < 0:
             raise ValueError(f"{self.name}: routed experts exceed total_params")
+        if self.num_mtp_modules and self.vocab_size < 1:
+            raise ValueError(f"{self.name}: an MTP module's output head needs vocab_size")
 
     @property
     def routed_params(self) -> float:
@@ -67,7 +76,35 @@ class ModelSpec:
     def kv_bytes_per_token(self) -> float:
         return self.num_layers * self.kv_dim_per_token_layer * self.kv_bytes_per_element
 
-    def expert_fraction_read(self, num_tokens: int) -> float:
+    @property
+    def layer_dense_params(self) -> float:
+        """One layer's share of the dense parameters, embedding and output head left out."""
+        return max(0.0, self.dense_params - 2.0 * self.vocab_size * self.hidden_size) / (
+            self.num_layers
+        )
+
+    @property
+    def mtp_dense_params(self) -> float:
+        """Parameters an MTP pass reads whatever it routes to: its layer's dense share, the
+        2h x h projection and the output head (the embedding is a lookup, not a read)."""
+        h = self.hidden_size
+        return self.layer_dense_params + 2.0 * h * h + self.vocab_size * h
+
+    @property
+    def mtp_active_params(self) -> float:
+        """Parameters an MTP pass multiplies each position by: the dense part and the routed
+        experts that position selects."""
+        return self.mtp_dense_params + self.experts_per_token * self.expert_params
+
+    def mtp_routed_params_read(self, num_tokens: float) -> float:
+        """Routed expert parameters of the MTP module's one MoE layer a pass of ``num_tokens``
+        positions touches (uniform routing, as `expert_fraction_read`)."""
+        if not self.num_moe_layers:
+            return 0.0
+        per_layer = self.routed_params / self.num_moe_layers
+        return per_layer * self.expert_fraction_read(num_tokens)
+
+    def expert_fraction_read(self, num_tokens: float) -> float:
         """Expected fraction of routed experts a step of ``num_tokens`` touches, if routing
         were uniform: 1 - (1 - k/E)^tokens. Small decode batches read few experts."""
         if not self.num_experts:
@@ -118,7 +155,8 @@ MODELS: dict[str, ModelSpec] = {
     # deepseek-ai/DeepSeek-R1 (V3 architecture) model card / config.json: 671B total, 37B
     # active, 61 layers (first 3 dense), hidden 7168, 128 heads, MLA with kv_lora_rank 512 +
     # qk_rope_head_dim 64 cached per token and layer, q/k head dim 128+64, v head dim 128;
-    # 256 routed experts of moe_intermediate 2048 (8 active) + 1 shared; weights FP8 as released.
+    # 256 routed experts of moe_intermediate 2048 (8 active) + 1 shared; weights FP8 as released;
+    # vocab_size 129280 and num_nextn_predict_layers 1 (one MTP module).
     # Prefill attention runs per head with the decompressed K/V: (192 + 128) per position.
     "deepseek-r1": ModelSpec(
         name="DeepSeek-R1-like (MLA MoE)",
@@ -137,5 +175,7 @@ MODELS: dict[str, ModelSpec] = {
         num_experts=256,
         experts_per_token=8,
         expert_params=_swiglu(7168, 2048),
+        num_mtp_modules=1,
+        vocab_size=129280,
     ),
 }

@@ -11,14 +11,15 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from orchestrator.config.cluster import MAX_GROUP_RATIO
 from orchestrator.sim.cost import CostModel
 from orchestrator.sim.instances import EngineLimits
 from orchestrator.sim.metrics import SLO, Summary, summarize
+from orchestrator.sim.options import ServingOptions
 from orchestrator.sim.simulator import Layout, UnservableError, simulate
-from orchestrator.sim.workload import Workload
+from orchestrator.sim.workload import Arrivals
 from workers.log import progress
 
 logger = logging.getLogger(__name__)
@@ -26,9 +27,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PlanSpec:
-    """What to plan for. ``workload.rate`` is only the search's starting rate."""
+    """What to plan for. ``workload.rate`` is only the search's starting rate (multi-turn:
+    conversations started per second). ``options``: the engine and router settings every
+    layout is simulated with (speculative decoding, prefix caching, routing)."""
 
-    workload: Workload
+    workload: Arrivals
     slo: SLO
     gpu_budget: int
     tp_choices: tuple[int, ...] = (1, 2, 4, 8)
@@ -40,6 +43,7 @@ class PlanSpec:
     # Each run lasts at least this long (more requests at higher rates): a run shorter than
     # a request's life never reaches steady state and flatters the layout.
     min_duration_s: float = 30.0
+    options: ServingOptions = field(default_factory=ServingOptions)
 
     def __post_init__(self) -> None:
         if self.gpu_budget < 1:
@@ -85,10 +89,9 @@ def layouts(cost: CostModel, spec: PlanSpec) -> Iterator[Layout]:
 
 def evaluate(cost: CostModel, layout: Layout, spec: PlanSpec, rate: float) -> Summary | None:
     """Summary at ``rate``; None when the layout cannot hold a request of the workload."""
-    num_requests = max(spec.workload.num_requests, math.ceil(rate * spec.min_duration_s))
-    workload = replace(spec.workload, rate=rate, num_requests=num_requests)
+    workload = spec.workload.at_rate(rate, spec.min_duration_s)
     try:
-        result = simulate(cost, layout, workload, spec.limits)
+        result = simulate(cost, layout, workload, spec.limits, spec.options)
     except UnservableError:
         return None
     return summarize(result, spec.slo, spec.warmup)

@@ -8,6 +8,13 @@ proportion to the experts the step's tokens select) plus the KV the decode seque
 Weights and attention heads split evenly over ranks; the KV splits with the KV heads (GQA) or
 is replicated on every rank (MLA, or GQA with more ranks than KV heads).
 
+Speculative decoding: a sequence's drafts are more rows of the same pass (more tokens through
+the linear layers, hence more experts touched) whose attention reads the context its newest
+token reads, once: they add attention FLOPs, not KV bytes. The MTP module's passes
+(`StepShape.num_mtp_passes`) are priced as one more layer each, run after the step: the
+module's dense part, projection and head plus the routed experts its positions select, one
+layer's share of the step's attention and two all-reduces.
+
 Achieved rates are explicit parameters (`Efficiency`), not hidden in the presets: the model
 is only as good as they are, and a calibrated model should replace it when one exists.
 """
@@ -85,14 +92,20 @@ class RooflineCostModel:
         ) * m.weight_bytes
         linear = max(2.0 * m.active_params * tokens / flop_rate, weights / tp / byte_rate)
         prefill_attention = m.num_layers * m.attn_flops_per_position * shape.num_prefill_attention
-        # Decode reads every context; prefill writes its own tokens' KV.
-        kv = m.kv_bytes_per_token * (shape.num_decode_kv_tokens + shape.num_prefill_tokens)
+        # Decode reads every context (a sequence's drafts read it with its newest token, in
+        # the same kernel); prefill and drafts write their own tokens' KV.
+        written = shape.num_prefill_tokens + shape.num_draft_tokens
+        kv = m.kv_bytes_per_token * (shape.num_decode_kv_tokens + written)
         decode_flops = m.decode_attn_flops_per_position or m.attn_flops_per_position
-        decode_attention = m.num_layers * decode_flops * shape.num_decode_kv_tokens
+        decode_positions = shape.num_decode_kv_tokens + shape.num_draft_attention
+        decode_attention = m.num_layers * decode_flops * decode_positions
         attention = max(
             (prefill_attention + decode_attention) / flop_rate, kv * self._kv_share(tp) / byte_rate
         )
-        return linear + attention + self._allreduce_seconds(tokens, tp) + eff.step_overhead_s
+        layers = m.num_layers
+        mtp = self._mtp_seconds(shape, tp, attention / layers) if shape.num_mtp_passes else 0.0
+        allreduce = self._allreduce_seconds(tokens, tp, layers)
+        return linear + attention + allreduce + mtp + eff.step_overhead_s
 
     def step_noise(self) -> dict[tuple[str, str], Spread]:
         return {}  # a model of hardware, not a measurement: no spread
@@ -132,7 +145,25 @@ class RooflineCostModel:
             return 1.0
         return max(1.0 / tp, 1.0 / self.model.num_kv_heads)
 
-    def _allreduce_seconds(self, tokens: int, tp: int) -> float:
+    def _mtp_seconds(self, shape: StepShape, tp: int, layer_attention: float) -> float:
+        """The MTP module's passes of a step: each one layer over its share of the positions
+        (``layer_attention``: one layer's share of the step's attention time)."""
+        m, eff = self.model, self.efficiency
+        if not m.num_mtp_modules:
+            raise ValueError(f"{m.name} has no MTP module to draft with (use n-gram drafts)")
+        passes, positions = shape.num_mtp_passes, shape.num_mtp_tokens
+        flop_rate = self.gpu.peak_flops * eff.mfu * tp
+        byte_rate = self.gpu.hbm_bandwidth * eff.bandwidth
+        # Every pass reads the module's weights again; the experts touched are those of the
+        # positions of one pass (an even split of the step's positions over its passes).
+        per_pass = m.mtp_dense_params + m.mtp_routed_params_read(positions / passes)
+        weights = passes * per_pass * m.weight_bytes
+        linear = max(2.0 * m.mtp_active_params * positions / flop_rate, weights / tp / byte_rate)
+        allreduce = self._allreduce_seconds(positions / passes, tp, passes)
+        return linear + passes * layer_attention + allreduce
+
+    def _allreduce_seconds(self, tokens: float, tp: int, layers: int) -> float:
+        """``layers`` layers, each over ``tokens`` tokens."""
         if tp == 1:
             return 0.0
         # Two all-reduces per layer (attention output, MLP output) of BF16 activations; ring
@@ -142,7 +173,7 @@ class RooflineCostModel:
             self.efficiency.allreduce_latency_s
             + 2 * (tp - 1) / tp * size / self.gpu.nvlink_bandwidth
         )
-        return 2 * self.model.num_layers * one
+        return 2 * layers * one
 
 
 def from_spec(args: list[str]) -> RooflineCostModel:

@@ -3,7 +3,11 @@
 Events (time-ordered; ties by insertion): an arrival, the end of an instance's step, and a
 request's KV becoming ready on its decoder. The router assigns each arrival to the decode
 instance with the fewest outstanding requests and the prefill instance with the fewest
-queued prompt tokens (mixed: the instance with the fewest outstanding requests). After every
+queued prompt tokens (mixed: the instance with the fewest outstanding requests); with
+``kv_aware`` routing (`options.ServingOptions`), to the decoder whose prefix cache holds most
+of the prompt, weighed against its load as the router weighs it, and to the prefill instance
+with the least uncached work once this prompt is added. A conversation's later turn arrives
+``think_time_s`` after its previous turn's last token (`conversations`). After every
 event the instances it touched start a step if they are idle and have work. A request reaches
 the router `CostModel.request_overhead_seconds` after it arrives (the fixed costs outside engine
 steps), so that delay is part of its TTFT and of nothing else's. A step is priced with the
@@ -11,9 +15,11 @@ number of other instances in a step when it starts (a cost model of instances th
 machine's cores charges for them; the price is fixed for the step's length).
 
 The transfer model: the KV push overlaps the prefill passes layer by layer, so a request
-waits only for `cost.exposed_transfer_seconds` after its prefill ends. Transfers do not
-contend with each other for NICs (a simplification: one request's push uses the links far
-below their capacity at the rates the planner considers).
+waits only for `cost.exposed_transfer_seconds` after its prefill ends. Only the prompt pages
+the decoder's prefix cache lacks move (none: no transfer, and a prompt the decoder holds whole
+is not prefilled at all); drafting with MTP, the module's layer moves too (one more layer of
+the same size). Transfers do not contend with each other for NICs (a simplification: one
+request's push uses the links far below their capacity at the rates the planner considers).
 """
 
 from __future__ import annotations
@@ -21,12 +27,13 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from orchestrator.sim.cost import CostModel, exposed_transfer_seconds
+from orchestrator.sim.cost import CostModel, StepShape, exposed_transfer_seconds
 from orchestrator.sim.instances import (
     DecodeInstance,
     EngineLimits,
@@ -35,7 +42,8 @@ from orchestrator.sim.instances import (
 )
 from orchestrator.sim.mixed import MixedInstance
 from orchestrator.sim.noise import StepNoise
-from orchestrator.sim.workload import RequestSpec, Workload
+from orchestrator.sim.options import ServingOptions
+from orchestrator.sim.workload import Arrivals, RequestSpec
 
 
 @dataclass(frozen=True)
@@ -90,9 +98,13 @@ class RequestRecord:
     num_prompt_tokens: int
     num_output_tokens: int
     max_itl: float = 0.0  # the longest gap between two of its tokens (a stall)
-    # Every gap between two of its tokens, in order (a view of its instance's step times):
+    # Every gap between two of its tokens, in order (its instance's step times; a step that
+    # emits several tokens gives one gap and zeros, as the load generator counts them):
     # ITL percentiles pool these over the measured requests only.
     itl_gaps: np.ndarray = field(default_factory=lambda: np.zeros(0), compare=False, repr=False)
+    num_cached_tokens: int = 0  # prompt tokens its prefill (or mixed) instance had cached
+    num_transferred_tokens: int = 0  # prompt tokens whose KV was pushed to its decoder
+    transferred_bytes: int = 0  # the bytes of that push
 
     @property
     def ttft(self) -> float:
@@ -140,7 +152,9 @@ class UnsupportedLayoutError(ValueError):
 class Simulator:
     """One run (``run`` once per instance). ``limits`` are the decode (or mixed) instances';
     ``prefill_limits`` the prefill instances' (default: the same). ``seed``: of the step-time
-    noise of a cost model that has a spread (`noise`); the same seed, the same run."""
+    noise of a cost model that has a spread (`noise`); the same seed, the same run.
+    ``options``: speculative decoding, prefix caching and routing (default: no drafts,
+    caching on, least-outstanding routing)."""
 
     def __init__(
         self,
@@ -149,6 +163,7 @@ class Simulator:
         limits: EngineLimits | None = None,
         prefill_limits: EngineLimits | None = None,
         seed: int = 0,
+        options: ServingOptions | None = None,
     ) -> None:
         sizes = (layout.tp_mixed,) if layout.is_mixed else (layout.tp_prefill, layout.tp_decode)
         unsupported = sorted({tp for tp in sizes if not cost.supports_tp(tp)})
@@ -161,22 +176,30 @@ class Simulator:
         self.cost, self.layout = cost, layout
         self.limits = limits or EngineLimits()
         self.prefill_limits = prefill_limits or self.limits
+        self.options = options = options or ServingOptions()
+        if options.mtp:
+            # A model without an MTP module cannot draft with it: refused here (ValueError),
+            # not in the middle of the run.
+            cost.step_seconds(StepShape(1, 1, 1, 1, 1, 1, 1, 1), sizes[-1])
         self._events: list[tuple[float, int, Callable[[float], None]]] = []
         self._order = itertools.count()
         self._finished: list[SimRequest] = []
+        self._next_turn: dict[int, RequestSpec] = {}  # request id -> its conversation's next
+        self._overhead = 0.0
         self.prefills: list[PrefillInstance] = []
         self.decodes: list[DecodeInstance | MixedInstance] = []
         if layout.is_mixed:
             self.decodes = [
-                MixedInstance(cost, layout.tp_mixed, self.limits) for _ in range(layout.num_mixed)
+                MixedInstance(cost, layout.tp_mixed, self.limits, options)
+                for _ in range(layout.num_mixed)
             ]
         else:
             self.prefills = [
-                PrefillInstance(cost, layout.tp_prefill, self.prefill_limits)
+                PrefillInstance(cost, layout.tp_prefill, self.prefill_limits, options)
                 for _ in range(layout.num_prefill)
             ]
             self.decodes = [
-                DecodeInstance(cost, layout.tp_decode, self.limits)
+                DecodeInstance(cost, layout.tp_decode, self.limits, options)
                 for _ in range(layout.num_decode)
             ]
         # The cost model's spread of step times, if it has one, drawn from ``seed``.
@@ -184,15 +207,25 @@ class Simulator:
         for instance in [*self.prefills, *self.decodes]:
             instance.noise = noise
 
-    def run(self, workload: Workload | list[RequestSpec]) -> SimResult:
-        specs = workload.requests() if isinstance(workload, Workload) else workload
+    def run(self, workload: Arrivals | list[RequestSpec]) -> SimResult:
+        specs = workload if isinstance(workload, list) else workload.requests()
         capacity = self.decodes[0].capacity
         # A prefill instance holds the prompt's KV (all but the last token) until it is pushed.
         prefill_capacity = self.prefills[0].capacity if self.prefills else capacity
         overhead = self.cost.request_overhead_seconds(not self.layout.is_mixed)
         if overhead < 0:
             raise ValueError(f"{self.cost.name}: negative request overhead {overhead}")
+        self._overhead = overhead
+        seen: set[int] = set()
         for spec in specs:
+            if spec.follows >= 0:
+                if spec.follows not in seen or spec.follows in self._next_turn:
+                    raise ValueError(
+                        f"request {spec.request_id} follows {spec.follows}, which is not an "
+                        "earlier request without another follower"
+                    )
+                self._next_turn[spec.follows] = spec
+            seen.add(spec.request_id)
             needed = spec.num_prompt_tokens + spec.num_output_tokens
             if needed > capacity:
                 raise UnservableError(
@@ -204,7 +237,8 @@ class Simulator:
                     f"request {spec.request_id}'s prompt needs {spec.num_prompt_tokens - 1} KV "
                     f"tokens; a prefill instance of {self.layout.label} holds {prefill_capacity}"
                 )
-            self._push(spec.arrival_time + overhead, self._on_arrival_of(SimRequest(spec)))
+            if spec.follows < 0:
+                self._push(spec.arrival_time + overhead, self._on_arrival_of(SimRequest(spec)))
         while self._events:
             time, _, handler = heapq.heappop(self._events)
             handler(time)
@@ -219,20 +253,59 @@ class Simulator:
         return lambda now: self._arrive(request, now)
 
     def _arrive(self, request: SimRequest, now: float) -> None:
-        index = min(range(len(self.decodes)), key=lambda i: self.decodes[i].num_outstanding)
+        index = self._pick_decoder(request)
         decode = self.decodes[index]
         decode.num_outstanding += 1
         request.decode_index = index
         if isinstance(decode, MixedInstance):
             decode.waiting.append(request)
             self._kick(decode, now)
-        elif request.spec.num_prompt_tokens == 1:  # nothing to prefill: the decoder runs it
+            return
+        # The decoder shares the pages of the prompt's cached prefix before it asks for the
+        # rest (docs/design.md §4): those are neither pushed nor evicted.
+        prompt_kv = request.spec.num_prompt_tokens - 1
+        request.num_decoder_cached_tokens = decode.cache.hit(request.spec, prompt_kv)
+        decode.cache.take(request.spec)
+        if request.num_decoder_cached_tokens == prompt_kv:
+            # Nothing to prefill or push (a one-token prompt, or one held whole): the
+            # decoder runs it.
             request.prefill_start_time = request.prefill_end_time = now
             self._kv_ready(request, now)
         else:
-            prefill = min(self.prefills, key=lambda p: p.num_queued_tokens)
+            prefill = self._pick_prefill(request)
             prefill.add(request)
             self._kick(prefill, now)
+
+    def _pick_decoder(self, request: SimRequest) -> int:
+        """The decode (or mixed) instance the router sends ``request`` to."""
+        indices = range(len(self.decodes))
+        if self.options.routing != "kv_aware":
+            return min(indices, key=lambda i: self.decodes[i].num_outstanding)
+        options, prompt = self.options, request.spec.num_prompt_tokens
+        capacity = self.limits.max_num_seqs
+
+        def score(i: int) -> tuple[float, int]:
+            decode = self.decodes[i]
+            if isinstance(decode, MixedInstance):
+                held = decode.cached_tokens(request)
+            else:
+                held = decode.cache.hit(request.spec, prompt - 1)
+            load = decode.num_outstanding
+            value = (
+                options.kv_cache_weight * held / prompt - options.kv_load_weight * load / capacity
+            )
+            return round(value, 9), -load
+
+        return max(indices, key=score)  # ties: the least loaded, then the first
+
+    def _pick_prefill(self, request: SimRequest) -> PrefillInstance:
+        if self.options.routing != "kv_aware":
+            return min(self.prefills, key=lambda p: p.num_queued_tokens)
+        prompt_kv = request.spec.num_prompt_tokens - 1
+        return min(
+            self.prefills,
+            key=lambda p: p.num_queued_tokens + prompt_kv - p.cached_tokens(request),
+        )
 
     def _kick(self, instance: PrefillInstance | DecodeInstance | MixedInstance, now: float) -> None:
         if instance.is_busy:
@@ -253,10 +326,10 @@ class Simulator:
         done = instance.finish_step(now, duration)
         if isinstance(instance, PrefillInstance):
             for request in done:
+                missing = request.spec.num_prompt_tokens - 1 - request.num_decoder_cached_tokens
+                request.num_transferred_tokens = missing
                 total = self.cost.transfer_seconds(
-                    request.spec.num_prompt_tokens - 1,
-                    self.layout.tp_prefill,
-                    self.layout.tp_decode,
+                    self._pushed_tokens(missing), self.layout.tp_prefill, self.layout.tp_decode
                 )
                 exposed = exposed_transfer_seconds(
                     total, request.prefill_seconds, self.cost.num_layers
@@ -266,7 +339,24 @@ class Simulator:
             for request in done:
                 instance.num_outstanding -= 1
                 self._finished.append(request)
+                self._send_next_turn(request, now)
         self._kick(instance, now)
+
+    def _pushed_tokens(self, num_tokens: int) -> int:
+        """Tokens whose KV bytes a push of ``num_tokens`` prompt tokens moves: drafting with
+        MTP, the module's layer goes too, one more layer like the others."""
+        if not self.options.mtp:
+            return num_tokens
+        layers = self.cost.num_layers
+        return math.ceil(num_tokens * (layers + 1) / layers)
+
+    def _send_next_turn(self, request: SimRequest, now: float) -> None:
+        spec = self._next_turn.pop(request.spec.request_id, None)
+        if spec is None:
+            return
+        following = SimRequest(spec)
+        following.arrival_time = now + spec.think_time_s
+        self._push(following.arrival_time + self._overhead, self._on_arrival_of(following))
 
     def _kv_ready(self, request: SimRequest, now: float) -> None:  # an event handler
         request.kv_ready_time = now
@@ -283,44 +373,69 @@ class Simulator:
             raise RuntimeError(f"{num_arrivals} arrivals, {len(self._finished)} finished")
         durations = [np.array([d for d, _ in instance.itl_steps]) for instance in self.decodes]
         records = tuple(
-            sorted((_record(r, durations) for r in self._finished), key=lambda r: r.request_id)
+            sorted(
+                (self._record(r, durations) for r in self._finished),
+                key=lambda r: r.request_id,
+            )
         )
         itl = tuple(step for d in self.decodes for step in d.itl_steps)
         busy = tuple(i.busy_seconds for i in [*self.prefills, *self.decodes])
         return SimResult(self.layout, records, itl, busy)
 
+    def _record(self, request: SimRequest, durations: list[np.ndarray]) -> RequestRecord:
+        times = (
+            request.prefill_start_time,
+            request.kv_ready_time,
+            request.first_token_time,
+            request.finish_time,
+        )
+        if any(t is None for t in times):
+            raise RuntimeError(f"request {request.spec.request_id} finished without {times}")
+        start, ready, first, finish = (float(t) for t in times)  # type: ignore[arg-type]
+        spec = request.spec
+        # Its instance steps back to back while it runs: each later step's gap is one step.
+        steps = durations[request.decode_index][
+            request.first_token_step + 1 : request.last_step + 1
+        ]
+        gaps = steps if request.emitted is None else _gaps_with_zeros(steps, request.emitted)
+        moved = request.num_transferred_tokens
+        return RequestRecord(
+            spec.request_id,
+            request.arrival_time,
+            start,
+            ready,
+            first,
+            finish,
+            spec.num_prompt_tokens,
+            spec.num_output_tokens,
+            float(gaps.max()) if len(gaps) else 0.0,
+            gaps,
+            request.num_cached_tokens,
+            moved,
+            self.cost.kv_bytes(self._pushed_tokens(moved)) if moved else 0,
+        )
 
-def _record(request: SimRequest, durations: list[np.ndarray]) -> RequestRecord:
-    times = (
-        request.prefill_start_time,
-        request.kv_ready_time,
-        request.first_token_time,
-        request.finish_time,
-    )
-    if any(t is None for t in times):
-        raise RuntimeError(f"request {request.spec.request_id} finished without {times}")
-    start, ready, first, finish = (float(t) for t in times)  # type: ignore[arg-type]
-    spec = request.spec
-    # Its instance steps back to back while it runs: each later token's gap is one step.
-    gaps = durations[request.decode_index][request.first_token_step + 1 : request.last_step + 1]
-    return RequestRecord(
-        spec.request_id,
-        spec.arrival_time,
-        start,
-        ready,
-        first,
-        finish,
-        spec.num_prompt_tokens,
-        spec.num_output_tokens,
-        float(gaps.max()) if len(gaps) else 0.0,
-        gaps,
-    )
+
+def _gaps_with_zeros(steps: np.ndarray, emitted: list[int]) -> np.ndarray:
+    """Gaps before each token after the first: a step's duration before the first token it
+    emits, 0 before the others (``emitted``: tokens per step, from the first token's step)."""
+    counts = np.asarray(emitted, dtype=np.int64)
+    if len(counts) != len(steps) + 1:
+        raise RuntimeError(f"{len(counts)} steps emitted tokens, {len(steps) + 1} expected")
+    gaps = np.zeros(int(counts.sum()) - 1)
+    starts = np.cumsum(counts) - counts  # index of each step's first token
+    gaps[starts[1:] - 1] = steps
+    return gaps
 
 
 def simulate(
-    cost: CostModel, layout: Layout, workload: Workload, limits: EngineLimits | None = None
+    cost: CostModel,
+    layout: Layout,
+    workload: Arrivals,
+    limits: EngineLimits | None = None,
+    options: ServingOptions | None = None,
 ) -> SimResult:
-    return Simulator(cost, layout, limits).run(workload)
+    return Simulator(cost, layout, limits, options=options).run(workload)
 
 
 __all__ = [

@@ -2,14 +2,15 @@
 
 A `Workload` is a frozen description; `Workload.requests()` draws the same request list for
 the same seed, so that runs at different rates (`with_rate`) or on different clusters see
-the same lengths and only the arrival times scale.
+the same lengths and only the arrival times scale. `Arrivals` is what the simulator runs: a
+`Workload`, or multi-turn conversations (`conversations`).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -75,15 +76,43 @@ class LengthDist:
 
 @dataclass(frozen=True)
 class RequestSpec:
+    """One request. The optional fields describe what its prompt shares with others, for the
+    simulator's prefix caching (`caching`), and when a conversation's turn is sent:
+
+    num_common_tokens: leading prompt tokens every instance holds cached (a workload's cache
+        hit rate, or a system prompt all requests share; the caches are taken as warm).
+    conversation: the multi-turn conversation it belongs to (-1: none); its leading
+        ``num_history_tokens`` are that conversation's previous prompt and answer.
+    follows: the request id of the conversation's previous turn (-1: none); the request is
+        sent ``think_time_s`` after that one's last token, not at ``arrival_time``.
+    """
+
     request_id: int
     arrival_time: float
     num_prompt_tokens: int
     num_output_tokens: int
+    num_common_tokens: int = 0
+    conversation: int = -1
+    num_history_tokens: int = 0
+    follows: int = -1
+    think_time_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        shared = max(self.num_common_tokens, self.num_history_tokens)
+        if min(self.num_common_tokens, self.num_history_tokens, self.think_time_s) < 0:
+            raise ValueError(f"negative shared tokens or think time: {self}")
+        if shared > self.num_prompt_tokens:
+            raise ValueError(f"more shared tokens than the prompt has: {self}")
 
 
 @dataclass(frozen=True)
 class Workload:
-    """``num_requests`` requests at ``rate`` per second (Poisson or evenly spaced)."""
+    """``num_requests`` requests at ``rate`` per second (Poisson or evenly spaced).
+
+    prefix_hit: share of each prompt every instance finds in its prefix cache (a workload's
+    cache hit rate, e.g. a long system prompt all requests share); 0 in a load generator's
+    workload, whose prompts share nothing.
+    """
 
     rate: float
     num_requests: int
@@ -91,6 +120,7 @@ class Workload:
     output: LengthDist
     arrival: ArrivalKind = "poisson"
     seed: int = 0
+    prefix_hit: float = 0.0
 
     def __post_init__(self) -> None:
         if not (self.rate > 0 and math.isfinite(self.rate)):
@@ -99,6 +129,8 @@ class Workload:
             raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
         if self.arrival not in ("poisson", "fixed"):
             raise ValueError(f"arrival must be poisson or fixed, got {self.arrival!r}")
+        if not 0.0 <= self.prefix_hit <= 1.0:  # NaN fails too
+            raise ValueError(f"prefix hit rate must be in [0, 1], got {self.prefix_hit}")
 
     @classmethod
     def from_args(cls, args: Any) -> Workload:
@@ -116,6 +148,12 @@ class Workload:
     def with_rate(self, rate: float) -> Workload:
         return replace(self, rate=rate)
 
+    def at_rate(self, rate: float, min_duration_s: float) -> Workload:
+        """At ``rate``, with enough requests for arrivals over ``min_duration_s`` at least."""
+        return replace(
+            self, rate=rate, num_requests=max(self.num_requests, math.ceil(rate * min_duration_s))
+        )
+
     def with_seed(self, seed: int) -> Workload:
         return replace(self, seed=seed)
 
@@ -132,6 +170,30 @@ class Workload:
         # The first request arrives at 0: a run measures from its first arrival.
         times = np.concatenate(([0.0], np.cumsum(gaps[1:]))) / self.rate
         return [
-            RequestSpec(i, float(times[i]), int(prompts[i]), int(outputs[i]))
+            RequestSpec(
+                i,
+                float(times[i]),
+                int(prompts[i]),
+                int(outputs[i]),
+                num_common_tokens=int(self.prefix_hit * int(prompts[i])),
+            )
             for i in range(self.num_requests)
         ]
+
+
+class Arrivals(Protocol):
+    """What the simulator and the planner run: a seeded list of requests at a rate (open-loop
+    `Workload`, or the turns of `conversations.MultiTurnWorkload`)."""
+
+    @property
+    def rate(self) -> float: ...
+
+    @property
+    def seed(self) -> int: ...
+
+    @property
+    def num_requests(self) -> int: ...
+
+    def requests(self) -> list[RequestSpec]: ...
+
+    def at_rate(self, rate: float, min_duration_s: float) -> Arrivals: ...

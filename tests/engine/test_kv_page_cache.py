@@ -8,8 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.engine_helpers import GREEDY, hf_greedy, make_engine, prompts_of_lengths
+from tests.engine.engine_helpers import (
+    GREEDY,
+    hf_greedy,
+    make_engine,
+    prompts_of_lengths,
+    run_engine,
+)
 from workers.engine.block_manager import BlockManager, PageAllocationError
+from workers.engine.cache_events import CacheEventBatch
 from workers.engine.config import EngineConfig
 from workers.engine.engine_core import EngineCore
 from workers.engine.prefix_cache import cache_salt, extend_page_hashes
@@ -90,6 +97,51 @@ def test_what_cannot_be_named_or_acquired() -> None:
     with pytest.raises(PageAllocationError, match="not named"):
         manager.acquire([plain])
     manager.check_invariants()
+
+
+def test_the_pool_reports_the_names_it_gains_and_loses() -> None:
+    """What a worker publishes for a router's index (`CacheEvents`): the first batch and any
+    after a clear or an overflow are the whole cache; the others, the net change per name."""
+    manager = BlockManager(num_pages=3, page_size=PAGE)
+    (early,) = manager.allocate(1)
+    manager.register(early, b"a")
+    events = manager.track_events(capacity=3)
+    manager.register(manager.allocate(1)[0], b"b")  # known from the snapshot anyway
+    assert events.drain() == CacheEventBatch(stored=(b"a", b"b"), reset=True)
+    assert events.drain() == CacheEventBatch()
+    (c,) = manager.allocate(1)
+    manager.register(c, b"c")
+    manager.free([early, c])  # cached, still held
+    assert manager.allocate(1) == [early]  # evicts a (freed first)
+    assert events.drain() == CacheEventBatch(stored=(b"c",), removed=(b"a",))
+    (page,) = manager.allocate(1)  # evicts c ...
+    manager.register(page, b"c")  # ... and names another page c: net, still held
+    assert events.drain() == CacheEventBatch(stored=(b"c",))
+    # Past ``capacity`` changed names the pool stops counting: the next batch is a snapshot.
+    manager.free([page])
+    for name in (b"d", b"e", b"f", b"g"):
+        (page,) = manager.allocate(1)
+        manager.register(page, name)
+        manager.free([page])
+    snapshot = events.drain()
+    assert snapshot.reset and set(snapshot.stored) == {b"b", b"g"} and not snapshot.removed
+    manager.clear_cache()
+    assert events.drain() == CacheEventBatch(reset=True)  # every name forgotten
+    manager.check_invariants()
+
+
+def test_an_engine_publishes_its_cache_only_with_caching_on(tiny_model_dir: Path) -> None:
+    engine = make_engine(tiny_model_dir, enable_prefix_caching=True, num_pages=64)
+    prompt = prompts_of_lengths([50], seed=5)
+    run_engine(engine, prompt)
+    batch = engine.drain_cache_events()
+    names = extend_page_hashes([], prompt[0], PAGE, 3, engine.cache_salt or b"")
+    assert batch is not None and batch.reset and set(names) <= set(batch.stored)
+    run_engine(engine, prompt)  # all cached: nothing new
+    assert engine.drain_cache_events() == CacheEventBatch()
+    assert engine.drain_cache_events(full=True) == batch  # asked in full again
+    off = make_engine(tiny_model_dir, num_pages=64)
+    assert off.cache_salt is None and off.drain_cache_events() is None
 
 
 def test_caching_is_refused_with_the_mtp_layer_on_prefill() -> None:

@@ -36,13 +36,16 @@ class RemotePrefill:
         daemon: bool = True,
         wait: bool = True,
         env: dict[str, str] | None = None,
+        nics: tuple[str, ...] = (),
     ) -> None:
         """``daemon=False`` for a TP prefill worker: a daemonic process cannot spawn its ranks
         (then `close` / `kill` must run, e.g. from a fixture's teardown). ``env``: variables
-        set for the child only (e.g. libfabric's ``FI_TCP_PORT_*`` to pin its address)."""
+        set for the child only (e.g. libfabric's ``FI_TCP_PORT_*`` to pin its address).
+        ``nics``: one transfer engine per entry (`workers.fabric.nics`)."""
         options = {
             "model_dir": str(model_dir),
             "provider": provider,
+            "nics": list(nics),
             "engine": engine or {},
             "messenger": messenger or {},
             "num_threads": num_threads,

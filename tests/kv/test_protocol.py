@@ -12,6 +12,7 @@ from workers.kv.protocol import (
     MAC_BYTES,
     MAX_DETAIL_BYTES,
     MAX_ID_CHARS,
+    MAX_NICS,
     MAX_RANKS,
     PROTOCOL_VERSION,
     AbortAcknowledged,
@@ -62,6 +63,7 @@ MESSAGES: list[Message] = [
     make_request(checksum=True),
     make_request(mtp_layers=1),
     make_request(skip_pages=2, dst_page_ids=((9,),)),  # the decoder holds 2 of the 3 pages
+    make_request(nic_addresses=(b"nic1", b"nic2"), nic_descriptors=((b"a", b"b"), (b"c", b"d"))),
     PrefillAccepted("req-1", 5, 640),
     PrefillRejected("req-1", 5, RejectReason.NO_PAGES, "pool full"),
     AbortPrefill("req-1", 5),
@@ -114,11 +116,30 @@ def test_request_helpers_and_compactness() -> None:
         ("timeout_ms", 0),
         ("skip_pages", 1),  # then 2 pages are written, not the 3 listed
         ("skip_pages", -1),
+        ("nic_addresses", (b"nic1",)),  # without its descriptors
+        ("nic_addresses", (b"",)),
+        ("nic_addresses", ("nic1",)),
+        ("nic_addresses", (b"n",) * MAX_NICS),  # one more than MAX_NICS with the primary
+        ("nic_descriptors", ((b"a", b"b"),)),  # without its address
     ],
 )
 def test_invalid_request_fields_are_rejected(field: str, value: object) -> None:
     with pytest.raises(ProtocolError):
         make_request(**{field: value})
+
+
+def test_each_nic_needs_one_descriptor_per_decode_rank() -> None:
+    with pytest.raises(ProtocolError, match="one per decode rank"):
+        make_request(nic_addresses=(b"nic1",), nic_descriptors=((b"only-rank-0",),))
+
+
+def test_a_request_without_nics_is_what_it_was_before() -> None:
+    """A single-NIC decoder's request leaves the NIC fields out: an older prefill worker reads
+    it, and it is the same bytes as before they existed."""
+    assert len(wire(make_request())) == 2 + 17  # version, type, the required fields
+    assert len(wire(make_request(skip_pages=1, dst_page_ids=((5, 9),)))) == 2 + 22
+    with_nics = wire(make_request(nic_addresses=(b"n",), nic_descriptors=((b"a", b"b"),)))
+    assert with_nics[-2:] == [[b"n"], [[b"a", b"b"]]]
 
 
 def test_a_request_skipping_every_page_is_rejected() -> None:
@@ -203,6 +224,8 @@ def test_wrong_wire_types_are_rejected() -> None:
             mtp_layers=1,
             skip_pages=1,
             dst_page_ids=((5, 9),),
+            nic_addresses=(b"nic1",),
+            nic_descriptors=((b"a", b"b"),),
         )
     )
     names = [f.name for f in dataclasses.fields(PrefillRequest)]

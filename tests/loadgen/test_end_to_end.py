@@ -12,12 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.control.controller import ControllerOptions
 from orchestrator.loadgen.clients import GrpcClient, HttpClient
 from orchestrator.loadgen.conversations import MultiTurn, Turn, measure_conversations
 from orchestrator.loadgen.records import RequestResult
 from orchestrator.loadgen.requests import TimedRequest
 from orchestrator.loadgen.session import BenchOptions, measure
 from orchestrator.loadgen.stats import SLOs, summarize
+from orchestrator.router.prefix_index import PromptPages
 from orchestrator.sim.workload import LengthDist, Workload
 from tests.system.cluster_helpers import ServedCluster, cluster_config, mixed_groups
 
@@ -28,7 +30,9 @@ pytestmark = pytest.mark.slow
 def cluster(tiny_model_dir: Path) -> Iterator[ServedCluster]:
     # No ray_local (tests/conftest.py): ServingApp joins a Ray this
     # process already runs, or starts (and on stop shuts down) an embedded one.
-    served = ServedCluster(cluster_config(tiny_model_dir, mixed_groups(2)))
+    # kv_aware routing, and each worker's whole prefix cache fetched at every health check.
+    config = cluster_config(tiny_model_dir, mixed_groups(2), router={"policy": "kv_aware"})
+    served = ServedCluster(config, ControllerOptions(cache_resync_seconds=0.0))
     try:
         yield served
     finally:
@@ -131,3 +135,19 @@ def test_multiturn_conversations_carry_their_history(cluster: ServedCluster) -> 
             assert 4 <= len(after.prompt) - len(history) <= 12
     assert summary["prompt_tokens_sent"] == sum(t.result.prompt_tokens for t in turns)
     assert set(summary["ttft_by_turn_s"]) == {"1", "2", "3"}
+
+    # The router's index as the workers publish it: cleared (as a new router's), it learns at
+    # the next health check where each conversation's history is cached.
+    index = cluster.app.router.index
+    assert index is not None
+    workers = list(cluster.app.controller.registry.workers.values())
+    for worker in workers:
+        assert worker.cache_naming is not None  # prefix caching is on by default
+        index.forget(worker.worker_id)
+    cluster.run(cluster.app.controller.refresh())
+    assert index.num_blocks > 0
+    for conversation in by_conversation.values():
+        last = conversation[-1]
+        history = PromptPages([*last.prompt, *last.result.token_ids[:-1]])
+        held = max(index.matched(worker, history) for worker in workers)
+        assert held == len(history.token_ids) // 16  # every full page, on one worker

@@ -80,5 +80,8 @@ EXPORTED_BY: dict[str, tuple[str, ...]] = {
     "pdserve_router_decisions_total": _ROUTER,
     "pdserve_router_retries_total": _ROUTER,
     "pdserve_router_prefill_tokens_in_flight": _ROUTER,
+    "pdserve_router_prefix_index_blocks": _ROUTER,
+    "pdserve_router_prefix_query_tokens_total": _ROUTER,
+    "pdserve_router_prefix_hit_tokens_total": _ROUTER,
 }
 WORKER_ROLES: tuple[str, ...] = ("prefill", "decode", "mixed")

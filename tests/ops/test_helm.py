@@ -1,9 +1,10 @@
 """The Helm chart: lint, render for the main value combinations, validate what it renders, and
-check what each combination renders: worker pods, Ray auth, monitoring, the router's Service, the
-launcher Job, the dashboards."""
+check what each combination renders: worker pods, Ray auth, the cluster secret, monitoring, the
+router's Service, the launcher Job, the dashboards."""
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import re
@@ -15,6 +16,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from orchestrator.control.cluster_secret import CLUSTER_SECRET_ENV, cluster_secret
 from tests.ops.crd_schemas import CUSTOM_SCHEMAS
 from tests.ops.helm_chart import (
     CHART,
@@ -32,6 +34,7 @@ from tests.ops.helm_chart import (
     merge_values,
     one,
     render,
+    render_values,
 )
 
 # --- lint and validation --------------------------------------------------------------------
@@ -179,9 +182,35 @@ def test_auth_options_let_kuberay_wire_the_token() -> None:
 
 def test_auth_can_be_turned_off() -> None:
     docs = render("no-auth-no-launcher-no-dashboards")
-    assert not [d for d in docs if d["kind"] in ("Secret", "Job")]
+    assert not [d for d in docs if d["kind"] == "Job"]
+    # The cluster's own secret stays: it guards the workers, not Ray.
+    secrets = [d["metadata"]["name"] for d in docs if d["kind"] == "Secret"]
+    assert secrets == [f"{FULLNAME}-cluster-secret"]
     for group in groups(docs).values():
         assert "RAY_AUTH_MODE" not in env_of(first_container(group))
+
+
+def test_the_cluster_secret_is_created_and_reaches_only_the_driver() -> None:
+    docs = render("1p3d-cpu")
+    secret = one(docs, "Secret", f"{FULLNAME}-cluster-secret")
+    text = base64.b64decode(secret["data"]["cluster_secret"]).decode()
+    assert len(text) == 64
+    cluster_secret({CLUSTER_SECRET_ENV: text})  # what the driver takes
+    head = one(docs, "RayCluster")["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    ref = env_of(head)[CLUSTER_SECRET_ENV]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": f"{FULLNAME}-cluster-secret", "key": "cluster_secret"}
+    # The workers get the key from the driver, through Ray; nothing else holds it.
+    for group in groups(docs).values():
+        assert CLUSTER_SECRET_ENV not in env_of(first_container(group))
+    assert text not in json.dumps([d for d in docs if d["kind"] != "Secret"])
+
+
+def test_an_existing_cluster_secret_is_referenced_not_created(chart: Any) -> None:
+    docs = render_values(chart, {"clusterSecret": {"existingSecret": "my-cluster-secret"}})
+    assert not [d for d in docs if d["kind"] == "Secret" and "cluster" in d["metadata"]["name"]]
+    head = one(docs, "RayCluster")["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    ref = env_of(head)[CLUSTER_SECRET_ENV]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": "my-cluster-secret", "key": "cluster_secret"}
 
 
 @pytest.mark.parametrize(

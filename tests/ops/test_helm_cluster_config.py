@@ -65,6 +65,17 @@ def test_workers_listen_on_every_interface_of_their_pod(combo: str) -> None:
         assert fabric is not None and fabric.node is None
 
 
+def test_fabric_nics_reach_both_groups(chart: Any) -> None:
+    """`fabric.nics` lists the pod interfaces each worker opens an engine on; `auto` (the
+    default) leaves the key out, one engine on the interface libfabric picks."""
+    assert "nics" not in cluster_yaml(render("1p3d-cpu"))["groups"]["decode"]["fabric"]
+    docs = render_values(chart, with_value("fabric.nics", ["net1", "net2"]))
+    config = ClusterConfig.from_dict(cluster_yaml(docs))
+    for role in ("prefill", "decode"):
+        fabric = config.group(role).fabric
+        assert fabric is not None and fabric.nic_entries == ("net1", "net2")
+
+
 def test_router_tls_and_token_come_from_mounted_secrets(tmp_path: Path) -> None:
     docs = render("router-tls-token")
     raw = cluster_yaml(docs)

@@ -136,6 +136,8 @@ def _observe_everything(metrics: Metrics) -> None:
     metrics.count_router_decision("decode-1")
     metrics.count_router_retry("worker")
     metrics.set_prefill_tokens_in_flight("prefill-0", 300)
+    metrics.count_router_prefix_lookup(64, 48)
+    metrics.router_prefix_index_blocks.set(12)
 
 
 def _scrape(port: int) -> str:
@@ -169,6 +171,9 @@ def test_live_scrape_parses_back_with_every_value(served: tuple[Metrics, int]) -
     assert seen["pdserve_router_decisions_total"] == 1
     assert seen["pdserve_router_retries_total"] == 1  # zero-valued series for "prefill"
     assert seen["pdserve_router_prefill_tokens_in_flight"] == 300
+    assert seen["pdserve_router_prefix_query_tokens_total"] == 64
+    assert seen["pdserve_router_prefix_hit_tokens_total"] == 48
+    assert seen["pdserve_router_prefix_index_blocks"] == 12
 
 
 PROMTOOL = shutil.which("promtool")

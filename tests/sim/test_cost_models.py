@@ -322,3 +322,32 @@ def test_mixed_batches_must_leave_a_page_for_the_chunk() -> None:
         check_options(1, None, BUDGET, decode_batches=(0, 8))
     with pytest.raises(ValueError, match="decode contexts must be >= 1"):
         check_options(1, None, BUDGET, decode_contexts=(0,))
+
+
+@pytest.mark.slow
+def test_calibration_of_the_deepseek_preset_prices_mla_pages(tmp_path: Path) -> None:
+    from orchestrator.sim.calibrate import run_calibration
+    from workers.engine.model_config import ModelConfig
+    from workers.engine.presets import preset_config
+
+    out = tmp_path / "calibration.json"
+    data = run_calibration(
+        out,
+        prefill_sizes=(16, 64),
+        decode_batches=(1, 2, 4),
+        repeats=1,
+        budget=64,
+        prefill_context=192,
+        preset="deepseek-tiny",
+    )
+    config = ModelConfig.from_dict(preset_config("deepseek-tiny"))
+    assert data["model"] == "deepseek-tiny" and data["num_layers"] == config.num_layers
+    # One latent (and rope key) per token and layer, float32: not K and V per head.
+    assert data["kv_bytes_per_token"] == config.kv_page_bytes(1, 4)
+    assert all(point["seconds"] > 0 for point in data["prefill"] + data["decode"])
+    assert decode_seconds(from_spec([str(out)]), 4, 4 * 40, 1) > 0
+
+
+def test_calibration_refuses_an_unknown_preset_before_measuring() -> None:
+    with pytest.raises(ValueError, match="unknown preset"):
+        check_options(1, None, BUDGET, preset="no-such-model")

@@ -2,10 +2,13 @@
 on loopback): under a steady stream of requests, decode 1 -> 2 -> 1 and prefill 1 -> 2 -> 1.
 Every request completes with the colocated engine's greedy tokens (none lost, none failed), a
 new worker takes requests once healthy, a removed one finishes its own and leaves the registry,
-and every pool is full at the end. Bad scale requests get typed status codes."""
+and every pool is full at the end. Bad scale requests get typed status codes. ``pdserve plan --apply``
+scales the cluster to the layout the planner picks, and refuses one that needs another TP size
+without scaling anything."""
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -146,3 +149,56 @@ def test_bad_scale_requests_are_refused(cluster: ServedCluster) -> None:
     assert (
         main(["scale", "--address", cluster.address, "--group", "decode", "--replicas", "0"]) == 2
     )
+
+
+def decode_bound_calibration() -> dict[str, object]:
+    """Calibration points (`orchestrator.sim.calibrated.fit`) of an engine whose decode steps
+    cost 20x its prefill steps: with prompts of 32 tokens and answers of 64, decoding bounds
+    the goodput, and of the layouts on 3 GPUs the planner picks 1 prefill : 2 decode."""
+    return {
+        "num_layers": 4,
+        "kv_bytes_per_token": 1024.0,
+        "kv_capacity_tokens": 65536,
+        "prefill": [
+            {"tokens": t, "context": 0, "seconds": 0.001 + 1e-6 * t} for t in (16, 64, 256, 1024)
+        ],
+        "decode": [
+            {"batch": b, "kv_tokens": k, "seconds": 0.02 + 0.002 * b}
+            for b, k in ((1, 64), (8, 512), (32, 4096), (16, 128))
+        ],
+    }
+
+
+def group_replicas(address: str) -> dict[str, int]:
+    with blocking_channel(address) as channel:
+        state = pb_grpc.GenerationStub(channel).GetClusterState(pb.GetClusterStateRequest())
+    return {group.name: group.num_replicas for group in state.groups}
+
+
+def test_plan_apply_scales_the_cluster_to_the_planned_layout(
+    cluster: ServedCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cost = tmp_path / "calibration.json"
+    cost.write_text(json.dumps(decode_bound_calibration()))
+    plan = ["plan", "--cost", f"calibrated:{cost}", "--no-mixed", "--num-requests", "20",
+            "--prompt", "fixed:32", "--output", "fixed:64", "--min-duration", "1",
+            "--ttft-slo", "5", "--tpot-slo", "0.2", "--apply", cluster.address]  # fmt: skip
+    assert group_replicas(cluster.address) == {"prefill": 1, "decode": 1}
+    # TP 2 only: whichever layout wins, the cluster's TP 1 groups cannot become it by scaling.
+    assert main([*plan, "--gpus", "6", "--tp", "2"]) == 1
+    captured = capsys.readouterr()
+    assert "best: " in captured.out  # the plan itself still printed
+    assert "nothing scaled" in captured.err
+    assert "decode: the plan wants TP 2, the cluster runs TP 1" in captured.err
+    assert group_replicas(cluster.address) == {"prefill": 1, "decode": 1}
+
+    assert main([*plan, "--gpus", "3", "--tp", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "best: 1P(tp1):2D(tp1)" in out
+    applied = out.partition(f"--- applying 1P(tp1):2D(tp1) to {cluster.address} ---\n")[2]
+    decode, done = applied.splitlines()  # prefill is already at its planned size
+    assert decode.startswith("decode: 1 -> 2 replicas (started: decode-")
+    assert done == f"{cluster.address} runs 1P(tp1):2D(tp1)"
+    assert group_replicas(cluster.address) == {"prefill": 1, "decode": 2}
+    decoders = cluster.app.controller.registry.of_role("decode")
+    assert len(decoders) == 2 and all(record.is_ready for record in decoders)

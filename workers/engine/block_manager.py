@@ -25,6 +25,7 @@ import logging
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Sequence
 
+from workers.engine.cache_events import CacheEvents
 from workers.engine.errors import CapacityError
 from workers.engine.prefix_cache import PageHash
 
@@ -47,6 +48,13 @@ class BlockManager:
         self._name_of: dict[int, PageHash] = {}  # named pages, allocated or cached
         self._page_named: dict[PageHash, int] = {}
         self._cached: OrderedDict[int, None] = OrderedDict()  # free named pages, LRU first
+        self.events: CacheEvents | None = None  # `track_events`
+
+    def track_events(self, capacity: int) -> CacheEvents:
+        """Start recording the names this pool gains and loses (for a router's index)."""
+        if self.events is None:
+            self.events = CacheEvents(self._page_named.keys, capacity)
+        return self.events
 
     # --- queries ---------------------------------------------------------------------------
 
@@ -59,6 +67,11 @@ class BlockManager:
     def num_cached_pages(self) -> int:
         """Free pages that still hold a named page's KV."""
         return len(self._cached)
+
+    @property
+    def num_named_pages(self) -> int:
+        """Pages holding a named page's KV, in use or cached."""
+        return len(self._name_of)
 
     @property
     def num_pinned_pages(self) -> int:
@@ -102,7 +115,10 @@ class BlockManager:
         if self._free:
             return self._free.popleft()
         page_id, _ = self._cached.popitem(last=False)  # evict the least recently freed
-        del self._page_named[self._name_of.pop(page_id)]
+        name = self._name_of.pop(page_id)
+        del self._page_named[name]
+        if self.events is not None:
+            self.events.removed(name)
         return page_id
 
     def acquire(self, page_ids: Iterable[int]) -> None:
@@ -125,6 +141,8 @@ class BlockManager:
             return
         self._name_of[page_id] = name
         self._page_named[name] = page_id
+        if self.events is not None:
+            self.events.stored(name)
 
     def clear_cache(self) -> int:
         """Forget every name (cached free pages become plain free pages); returns how many
@@ -134,6 +152,8 @@ class BlockManager:
         self._cached.clear()
         self._name_of.clear()
         self._page_named.clear()
+        if self.events is not None:
+            self.events.cleared()
         return count
 
     def allocate_pinned(self, num_pages: int) -> list[int]:

@@ -36,6 +36,7 @@ import torch
 
 from workers.engine.attention import create_attention_backend
 from workers.engine.block_manager import BlockManager
+from workers.engine.cache_events import CacheEventBatch
 from workers.engine.config import DEFAULT_KV_MEMORY_BYTES, EngineConfig
 from workers.engine.decode_graphs import DecodeGraphs
 from workers.engine.device import resolve_device
@@ -290,6 +291,23 @@ class EngineCore:
             return []
         max_pages = (len(prompt) - 1) // self.config.page_size
         return self.scheduler.acquire_prefix(hashes, prompt, max_pages)
+
+    @property
+    def cache_salt(self) -> bytes | None:
+        """The root of this pool's page names (`workers.engine.prefix_cache`): with the page
+        size, what a router needs to name a prompt's pages as this engine does; None with
+        caching off."""
+        return self.scheduler.salt if self.scheduler.caching else None
+
+    def drain_cache_events(self, full: bool = False) -> CacheEventBatch | None:
+        """The page names the prefix cache gained and lost since the last call (the first
+        call, or with ``full``: all it holds, as a reset); None with caching off."""
+        if not self.scheduler.caching:
+            return None
+        events = self.block_manager.track_events(self.num_pages)
+        if full:
+            events.cleared()
+        return events.drain()
 
     def count_cached_prefix(self, num_prompt_tokens: int, num_cached_pages: int) -> None:
         """Count a decoder's lookup (`acquire_cached_prefix`) whose request went ahead, in the

@@ -92,7 +92,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.caching = config.enable_prefix_caching
-        self._salt = cache_salt(cache_name, config.dtype, config.page_size)
+        self.salt = cache_salt(cache_name, config.dtype, config.page_size)
         # Prefix cache counters in tokens (vLLM's names): looked up at admission, found cached.
         self.num_prefix_cache_queries = 0
         self.num_prefix_cache_hits = 0
@@ -193,7 +193,7 @@ class Scheduler:
 
     def page_names(self, token_ids: list[int]) -> list[bytes]:
         """The names of the full pages of ``token_ids`` in this pool."""
-        return extend_page_hashes([], token_ids, self.page_size, len(token_ids), self._salt)
+        return extend_page_hashes([], token_ids, self.page_size, len(token_ids), self.salt)
 
     def acquire_prefix(
         self, hashes: list[bytes], token_ids: list[int], max_pages: int
@@ -201,7 +201,7 @@ class Scheduler:
         """Share the cached pages of the longest cached prefix of ``token_ids`` (at most
         ``max_pages`` pages) with one more owner; ``hashes``: the tokens' chain so far, extended
         in place."""
-        names = extend_page_hashes(hashes, token_ids, self.page_size, max_pages, self._salt)
+        names = extend_page_hashes(hashes, token_ids, self.page_size, max_pages, self.salt)
         pages = self.block_manager.lookup(names[:max_pages])
         self.block_manager.acquire(pages)
         return pages
@@ -245,7 +245,7 @@ class Scheduler:
     def _name_pages(self, seq: Sequence, first: int, full: int) -> None:
         if full <= first:
             return
-        names = extend_page_hashes(seq.page_hashes, seq.token_ids, self.page_size, full, self._salt)
+        names = extend_page_hashes(seq.page_hashes, seq.token_ids, self.page_size, full, self.salt)
         for index in range(first, full):
             self.block_manager.register(seq.page_ids[index], names[index])
 

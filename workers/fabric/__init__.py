@@ -2,7 +2,7 @@
 
 Public surface: `TransferEngine` (writes, immediate counters, messages), the handles and
 descriptors it hands out, the page-run rule shared by both ends of a KV transfer, NIC
-discovery, and the `FabricError` family.
+discovery, `NicSet` (one engine per NIC of a rank, one count), and the `FabricError` family.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from workers.fabric.errors import (
     ImmError,
     ImmTimeoutError,
     MessageTooLargeError,
+    NicError,
     OperationTimeoutError,
     OutOfRangeError,
     PeerFailedError,
@@ -31,6 +32,7 @@ from workers.fabric.errors import (
 from workers.fabric.handles import MemoryRegionHandle, PeerHandle
 from workers.fabric.jobs import ProgressStats
 from workers.fabric.messages import Message
+from workers.fabric.nics import NicSet, resolve_nic
 from workers.fabric.paging import can_coalesce, coalesce_page_runs, count_paged_write_runs
 from workers.fabric.providers import FabricInfo, query_fabric, select_nics
 
@@ -49,6 +51,8 @@ __all__ = [
     "MemoryRegionHandle",
     "Message",
     "MessageTooLargeError",
+    "NicError",
+    "NicSet",
     "OperationTimeoutError",
     "OutOfRangeError",
     "PeerFailedError",
@@ -65,5 +69,6 @@ __all__ = [
     "coalesce_page_runs",
     "count_paged_write_runs",
     "query_fabric",
+    "resolve_nic",
     "select_nics",
 ]

@@ -77,7 +77,7 @@ class CompletionDrain:
                 if imm_counts:
                     # Callbacks follow the CQ's order: writes that landed before this row
                     # fire their counters before its callback is queued.
-                    self._dispatcher.submit_all(self._counters.record(imm_counts))
+                    self._record(imm_counts)
                     imm_counts = {}
                 if kind == lib.PD_EV_LOCAL:
                     self._ledger.completed(ids[row], lens[row])
@@ -88,10 +88,14 @@ class CompletionDrain:
                 if kind == lib.PD_EV_IMM_RECV:
                     self._pools.repost_receive(self._native, ids[row])
         if imm_counts:
-            self._dispatcher.submit_all(self._counters.record(imm_counts))
+            self._record(imm_counts)
         if error:
             self._error_completion()
         return rows > 0 or error
+
+    def _record(self, imm_counts: dict[int, int]) -> None:
+        self._stats.imm_writes_received += sum(imm_counts.values())
+        self._dispatcher.submit_all(self._counters.record(imm_counts))
 
     def _received(self, slot_id: int, length: int) -> None:
         if self._pools.deliver(self._native, slot_id, length, self._dispatcher):

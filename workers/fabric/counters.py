@@ -33,6 +33,10 @@ Every write posted with `imm` produces, on the target, one completion carrying `
 * **Close.** Armed counters get `on_error(EngineClosedError)` (`fail_all`: the engine closed,
   was abandoned by its watchdog, or its progress thread died). From then on `expect` raises
   `EngineClosedError`: nothing would ever fire or expire a counter armed later.
+* **Shared.** The engines of one rank's NICs share one instance (`workers.fabric.nics`), so a
+  value counts the writes landing on any of them. Then `fail_all` from any of them closes it
+  for all (`closed_reason`): a request whose writes may come through a lost NIC can never
+  complete, so the rank stops counting rather than wait on it.
 
 The class is thread-safe and never calls user code itself: it returns the callbacks to run so
 the engine can hand them to its callback dispatcher (which runs an `Inline` one at once, on
@@ -193,6 +197,11 @@ class ImmCounters:
             armed = list(self._armed.values())
             self._armed.clear()
         return [(a.on_error, (error,)) for a in armed if a.on_error is not None]
+
+    def closed_reason(self) -> str | None:
+        """Why nothing fires any more (`fail_all` was called), None while counting."""
+        with self._lock:
+            return None if self._closed is None else str(self._closed)
 
     def next_deadline(self) -> float | None:
         with self._lock:

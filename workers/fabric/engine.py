@@ -96,7 +96,11 @@ class TransferEngine:
         idle_wait_us: int | None = None,
         huge_pages: bool | None = None,
         hmem: bool = False,
+        counters: ImmCounters | None = None,
     ) -> None:
+        """``counters``: immediate counters shared with other engines of this rank (one per
+        NIC, `workers.fabric.nics`), so a value counts the writes landing on any of them;
+        None: its own."""
         check_slots(max_inflight_ops, num_receive_buffers)
         check_poll_waits(spin_us, idle_wait_us)
         self._id = next(_engine_ids)
@@ -118,7 +122,7 @@ class TransferEngine:
             self._pools.register(
                 lambda array: registry.register_native(registry.extent(array)).desc
             )
-            self.counters = ImmCounters()
+            self.counters = ImmCounters() if counters is None else counters
             self._dispatcher = CallbackDispatcher(f"fabric-callbacks-{self._id}")
             if idle_wait_us is None:
                 # With a CQ fd the idle thread wakes on traffic; without one it must poll.
@@ -262,9 +266,15 @@ class TransferEngine:
 
     def closed_reason(self) -> str | None:
         """Why the engine takes no more work (closed, abandoned by its watchdog, or its progress
-        thread died); None while it works. Registered memory stays writable by peers until
-        `close`: an abandoned engine cannot deregister it."""
-        return "engine is closed" if self._closed else self._loop.closed_reason()
+        thread died; with shared counters, also another engine of the rank ending, which closes
+        them: its writes could never be counted); None while it works. Registered memory stays
+        writable by peers until `close`: an abandoned engine cannot deregister it."""
+        if self._closed:
+            return "engine is closed"
+        reason = self._loop.closed_reason()
+        if reason is None and (lost := self.counters.closed_reason()) is not None:
+            reason = f"immediate counters closed: {lost}"
+        return reason
 
     # -- one-sided writes -----------------------------------------------------------------------
 

@@ -81,3 +81,8 @@ class ImmError(FabricError):
 
 class ImmTimeoutError(FabricError):
     """An armed immediate counter did not reach its count before its timeout."""
+
+
+class NicError(FabricUnavailableError):
+    """A NIC entry (`workers.fabric.nics`) names neither an interface nor an address of this
+    host, or several entries name one address."""

@@ -75,3 +75,7 @@ class ProgressStats:
     sleeps: int = 0
     # Address-vector entries removed (`forget_peer`, once nothing posted to them remained).
     peers_removed: int = 0
+    # Writes carrying immediate data that landed on this endpoint. The counters
+    # (`EngineStats.imm`) may be shared by a rank's NICs (`workers.fabric.nics`): this is
+    # the share of this one.
+    imm_writes_received: int = 0

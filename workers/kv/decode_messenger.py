@@ -77,9 +77,9 @@ from workers.kv.errors import (
     UnauthenticatedMessageError,
 )
 from workers.kv.imm import ImmLayout, SlotTable
-from workers.kv.incoming import Incoming, RequestPlanner
+from workers.kv.incoming import Incoming, NicAdvert, RequestPlanner
 from workers.kv.peer_liveness import PeerLiveness
-from workers.kv.pools import register_engine_pools
+from workers.kv.pools import register_engine_pools, register_extra_nics
 from workers.kv.prefill_peers import PrefillPeers
 from workers.kv.protocol import (
     AbortAcknowledged,
@@ -137,12 +137,20 @@ class DecodeMessenger:
         rank_pools: Sequence[object] | None = None,
         sharding: GroupSharding | None = None,
         wake: Callable[[], None] | None = None,
+        extra_nics: Sequence[TransferEngine] = (),
     ) -> None:
+        """``extra_nics``: the engines of this rank's other NICs, sharing ``fabric``'s counters
+        (`workers.fabric.NicSet`): the pools are registered with each and every
+        `PrefillRequest` names them, so a prefill worker may write through any of them; the
+        request's one counter counts the writes landing on all."""
         self.engine = engine
         self.fabric = fabric
         self.config = config = config or DecodeMessengerConfig()
         self.sharding, self.geometry, self.pools = register_engine_pools(
             fabric, engine, rank_pools, sharding
+        )
+        self.extra_pools = register_extra_nics(
+            fabric, extra_nics, rank_pools or [engine.kv_cache], self.pools.layout
         )
         self._context = ContextRows(
             fabric,
@@ -192,6 +200,10 @@ class DecodeMessenger:
             transfer_timeout_s=config.transfer_timeout_s,
             rng=random.Random(config.seed),
             mtp_layers=engine.kv_layers - engine.model_config.num_layers,
+            extra_nics=NicAdvert(
+                tuple(nic.address for nic in extra_nics),
+                tuple(pools.descriptor_bytes() for pools in self.extra_pools),
+            ),
         )
         self._inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         # (imm, when its counter fired): the fire time is the KV-ready time of the measurements.

@@ -45,6 +45,15 @@ class Incoming:
 
 
 @dataclass(frozen=True)
+class NicAdvert:
+    """The decoder's NICs after its primary one, as every `PrefillRequest` names them: each
+    one's fabric address and its registrations of the pools (one descriptor per rank)."""
+
+    addresses: tuple[bytes, ...] = ()
+    descriptors: tuple[tuple[bytes, ...], ...] = ()
+
+
+@dataclass(frozen=True)
 class PlannedRequest:
     message: PrefillRequest
     expected: int  # the write count the decoder computed; 0: it comes in PrefillAccepted
@@ -65,9 +74,11 @@ class RequestPlanner:
         transfer_timeout_s: float,
         rng: random.Random,
         mtp_layers: int = 0,
+        extra_nics: NicAdvert | None = None,
     ) -> None:
         """``rng``: picks the source replica sets when the decoder plans alone (no
-        coalescing). ``mtp_layers``: the pool's MTP layers, asked of the prefill worker."""
+        coalescing). ``mtp_layers``: the pool's MTP layers, asked of the prefill worker.
+        ``extra_nics``: the decoder's other NICs, named in every request (None: none)."""
         self._fabric = fabric
         self._sharding = sharding
         self._geometry = geometry
@@ -78,6 +89,7 @@ class RequestPlanner:
         self._timeout_ms = max(1, int(transfer_timeout_s * 1000))
         self._rng = rng
         self._mtp_layers = mtp_layers
+        self._nics = extra_nics or NicAdvert()
 
     def plan(
         self,
@@ -143,5 +155,7 @@ class RequestPlanner:
             decode_incarnation=decode_incarnation,
             mtp_layers=self._mtp_layers,
             skip_pages=skip_pages,
+            nic_addresses=self._nics.addresses,
+            nic_descriptors=self._nics.descriptors,
         )
         return PlannedRequest(message, expected, checksum_plan)

@@ -16,6 +16,7 @@ from typing import Any
 from workers.engine.scheduler import ScheduledChunk
 from workers.fabric import PeerHandle
 from workers.kv.checksum import ChecksumAccumulator
+from workers.kv.nic_lanes import Lane
 from workers.kv.pages import num_pages_for_tokens, sendable_pages
 from workers.kv.prefill_checks import CheckedRequest
 from workers.kv.protocol import PrefillAccepted, PrefillRequest
@@ -31,7 +32,8 @@ ACTIVE = (PrefillState.QUEUED, PrefillState.PREFILLING, PrefillState.WRITING)
 @dataclass
 class Outgoing:
     checked: CheckedRequest
-    peer: PeerHandle
+    peer: PeerHandle  # the decoder's primary NIC: control messages and the context write
+    lane: Lane  # the NIC pair its page writes go through (`workers.kv.nic_lanes`)
     transfer: PrefillTransfer
     deadline_s: float
     num_pages_total: int
@@ -91,11 +93,12 @@ class Outgoing:
         if not pages:
             return None, accepted
         self.num_pages_sent = pages.stop
+        lane = self.lane
         item = build_push_item(
             self.request_id,
             self.transfer.imm,
-            self.peer,
-            self.checked.dst_descriptors,
+            lane.peer,
+            lane.dst_descriptors,
             plan,
             self.src_pages[pages.start : pages.stop],
             self.checked.dst_slice(pages),
@@ -103,6 +106,7 @@ class Outgoing:
             self.checked.dst_layout,
             pages.start,
             self.checksums,
+            lane.nic,
         )
         return item, accepted
 

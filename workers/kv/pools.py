@@ -1,11 +1,13 @@
-"""A TP group's KV pools as its leader's single `TransferEngine` sees them.
+"""A TP group's KV pools as its leader's `TransferEngine` sees them (each engine, with one per NIC).
 
 Each rank of a group owns one pool ``[num_layers, num_pages, kv_planes, kv_heads_local,
 page_size, head_dim]`` (`workers.kv.writes.PoolLayout`; planes K and V, or MLA's one latent).
 With tensor parallelism the other ranks' pools live in shared memory mapped into the leader
 (CPU) or are imported device allocations (GPU), so the leader registers every rank's pool with
 its one engine: rank ``r``'s writes use ``handles[r]`` as source, and peers write into rank
-``r`` through ``descriptors[r]``.
+``r`` through ``descriptors[r]``. A leader with several NICs (`workers.fabric.nics`) registers
+the same pools with each NIC's engine (`register_extra_nics`): a registration belongs to one
+domain, and so do its keys.
 """
 
 from __future__ import annotations
@@ -106,3 +108,21 @@ def register_engine_pools(
     layout = PoolLayout.for_group(sharding, geometry, engine.num_pages)
     pools = RegisteredPools.register(fabric, rank_pools or [engine.kv_cache], layout)
     return sharding, geometry, pools
+
+
+def register_extra_nics(
+    fabric: TransferEngine,
+    extra_nics: Sequence[TransferEngine],
+    buffers: Sequence[object],
+    layout: PoolLayout,
+) -> tuple[RegisteredPools, ...]:
+    """``buffers`` (every rank's pool, as registered with ``fabric``) registered with each of
+    ``extra_nics``, the rank's other NICs. They must count into ``fabric``'s immediate
+    counters (`workers.fabric.NicSet`): a request's writes may land on any of them, and the
+    one counter armed for it must see them all."""
+    for nic in extra_nics:
+        if nic.counters is not fabric.counters:
+            raise ValueError("a NIC's engine must share the primary engine's counters")
+        if nic.provider != fabric.provider:
+            raise ValueError(f"a NIC on {nic.provider}, the primary on {fabric.provider}")
+    return tuple(RegisteredPools.register(nic, buffers, layout) for nic in extra_nics)

@@ -2,8 +2,8 @@
 
 A request is refused (`RequestRejected` with a `RejectReason`) when it names another incarnation
 of this worker (a stale endpoint: `workers.kv.endpoint`), when the two groups cannot be
-mapped (page size, heads, MLA, TP sizes), the decoder's descriptors are not for this provider or
-are too small for the page ids it names, the context buffer cannot hold a hidden state, the
+mapped (page size, heads, MLA, TP sizes), the decoder's descriptors (those of each of its NICs
+too) are not for this provider or are too small for the page ids it names, the context buffer cannot hold a hidden state, the
 prompt can never fit, or the decoder's own write count disagrees with the plan; in checksum
 mode also when the pools are device memory or the sums do not fit (`check_checksums`). Nothing
 is allocated before every check passed.
@@ -40,6 +40,8 @@ class CheckedRequest:
     dst_layout: PoolLayout
     dst_pages: PageIds
     context: MemoryRegionDescriptor | None
+    # The decoder's pools on each of its other NICs (`PrefillRequest.nic_descriptors`).
+    nic_descriptors: tuple[tuple[MemoryRegionDescriptor, ...], ...] = ()
 
     def dst_slice(self, pages: range) -> PageIds:
         if isinstance(self.dst_pages, dict):
@@ -106,8 +108,14 @@ def check_request(request: PrefillRequest, side: PrefillSide, rng: random.Random
             max_pages_per_run=request.max_pages_per_run or None,
         )
         descriptors = tuple(MemoryRegionDescriptor.from_bytes(d) for d in request.dst_descriptors)
+        # The same pools registered with each of the decoder's other NICs: checked alike.
+        nic_descriptors = tuple(
+            tuple(MemoryRegionDescriptor.from_bytes(d) for d in per_rank)
+            for per_rank in request.nic_descriptors
+        )
+        every_descriptor = descriptors + tuple(d for nic in nic_descriptors for d in nic)
         layouts = {
-            layout_from_descriptor(d, request.decode_sharding, geometry) for d in descriptors
+            layout_from_descriptor(d, request.decode_sharding, geometry) for d in every_descriptor
         }
         context = (
             MemoryRegionDescriptor.from_bytes(request.context_descriptor)
@@ -116,7 +124,7 @@ def check_request(request: PrefillRequest, side: PrefillSide, rng: random.Random
         )
     except (KvTransferError, FabricError) as error:
         raise RequestRejected(incompatible, str(error)) from error
-    if any(d.provider != side.fabric.provider for d in descriptors):
+    if any(d.provider != side.fabric.provider for d in every_descriptor):
         raise RequestRejected(incompatible, "descriptors are for another provider")
     if len(layouts) != 1:
         raise RequestRejected(incompatible, "decode ranks' pools differ in size")
@@ -146,7 +154,9 @@ def check_request(request: PrefillRequest, side: PrefillSide, rng: random.Random
                 RejectReason.WRITE_COUNT_MISMATCH,
                 f"decoder expects {request.expected_write_count} writes, plan has {mine_count}",
             )
-    return CheckedRequest(request, plan, descriptors, dst_layout, dst_pages, context)
+    return CheckedRequest(
+        request, plan, descriptors, dst_layout, dst_pages, context, nic_descriptors
+    )
 
 
 def check_checksums(

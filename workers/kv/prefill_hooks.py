@@ -52,7 +52,7 @@ class PassHooks:
     ) -> None:
         """Installs the hooks on ``side.engine`` (`remove` takes them off)."""
         self._engine = side.engine
-        self._fabric = side.fabric
+        self._side = side
         self._src_layout = side.pools.layout
         self._table = table
         self._push = push
@@ -109,7 +109,7 @@ class PassHooks:
         line before the post showed in the exposed time; bench/history/RESULTS-notebook.md).
         Then the pass's KV writes the push thread has not sent yet (all of them in the deferred
         baseline; `PushThread.pass_ended`). All on the step thread before the step returns,
-        queued with one wake of the fabric's progress thread (`TransferEngine.wakes_deferred`:
+        queued with one wake of each NIC's progress thread (`TransferEngine.wakes_deferred`:
         woken by the first, it would start moving bytes and, on CPU, starve this thread of the
         GIL and the cores before the rest is queued), then a short sleep that hands it the GIL,
         so it posts them now instead of after the rest of the step's Python.
@@ -122,7 +122,7 @@ class PassHooks:
             torch.cuda.current_stream(hidden.device).synchronize()
         now = time.monotonic()
         staged = False
-        with self._fabric.wakes_deferred():  # the progress thread starts once all is queued
+        with self._side.wakes_deferred():  # each NIC's progress thread starts once all is queued
             for out, row in self._pass_last:
                 with self._table.lock:
                     out.transfer.stats.forward_end_s = now

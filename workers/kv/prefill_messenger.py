@@ -69,6 +69,7 @@ from workers.kv.context_write import ContextWriter
 from workers.kv.control_sender import ControlSender
 from workers.kv.decoder_peers import DecoderPeers
 from workers.kv.errors import ProtocolError, UnauthenticatedMessageError
+from workers.kv.nic_lanes import LanePicker
 from workers.kv.outgoing import Outgoing
 from workers.kv.pages import num_pages_for_tokens
 from workers.kv.prefill_checks import RequestRejected, check_checksums, check_request
@@ -86,7 +87,7 @@ from workers.kv.protocol import (
     decode_message,
     truncate_detail,
 )
-from workers.kv.push import PushItem, PushThread
+from workers.kv.push import PushItem, PushThread, SourceNic
 from workers.kv.sharding import GroupSharding
 from workers.kv.submit_gate import SubmitGate
 from workers.kv.transfer_state import PrefillState, PrefillTransfer
@@ -123,17 +124,22 @@ class PrefillMessenger:
         rank_pools: Sequence[object] | None = None,
         sharding: GroupSharding | None = None,
         wake: Callable[[], None] | None = None,
+        extra_nics: Sequence[TransferEngine] = (),
     ) -> None:
-        """``rank_pools``: every TP rank's KV pool in rank order (default: the engine's own)."""
+        """``rank_pools``: every TP rank's KV pool in rank order (default: the engine's own).
+        ``extra_nics``: the engines of this rank's other NICs, sharing ``fabric``'s counters
+        (`workers.fabric.NicSet`); each request's page writes go through one of the NICs
+        (`workers.kv.nic_lanes`)."""
         self.engine = engine
         self.fabric = fabric
         self.config = config = config or PrefillMessengerConfig()
-        self.side = side = PrefillSide.wire(engine, fabric, rank_pools, sharding)
+        self.side = side = PrefillSide.wire(engine, fabric, rank_pools, sharding, extra_nics)
         self.sharding, self.geometry, self.pools = side.sharding, side.geometry, side.pools
         self.incarnation = side.incarnation
         self._decoders = DecoderPeers(fabric)
         self.decoder_incarnations = self._decoders.incarnations  # decoder address -> its last
         self._rng = random.Random(config.seed)
+        self._lanes = LanePicker(side.nics)
         self._wake = wake or (lambda: None)
         self._inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._events: queue.SimpleQueue[tuple[str, int, FabricError | None]] = queue.SimpleQueue()
@@ -168,6 +174,10 @@ class PrefillMessenger:
             src_views=side.src_views,
             on_checksummed=self._on_checksummed,
             on_not_posted=self._submits.item_not_posted,
+            extra_nics=[
+                SourceNic(nic, pools.handles)
+                for nic, pools in zip(side.extra_nics, side.extra_pools, strict=True)
+            ],
         )
         self._hooks = PassHooks(
             side,
@@ -289,10 +299,15 @@ class PrefillMessenger:
             )
         except RequestRejected as error:
             return reject(error.reason, str(error))
+        try:
+            lane = self._lanes.pick(checked, peer)
+        except FabricError as error:  # a decoder NIC's address this engine cannot use
+            return reject(RejectReason.INCOMPATIBLE, f"decoder NIC unusable: {error}")
         now = time.monotonic()
         out = Outgoing(
             checked,
             peer,
+            lane,
             PrefillTransfer(request.request_id, request.transfer_id, None, now),
             now + request.timeout_ms / 1000,
             num_pages_for_tokens(len(request.token_ids), self.geometry.page_size)
@@ -312,6 +327,8 @@ class PrefillMessenger:
         for out in list(self._table.by_id.values()):
             if out.peer.address == peer.address and out.active:
                 self._stop(out, "decoder restarted: stale descriptors", failed=True)
+        # Every NIC of it, as every NIC of this worker knows it.
+        self._lanes.forget((peer.address, *request.nic_addresses))
         return self._decoders.resolve_afresh(peer.address)
 
     def _admit(self) -> None:

@@ -27,8 +27,11 @@ writes themselves are one-sided, keyed by the registered regions' keys.)
 Optional trailing fields (``_OPTIONAL_TAIL``): fields appended to a version-1 message later.
 They are encoded only when they differ from their default, so a message that does not use them
 is byte-identical to what an older peer sends and expects; a message missing them decodes with
-the defaults. `PrefillRequest.checksum`, ``prefill_incarnation``, ``decode_incarnation`` and
-``mtp_layers``.
+the defaults. `PrefillRequest.checksum`, ``prefill_incarnation``, ``decode_incarnation``,
+``mtp_layers``, ``skip_pages``, ``nic_addresses`` and ``nic_descriptors``. A decoder with one NIC
+sends the last two empty, so its requests are byte for byte what they were before; one with
+several needs prefill workers that know them (an older one drops the request as malformed, and
+the decoder's request ends at its deadline).
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ MAX_TOKENS = 1 << 21
 MAX_RANKS = 256
 MAX_ID_CHARS = 256
 MAX_DESCRIPTOR_BYTES = 4096
+MAX_NICS = 16  # a decoder's NICs, its primary one included
+MAX_ADDRESS_BYTES = 256  # a fabric endpoint address (tcp: a sockaddr; shm: a name)
 MAX_DETAIL_BYTES = 1024  # UTF-8 bytes, as msgpack's max_str_len counts (`decode_message`)
 MAX_STR_BYTES = MAX_DETAIL_BYTES  # every str field's wire limit (a request id's 256 chars fit)
 U32_MAX = (1 << 32) - 1
@@ -263,7 +268,13 @@ class PrefillRequest(_Message):
     prompt the decoder already holds (its prefix cache): the prefill worker still computes (or
     finds cached) their KV, but writes only the pages after them, so ``dst_page_ids`` hold the
     pages of the tokens from ``skip_pages * page_size`` on, and the write count covers only
-    those; at least one page is left to write.
+    those; at least one page is left to write. ``nic_addresses`` (optional, empty: none) are the
+    fabric addresses of the decoder's NICs after its primary one (the message's source,
+    `workers.fabric.nics`), and ``nic_descriptors`` one descriptor per decode rank for each of
+    them (the same pools registered with that NIC's domain: its keys): the prefill worker may
+    write a request's KV through any of the decoder's NICs (`workers.kv.nic_lanes`), and all
+    writes count under the one imm whichever NIC they land on. The context write always goes
+    to the primary NIC (``context_descriptor``).
     """
 
     TYPE: ClassVar[MessageType] = MessageType.PREFILL_REQUEST
@@ -290,8 +301,10 @@ class PrefillRequest(_Message):
         _Int(0, U64_MAX),
         _Int(0, 1),
         _Int(0, MAX_TOKENS),
+        _Tuple(_Bytes(MAX_ADDRESS_BYTES), 0, MAX_NICS - 1),
+        _Tuple(_Tuple(_Bytes(MAX_DESCRIPTOR_BYTES), 1, MAX_RANKS), 0, MAX_NICS - 1),
     )
-    _OPTIONAL_TAIL: ClassVar[int] = 5
+    _OPTIONAL_TAIL: ClassVar[int] = 7
 
     request_id: str
     transfer_id: int
@@ -315,6 +328,8 @@ class PrefillRequest(_Message):
     decode_incarnation: int = 0
     mtp_layers: int = 0
     skip_pages: int = 0
+    nic_addresses: tuple[bytes, ...] = ()
+    nic_descriptors: tuple[tuple[bytes, ...], ...] = ()
 
     def _validate(self) -> None:
         try:
@@ -336,6 +351,12 @@ class PrefillRequest(_Message):
             raise ProtocolError("dst_descriptors needs one descriptor per decode rank")
         if self.checksum and not self.context_descriptor:
             raise ProtocolError("checksum mode needs a context descriptor (it carries the sums)")
+        if len(self.nic_descriptors) != len(self.nic_addresses):
+            raise ProtocolError("nic_descriptors needs one entry per NIC address")
+        if not all(self.nic_addresses):
+            raise ProtocolError("a NIC address is empty")
+        if any(len(per_rank) != self.decode_tp_size for per_rank in self.nic_descriptors):
+            raise ProtocolError("each NIC's descriptors need one per decode rank")
 
     @property
     def decode_sharding(self) -> GroupSharding:

@@ -45,6 +45,11 @@ left: they go to ``on_not_posted`` (with their count and bytes) on the thread th
 gate's owner takes them back out of its submitted count; no decoder may wait for them. So do
 writes the fabric accepted but never posted (a failed call's ``on_unposted``, `CallOutcome`).
 
+Several NICs (`workers.kv.nic_lanes`): an item names the source NIC whose engine prepares and
+posts its writes (`PushItem.nic`: 0 is the ``engine`` given, 1, 2, ... the ``extra_nics``, each
+with every source rank's pool registered with it); its ``peer`` and descriptors are the
+destination NIC's, as that engine knows it. One NIC: every item is 0, as before.
+
 Checksum mode (`workers.kv.checksum`): an item of a request that asked for it carries the
 request's `ChecksumAccumulator`; right after the gate let a layer go and before its writes are
 posted, the push thread streams the source bytes of each rank pair's rows into that layer's CRC
@@ -104,6 +109,10 @@ class PushItem:
     num_pages: int = 0  # request pages this item sends
     checksums: ChecksumAccumulator | None = None  # checksum mode: the request's sums
     shards: tuple[int, ...] = ()  # checksum mode: plan shard index of each of ``ops``
+    # The NIC whose engine posts the writes (`PushThread`'s sources; 0: the primary). ``peer``
+    # and ``dst_descriptors`` are the destination as that engine knows it
+    # (`workers.kv.nic_lanes`).
+    nic: int = 0
 
     def layer_ops(self, layer: int) -> list[tuple[int, int, np.ndarray]]:
         shift = np.array([layer * self.src_layer_bytes, layer * self.dst_layer_bytes, 0])
@@ -129,9 +138,11 @@ def build_push_item(
     dst_layout: PoolLayout,
     first_page_index: int,
     checksums: ChecksumAccumulator | None = None,
+    nic: int = 0,
 ) -> PushItem:
     """The writes of ``src_pages -> dst_pages`` (slices starting at request page
-    ``first_page_index``), range-checked against both pools; ``checksums``: checksum mode."""
+    ``first_page_index``), range-checked against both pools; ``checksums``: checksum mode;
+    ``nic``: the source NIC that posts them (`PushItem.nic`)."""
     writes = plan_layer_writes(
         plan, 0, src_pages, dst_pages, src_layout, dst_layout, first_page_index=first_page_index
     )
@@ -159,7 +170,16 @@ def build_push_item(
         len(pages_of_rank(dst_pages, plan.shards[0].dst_rank)) if plan.shards else 0,
         checksums,
         shards,
+        nic,
     )
+
+
+@dataclass(frozen=True)
+class SourceNic:
+    """One NIC's engine and every source rank's pool registered with it (rank order)."""
+
+    engine: TransferEngine
+    src_handles: tuple[MemoryRegionHandle, ...]
 
 
 @dataclass
@@ -239,6 +259,7 @@ class PushThread:
         src_views: Sequence[np.ndarray] = (),
         on_checksummed: ChecksummedCallback | None = None,
         on_not_posted: NotPostedCallback | None = None,
+        extra_nics: Sequence[SourceNic] = (),
     ) -> None:
         """``layerwise=False`` holds every write until `pass_ended` reports the whole pass over
         (the baseline that benchmarks compare the layer-wise push against). ``poll_interval_s``:
@@ -247,9 +268,10 @@ class PushThread:
         each source pool as bytes (checksum mode reads them); ``on_checksummed(item)``: the
         item's request has every checksum (called on this thread). ``on_not_posted``: gated
         writes the fabric refused at once (this thread, or the step thread in `pass_ended`);
-        None reports them to ``on_error`` instead (for a gate that counts nothing)."""
-        self._engine = engine
-        self._src_handles = tuple(src_handles)
+        None reports them to ``on_error`` instead (for a gate that counts nothing).
+        ``extra_nics``: the rank's other NICs, posting the items whose `PushItem.nic` is 1, 2,
+        ... (0: ``engine`` and ``src_handles``)."""
+        self._sources = (SourceNic(engine, tuple(src_handles)), *extra_nics)
         self._progress = progress
         self._num_layers = num_layers
         self._gate = gate
@@ -290,10 +312,11 @@ class PushThread:
 
     def _prepare(self, item: PushItem) -> _Prepared:
         layers = range(self._num_layers)
+        source = self._sources[item.nic]
         try:
             writes = tuple(
-                self._engine.prepare_writes(
-                    self._src_handles[ops.src_rank],
+                source.engine.prepare_writes(
+                    source.src_handles[ops.src_rank],
                     item.peer,
                     item.dst_descriptors[ops.dst_rank],
                     item.layers_rows(ops, layers),
@@ -406,7 +429,7 @@ class PushThread:
                     count, partial(self._not_posted, item), partial(self._on_error, item.request_id)
                 )
                 try:
-                    self._engine.submit_prepared(
+                    self._sources[item.nic].engine.submit_prepared(
                         writes,
                         first * per_layer,
                         last * per_layer,

@@ -2,11 +2,12 @@
 
 The controller wraps `WorkerActor` with ``ray.remote(...)`` (placement group, one bundle per TP
 rank). Every method takes and returns plain data (str, int, bytes, dicts of them): nothing of
-ours is pickled, Ray's own transport aside.
+ours is pickled, Ray's own transport and the exceptions it carries back aside.
 
-``start()`` loads the model, registers KV memory (decode / prefill) and binds the token service;
-it returns what the registry needs: the gRPC address (mixed, decode), the prefill endpoint
-descriptor bytes (prefill), the TP layout and the KV pool size.
+``start()`` checks that its node has the model (`workers.service.model_dir`:
+`ModelNotOnNodeError` otherwise), loads it, registers KV memory (decode / prefill) and binds the
+token service; it returns what the registry needs: the gRPC address (mixed, decode), the prefill
+endpoint descriptor bytes (prefill), the TP layout and the KV pool size.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ class WorkerSpec:
     provider: str = "tcp;ofi_rxm"
     # FabricConfig.node: the transfer engine's address; None: this Ray node's IP.
     fabric_node: str | None = None
+    # FabricConfig.nics as a list: one transfer engine per entry (interface names or addresses
+    # of the host the worker lands on, resolved there); empty: ``auto``, one on fabric_node.
+    fabric_nics: tuple[str, ...] = ()
     # ClusterConfig.worker_host: where gRPC and /metrics listen; None: this Ray node's IP.
     host: str | None = None
     # ClusterConfig.transfer (`TransferConfig` as a dict).
@@ -104,6 +108,7 @@ class WorkerActor:
         from workers.engine.compute_thread import build_on_passing_thread
         from workers.engine.config import EngineConfig
         from workers.service.factory import create_backend
+        from workers.service.model_dir import check_model_dir
         from workers.service.server import WorkerServer, WorkerServicer
 
         spec = self.spec
@@ -112,12 +117,8 @@ class WorkerActor:
         # the worker landed on: what a worker on another node can reach. (Other providers pick
         # their own interface: an RDMA NIC's address is not the node's Ray address.)
         node = node_ip()
-        if not os.path.isfile(os.path.join(spec.model_dir, "config.json")):
-            raise FileNotFoundError(
-                f"{spec.worker_id} on node {node}: no checkpoint at {spec.model_dir} (every "
-                "worker opens the model at the same path: shared storage, or the same "
-                "directory filled on each host)"
-            )
+        # Before anything loads: a node without the model fails in one line that names it.
+        check_model_dir(spec.worker_id, node, spec.model_dir)
         host = spec.host or node
         fabric_node = spec.fabric_node or (node if spec.provider == "tcp;ofi_rxm" else None)
         # Loaded on a thread that ends: the step loop's OpenMP team is then the process's only
@@ -131,6 +132,7 @@ class WorkerActor:
                 node=fabric_node,
                 transfer=spec.transfer,
                 secret=bytes.fromhex(spec.cluster_secret) or None,
+                nics=tuple(spec.fabric_nics),
             )
         )
         address = ""
@@ -148,6 +150,7 @@ class WorkerActor:
             self._metrics = WorkerMetricsExporter(self._backend, spec.role, spec.model_dir)
             metrics_port = self._metrics.start(host, spec.metrics_port)
         load = self._backend.load()
+        naming = self._backend.cache_naming()
         logger.info("%s (%s) ready at %s", spec.worker_id, spec.role, address or "fabric only")
         return {
             "worker_id": spec.worker_id,
@@ -159,6 +162,7 @@ class WorkerActor:
             "metrics_port": metrics_port,
             "pid": os.getpid(),
             "node_ip": node,
+            "cache_naming": None if naming is None else asdict(naming),
         }
 
     def state(self) -> dict[str, Any]:
@@ -167,6 +171,13 @@ class WorkerActor:
         load = self._backend.load()
         draining = self._server is not None and self._server.servicer.draining
         return {"health": "draining" if draining else "healthy", **asdict(load)}
+
+    def cache_events(self, full: bool = False) -> dict[str, Any] | None:
+        """The prefix cache's changes since the last call (``full``: all it holds, as a reset),
+        as plain data (`workers.engine.cache_events`); None before the start or with caching
+        off. One reader only (the controller): each call takes what the previous one left."""
+        batch = self._backend.cache_events(full) if self._backend is not None else None
+        return None if batch is None else asdict(batch)
 
     def transfer_stats(self, request_ids: list[str]) -> dict[str, dict[str, Any]]:
         """KV transfer records of recent requests (plain data; prefill and decode roles)."""

@@ -23,11 +23,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from workers.engine.cache_events import CacheEventBatch
 from workers.engine.config import EngineConfig
 from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.step_loop import StepLoop
-from workers.wire import TokenDelta, WorkerLoad
+from workers.wire import CacheNaming, TokenDelta, WorkerLoad
 
 if TYPE_CHECKING:
     from workers.engine.engine_core import EngineCore
@@ -36,6 +37,11 @@ logger = logging.getLogger(__name__)
 
 
 Sink = Callable[[TokenDelta], None]
+
+
+def cache_naming(engine: EngineCore) -> CacheNaming | None:
+    salt = engine.cache_salt
+    return None if salt is None else CacheNaming(salt, engine.config.page_size)
 
 
 def engine_counters(engine: EngineCore) -> dict[str, Any]:
@@ -79,6 +85,15 @@ class WorkerBackend(Protocol):
 
     def prefill_endpoint(self) -> bytes:
         """Prefill role: the serialized `PrefillEndpoint` decoders connect to; b"" otherwise."""
+        ...
+
+    def cache_naming(self) -> CacheNaming | None:
+        """How the engine names its cached pages (None: prefix caching off)."""
+        ...
+
+    def cache_events(self, full: bool = False) -> CacheEventBatch | None:
+        """The page names the prefix cache gained and lost since the last call (the first, or
+        with ``full``: all it holds, as a reset); None with caching off."""
         ...
 
     def close(self) -> None: ...
@@ -144,6 +159,12 @@ class MixedBackend:
 
     def prefill_endpoint(self) -> bytes:
         return b""
+
+    def cache_naming(self) -> CacheNaming | None:
+        return cache_naming(self.engine)
+
+    def cache_events(self, full: bool = False) -> CacheEventBatch | None:
+        return self._loop.call(lambda: self.engine.drain_cache_events(full))
 
     def close(self) -> None:
         """Stop the step thread, end every open stream, then stop the engine's TP ranks."""

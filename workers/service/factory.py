@@ -7,6 +7,7 @@ other. The KV backends are imported only for their roles: they load the libfabri
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,17 +24,20 @@ def create_backend(
     node: str | None = "127.0.0.1",
     transfer: dict[str, Any] | None = None,
     secret: bytes | None = None,
+    nics: Sequence[str] = (),
 ) -> WorkerBackend:
     """``transfer``: `orchestrator.config.sections.TransferConfig` fields, as plain data;
-    ``secret``: the cluster's, which authenticates KV control messages (`workers.kv.protocol`)."""
+    ``secret``: the cluster's, which authenticates KV control messages (`workers.kv.protocol`);
+    ``nics``: a KV worker's NICs, one transfer engine each instead of one on ``node``
+    (`workers.service.kv_worker.open_fabric`)."""
     if role == "mixed":
         return MixedBackend(model_dir, config)
     if role == "decode":
         from workers.service.kv_backends import DecodeBackend
 
-        return DecodeBackend(model_dir, config, provider, node, transfer or {}, secret)
+        return DecodeBackend(model_dir, config, provider, node, transfer or {}, secret, nics)
     if role == "prefill":
         from workers.service.kv_backends import PrefillBackend
 
-        return PrefillBackend(model_dir, config, provider, node, secret)
+        return PrefillBackend(model_dir, config, provider, node, secret, nics)
     raise ValueError(f"unknown worker role {role!r}")

@@ -16,10 +16,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from workers.engine.cache_events import CacheEventBatch
 from workers.engine.config import EngineConfig
 from workers.engine.sampling_params import SamplingParams
-from workers.service.backend import Sink, engine_counters
-from workers.wire import TokenDelta, WorkerLoad, client_request_id
+from workers.service.backend import Sink, cache_naming, engine_counters
+from workers.wire import CacheNaming, TokenDelta, WorkerLoad, client_request_id
 
 if TYPE_CHECKING:
     from workers.service.kv_worker import DecodeWorker, PrefillWorker, WorkerOutput
@@ -44,6 +45,7 @@ class DecodeBackend:
         node: str | None,
         transfer: dict[str, Any],
         secret: bytes | None = None,
+        nics: Sequence[str] = (),
     ) -> None:
         from workers.kv.decode_messenger import DecodeMessengerConfig
         from workers.service.kv_worker import DecodeWorker
@@ -57,7 +59,7 @@ class DecodeBackend:
             secret=secret,
         )
         self.worker: DecodeWorker = DecodeWorker(
-            model_dir, config, provider=provider, node=node, messenger_config=messenger
+            model_dir, config, provider=provider, node=node, nics=nics, messenger_config=messenger
         )
 
     def submit(
@@ -119,6 +121,12 @@ class DecodeBackend:
     def prefill_endpoint(self) -> bytes:
         return b""
 
+    def cache_naming(self) -> CacheNaming | None:
+        return cache_naming(self.worker.engine)
+
+    def cache_events(self, full: bool = False) -> CacheEventBatch | None:
+        return self.worker.cache_events(full)
+
     def close(self) -> None:
         self.worker.close()  # ends every open request with a final "worker closed" output
 
@@ -135,6 +143,7 @@ class PrefillBackend:
         provider: str,
         node: str | None,
         secret: bytes | None = None,
+        nics: Sequence[str] = (),
     ):
         from workers.kv.prefill_messenger import PrefillMessengerConfig
         from workers.service.kv_worker import PrefillWorker
@@ -144,6 +153,7 @@ class PrefillBackend:
             config,
             provider=provider,
             node=node,
+            nics=nics,
             messenger_config=PrefillMessengerConfig(secret=secret),
         )
         self._endpoint = self.worker.endpoint().to_bytes()
@@ -184,6 +194,12 @@ class PrefillBackend:
 
     def prefill_endpoint(self) -> bytes:
         return self._endpoint
+
+    def cache_naming(self) -> CacheNaming | None:
+        return cache_naming(self.worker.engine)
+
+    def cache_events(self, full: bool = False) -> CacheEventBatch | None:
+        return self.worker.cache_events(full)
 
     def close(self) -> None:
         self.worker.close()

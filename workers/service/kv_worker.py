@@ -1,4 +1,5 @@
-"""Workers: an engine, a fabric `TransferEngine` and a KV messenger in one role.
+"""Workers: an engine, a fabric `TransferEngine` (one per NIC: `NicSet`) and a KV messenger in one
+role.
 
 Each worker runs one **step thread** that alone touches the engine and the messenger's request
 state::
@@ -26,13 +27,14 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from workers.engine.cache_events import CacheEventBatch
 from workers.engine.config import EngineConfig
 from workers.engine.engine_core import EngineCore
 from workers.engine.errors import EngineClosedError
 from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.step_loop import StepLoop
-from workers.fabric import TransferEngine
+from workers.fabric import NicSet, TransferEngine
 from workers.kv.decode_messenger import DecodeMessenger, DecodeMessengerConfig
 from workers.kv.endpoint import PrefillEndpoint
 from workers.kv.prefill_messenger import PrefillMessenger, PrefillMessengerConfig
@@ -57,11 +59,12 @@ class WorkerOutput:
 OutputCallback = Callable[[WorkerOutput], None]
 
 
-def _check_fabric(fabric: TransferEngine) -> None:
+def _check_fabric(fabric: NicSet) -> None:
     """Raise once the KV fabric takes no more work (its watchdog abandoned it: a post that
     never returned): a request sent here is refused (`EngineClosedError`, UNAVAILABLE: the
     router sends it to another worker), and `state` fails, so the control plane's health check
-    replaces the worker."""
+    replaces the worker. Any of the worker's NICs lost counts: a request's writes may go
+    through each."""
     reason = fabric.closed_reason()
     if reason is not None:
         raise EngineClosedError(f"KV fabric unusable: {reason}")
@@ -128,10 +131,17 @@ def group_pools(engine: EngineCore) -> dict[str, Any]:
     return {"rank_pools": list(engine.rank_kv_caches), "sharding": engine.tp.spec.kv_sharding}
 
 
-def open_fabric(engine: EngineCore, provider: str, node: str | None) -> TransferEngine:
-    """The worker's transfer engine; with FI_HMEM when the KV pool is GPU memory, so the
-    provider moves pages between GPUs directly (`TransferEngine` docstring)."""
-    return TransferEngine(provider, node, hmem=engine.device.type == "cuda")
+def open_fabric(
+    engine: EngineCore, provider: str, node: str | None, nics: Sequence[str] = ()
+) -> NicSet:
+    """The worker's transfer engines: one on ``node``, or one per entry of ``nics`` (interface
+    names or addresses of this host, `workers.fabric.nics`; the first is the primary); with
+    FI_HMEM when the KV pool is GPU memory, so the provider moves pages between GPUs directly
+    (`TransferEngine` docstring)."""
+    hmem = engine.device.type == "cuda"
+    if nics:
+        return NicSet.open(provider, nics, hmem=hmem)
+    return NicSet([TransferEngine(provider, node, hmem=hmem)])
 
 
 class _StepHooks(Protocol):
@@ -153,13 +163,14 @@ def _assemble(
     engine_config: EngineConfig | None,
     provider: str,
     node: str | None,
+    nics: Sequence[str],
     messenger: Callable[..., M],
-) -> tuple[EngineCore, TransferEngine, StepLoop, M]:
-    """A worker's parts: its engine in ``role``, fabric, step loop (not started) and messenger,
-    each one closed again if a later one fails to build."""
+) -> tuple[EngineCore, NicSet, StepLoop, M]:
+    """A worker's parts: its engine in ``role``, fabric (`open_fabric`), step loop (not
+    started) and messenger, each one closed again if a later one fails to build."""
     engine = EngineCore(model_dir, _engine_config(engine_config, role), detokenize=False)
     try:
-        fabric = open_fabric(engine, provider, node)
+        fabric = open_fabric(engine, provider, node, nics)
     except BaseException:
         engine.close()
         raise
@@ -172,7 +183,13 @@ def _assemble(
             has_work=worker._has_work,
             on_error=worker._on_loop_error,
         )
-        built = messenger(engine, fabric, wake=loop.wake, **group_pools(engine))
+        built = messenger(
+            engine,
+            fabric.primary,
+            wake=loop.wake,
+            extra_nics=fabric.extra,
+            **group_pools(engine),
+        )
     except BaseException:
         fabric.close()
         engine.close()
@@ -190,17 +207,22 @@ class PrefillWorker:
         *,
         provider: str = "tcp;ofi_rxm",
         node: str | None = "127.0.0.1",
+        nics: Sequence[str] = (),
         messenger_config: PrefillMessengerConfig | None = None,
     ) -> None:
-        self.engine, self.fabric, self._loop, self.messenger = _assemble(
+        """``nics``: one transfer engine per entry instead of one on ``node``
+        (`open_fabric`)."""
+        self.engine, self.nics, self._loop, self.messenger = _assemble(
             self,
             "prefill",
             model_dir,
             engine_config,
             provider,
             node,
+            nics,
             partial(PrefillMessenger, config=messenger_config),
         )
+        self.fabric = self.nics.primary  # the address decoders know; control messages
         # After the step loop died: the thread that answers decoders in its place.
         self._orphan_poller: threading.Thread | None = None
         self._orphan_stop = threading.Event()
@@ -261,7 +283,7 @@ class PrefillWorker:
         )
 
     def state(self) -> dict[str, Any]:
-        _check_fabric(self.fabric)
+        _check_fabric(self.nics)
         return self._loop.call(self.messenger.state)
 
     def transfer_stats(self, request_id: str) -> dict[str, Any] | None:
@@ -270,6 +292,10 @@ class PrefillWorker:
     def step_trace(self) -> dict[str, Any]:
         """The engine's recent steps (`workers.engine.step_trace`)."""
         return self._loop.trace_snapshot()
+
+    def cache_events(self, full: bool = False) -> CacheEventBatch | None:
+        """The prefix cache's changes since the last call (`EngineCore.drain_cache_events`)."""
+        return self._loop.call(lambda: self.engine.drain_cache_events(full))
 
     def finished_transfers(self) -> dict[str, dict[str, Any]]:
         """Records of recently ended transfers by request id, oldest first (bounded memory)."""
@@ -299,7 +325,7 @@ class PrefillWorker:
             self._orphan_poller.join(5.0)
         try:
             self.messenger.close()
-            self.fabric.close()
+            self.nics.close()
         finally:
             self.engine.close()
 
@@ -323,18 +349,23 @@ class DecodeWorker:
         *,
         provider: str = "tcp;ofi_rxm",
         node: str | None = "127.0.0.1",
+        nics: Sequence[str] = (),
         messenger_config: DecodeMessengerConfig | None = None,
     ) -> None:
+        """``nics``: one transfer engine per entry instead of one on ``node``
+        (`open_fabric`)."""
         self._streams: dict[str, OutputStream] = {}
-        self.engine, self.fabric, self._loop, self.messenger = _assemble(
+        self.engine, self.nics, self._loop, self.messenger = _assemble(
             self,
             "decode",
             model_dir,
             engine_config,
             provider,
             node,
+            nics,
             partial(DecodeMessenger, config=messenger_config),
         )
+        self.fabric = self.nics.primary  # the address prefill workers answer
         self._loop.thread.start()
 
     # -- caller API (any thread) ------------------------------------------------------------
@@ -366,7 +397,7 @@ class DecodeWorker:
         prompt = list(prompt_ids)
 
         def start() -> None:
-            _check_fabric(self.fabric)
+            _check_fabric(self.nics)
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already active")
             self.engine.validate(request_id, prompt, params)
@@ -397,7 +428,7 @@ class DecodeWorker:
         return self.engine.abort(request_id)
 
     def state(self) -> dict[str, Any]:
-        _check_fabric(self.fabric)
+        _check_fabric(self.nics)
 
         def state() -> dict[str, Any]:
             if self.engine.tp is not None:
@@ -421,6 +452,10 @@ class DecodeWorker:
     def step_trace(self) -> dict[str, Any]:
         """The engine's recent steps (`workers.engine.step_trace`)."""
         return self._loop.trace_snapshot()
+
+    def cache_events(self, full: bool = False) -> CacheEventBatch | None:
+        """The prefix cache's changes since the last call (`EngineCore.drain_cache_events`)."""
+        return self._loop.call(lambda: self.engine.drain_cache_events(full))
 
     def finished_transfers(self) -> dict[str, dict[str, Any]]:
         """Records of recently ended transfers by request id, oldest first (bounded memory)."""
@@ -447,7 +482,7 @@ class DecodeWorker:
         self._loop.stop()
         try:
             self.messenger.close()
-            self.fabric.close()
+            self.nics.close()
         finally:
             self.engine.close()
         self._end_streams("worker closed")

@@ -10,9 +10,11 @@ Two ways in:
 - ``python -m workers.service.prefill_process --model DIR [--provider P] [--endpoint-file F]``: prints
   (or writes) the endpoint as hex and serves until SIGINT / SIGTERM.
 
-Options (JSON object): ``model_dir``, ``provider``, ``node``, ``engine`` (EngineConfig fields,
-e.g. ``tensor_parallel_size``: the worker is then its group's leader and spawns the other
-ranks, so the process must not be daemonic), ``messenger`` (PrefillMessengerConfig fields),
+Options (JSON object): ``model_dir``, ``provider``, ``node``, ``nics`` (a list: one transfer
+engine per NIC instead of one on ``node``, `workers.service.kv_worker.open_fabric`), ``engine``
+(EngineConfig fields, e.g. ``tensor_parallel_size``: the worker is then its group's leader and
+spawns the other ranks, so the process must not be daemonic), ``messenger``
+(PrefillMessengerConfig fields),
 ``num_threads`` (``torch.set_num_threads`` before the engine starts; TP followers never use more
 than the leader).
 """
@@ -52,6 +54,7 @@ def build_prefill_worker(options: dict[str, Any]) -> PrefillWorker:
             EngineConfig(**options.get("engine", {})),
             provider=options.get("provider", "tcp;ofi_rxm"),
             node=options.get("node", "127.0.0.1"),
+            nics=tuple(options.get("nics", ())),
             messenger_config=PrefillMessengerConfig(**options.get("messenger", {})),
         )
     )

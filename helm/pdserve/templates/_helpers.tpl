@@ -38,6 +38,11 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- .Values.ray.auth.existingSecret | default (printf "%s-ray-auth" (include "pdserve.fullname" .)) }}
 {{- end }}
 
+{{/* Secret holding the cluster's internal secret (key cluster_secret). */}}
+{{- define "pdserve.clusterSecret" -}}
+{{- .Values.clusterSecret.existingSecret | default (printf "%s-cluster-secret" (include "pdserve.fullname" .)) }}
+{{- end }}
+
 {{/* Address of the Ray dashboard, where jobs are submitted. */}}
 {{- define "pdserve.rayAddress" -}}
 http://{{ include "pdserve.fullname" . }}-head-svc.{{ .Release.Namespace }}.svc:8265
@@ -71,14 +76,19 @@ advertises a Ray custom resource pdserve_<role> and each rank asks for one unit 
 Ray places prefill ranks only on prefill pods and decode ranks only on decode pods. Each rank
 runs as many torch threads as the CPUs it requests (cpuPerRank). Workers bind every interface
 (worker_host 0.0.0.0) and register their pod's IP: the router on the head pod dials them and
-the PodMonitor scrapes them there; fabric.node stays unset, so libfabric picks the pod's NIC.
+the PodMonitor scrapes them there; fabric.node stays unset, so libfabric picks the pod's NIC
+(or fabric.nics lists the pod's interfaces to use).
 The router's TLS files and token file are those of the Secrets the head pod mounts.
 */}}
 {{- define "pdserve.clusterConfig" -}}
 {{- $groups := dict }}
 {{- range $role, $group := .Values.workerGroups }}
 {{- $resources := dict "cpu" $group.cpuPerRank "gpu" $group.gpuPerRank "custom" (dict (printf "pdserve_%s" $role) 1) }}
-{{- $entry := dict "replicas" $group.replicas "tp" $group.tpPerPod "resources_per_rank" $resources "threads" $group.cpuPerRank "fabric" (dict "provider" $.Values.fabric.provider) }}
+{{- $fabric := dict "provider" $.Values.fabric.provider }}
+{{- if ne (toString $.Values.fabric.nics) "auto" }}
+{{- $_ := set $fabric "nics" $.Values.fabric.nics }}
+{{- end }}
+{{- $entry := dict "replicas" $group.replicas "tp" $group.tpPerPod "resources_per_rank" $resources "threads" $group.cpuPerRank "fabric" $fabric }}
 {{- if $group.limits }}
 {{- $_ := set $entry "limits" $group.limits }}
 {{- end }}

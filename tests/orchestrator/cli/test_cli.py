@@ -183,12 +183,12 @@ def test_a_workers_failure_is_its_cause_in_one_line(
     ray_local: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # Ray is joined (this process's), so the directory may exist on the workers' hosts: no
-    # local check; the worker's own error (a RayTaskError carrying its traceback) is the line.
+    # local check; the worker's own error (not Ray's wrapper carrying its traceback) is the line.
     config = write_config(tmp_path / "cluster.yaml", tmp_path / "absent")
     assert main(["serve", str(config)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
-    assert err.startswith("error: FileNotFoundError: mixed-0 on node ")
+    assert err.startswith("error: ModelNotOnNodeError: mixed-0 on node ")
     assert f"no checkpoint at {tmp_path / 'absent'}" in err
 
 

@@ -20,6 +20,7 @@ The settings that only work on one node are refused once workers land on several
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 import uuid
@@ -155,7 +156,9 @@ def test_a_node_without_the_model_fails_the_start_clearly(two_nodes: str, tmp_pa
     )
     logs = ray_job(two_nodes, "logs", job_id)
     assert job_status(two_nodes, job_id) == "FAILED", logs
-    assert "no checkpoint at /nonexistent/model" in logs, logs
+    # The worker's own error, naming the node it landed on.
+    landed = rf"(prefill-0 on node {re.escape(HEAD_IP)}|decode-0 on node {re.escape(NODE_IP)})"
+    assert re.search(rf"ModelNotOnNodeError: {landed}: no checkpoint at /nonexistent/model", logs)
 
 
 def _records(*nodes: str) -> list[WorkerRecord]:
@@ -171,6 +174,10 @@ def _records(*nodes: str) -> list[WorkerRecord]:
         ({"worker_host": "127.0.0.1"}, "worker_host 127.0.0.1 is loopback"),
         ({"fabric": {"provider": "tcp;ofi_rxm", "node": "127.0.0.1"}}, "fabric.node 127.0.0.1"),
         ({"fabric": {"provider": "shm"}}, "shm moves KV within one node only"),
+        (
+            {"fabric": {"provider": "tcp;ofi_rxm", "nics": ["eth1", "127.0.0.2", "lo"]}},
+            r"fabric\.nics: 127\.0\.0\.2, lo on loopback",
+        ),
     ],
 )
 def test_one_node_settings_are_refused_across_nodes(
