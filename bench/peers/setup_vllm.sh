@@ -19,7 +19,8 @@ if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c 'import vllm' >/dev/null 2
 fi
 python=""
 for candidate in python3.12 python3.11 python3; do
-  command -v "$candidate" >/dev/null 2>&1 && { python="$candidate"; break; }
+  # Run it, not only find it: a pyenv shim is on PATH for versions it cannot start.
+  "$candidate" -c 'import venv' >/dev/null 2>&1 && { python="$candidate"; break; }
 done
 [ -n "$python" ] || { echo "error: no python3 found" >&2; exit 1; }
 [ -x "$venv/bin/python" ] || { log "creating $venv"; "$python" -m venv "$venv"; }

@@ -406,7 +406,7 @@ class ClusterConfig(Section):
         mtp_kv = role == "prefill" and self._decoders_draft_with_mtp
         caching = limits.enable_prefix_caching
         if caching is None:  # on wherever it is supported
-            caching = spec is None and not mtp_kv
+            caching = not mtp_kv and (spec is None or spec.method != "mtp")
         return EngineConfig(
             role=role,  # type: ignore[arg-type]  # checked against GROUP_ROLES
             page_size=self.page_size,

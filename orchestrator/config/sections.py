@@ -84,8 +84,8 @@ class Limits(Section):
     """Reuse the KV of full pages whose tokens, from the prompt's start, match an earlier
     request's (system prompts, earlier chat turns): those tokens are not computed again, and a
     decoder that holds them is not sent them again. null (the default): on, except in groups
-    that draft speculatively and prefill groups computing the MTP layer for them (not supported
-    together yet); true / false: on / off (true with speculative decoding is refused)."""
+    that draft with MTP and prefill groups computing the MTP layer for them (not supported
+    together yet); true / false: on / off (true with MTP drafting is refused)."""
 
     @model_validator(mode="after")
     def _consistent(self) -> Limits:

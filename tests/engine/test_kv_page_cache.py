@@ -20,6 +20,7 @@ from workers.engine.cache_events import CacheEventBatch
 from workers.engine.config import EngineConfig
 from workers.engine.engine_core import EngineCore
 from workers.engine.prefix_cache import cache_salt, extend_page_hashes
+from workers.engine.sampling_params import SamplingParams
 
 PAGE = 16
 
@@ -255,6 +256,30 @@ def test_eviction_under_a_small_pool_and_preemption_keep_parity(
             tokens[output.request_id].extend(output.new_token_ids)
     assert list(tokens.values()) == reference
     assert engine.stats.num_preemptions > 0 and engine.stats.num_prefix_cache_hits > 0
+    _pool_full(engine)
+
+
+def test_speculation_caches_the_pages_its_kept_drafts_fill(model_dir: Path) -> None:
+    """ngram drafts with caching on: a turn's kept drafts fill pages (the verify step writes them
+    before they are judged, so they are named only once kept); the next turn, the conversation
+    so far plus a question, reuses every full page of the first turn's prompt and answer, and
+    both turns' tokens are the plain engine's."""
+    from tests.engine.test_speculative import NGRAM, repetitive_prompts
+
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    first = repetitive_prompts([37])[0]
+    plain = make_engine(model_dir)
+    (answer,) = run_engine(plain, [first], params)
+    second = first + answer + prompts_of_lengths([11], seed=3)[0]
+    (expected,) = run_engine(plain, [second], params)
+
+    engine = make_engine(model_dir, enable_prefix_caching=True, speculative=NGRAM)
+    assert run_engine(engine, [first], params) == [answer]
+    stats = engine.stats
+    assert stats.num_accepted_tokens > 0  # some pages were filled by kept drafts
+    assert run_engine(engine, [second], params) == [expected]
+    # The first turn computed the KV of every token but its last answer token.
+    assert stats.num_prefix_cache_hits == (len(first) + len(answer) - 1) // PAGE * PAGE
     _pool_full(engine)
 
 

@@ -70,8 +70,10 @@ def test_config_refuses_what_does_not_exist() -> None:
         SpeculativeConfig.from_dict({"method": "ngram", "k": 3})
     with pytest.raises(ValueError, match="mixed and decode"):
         EngineConfig(role="prefill", speculative=NGRAM)
-    with pytest.raises(ValueError, match="prefix_caching"):
-        EngineConfig(enable_prefix_caching=True, speculative=NGRAM)
+    # The prefix cache keeps no MTP-layer KV (ngram and draft-model drafts cache: see
+    # tests/engine/test_kv_page_cache.py).
+    with pytest.raises(ValueError, match="MTP speculative decoding with enable_prefix_caching"):
+        EngineConfig(enable_prefix_caching=True, speculative=SpeculativeConfig(method="mtp"))
 
 
 @pytest.mark.parametrize(
@@ -265,6 +267,8 @@ def test_a_decode_group_takes_speculative_from_the_cluster_config(tmp_path: Path
     config = ClusterConfig.from_dict({"model": str(model), "groups": groups})
     assert config.engine_config("decode").speculative == SpeculativeConfig(num_speculative_tokens=4)
     assert config.engine_config("prefill").speculative is None
+    # Prefix caching is on by default beside ngram and draft-model drafts.
+    assert config.engine_config("decode").enable_prefix_caching
     groups["decode"]["speculative"] = {"method": "draft_model", "model": str(model)}
     config = ClusterConfig.from_dict({"model": str(model), "groups": groups})
     assert config.engine_config("decode").speculative == SpeculativeConfig(
@@ -299,6 +303,9 @@ def test_decoders_drafting_with_mtp_get_the_mtp_layer_from_prefill(
     config = ClusterConfig.from_dict({"model": str(deepseek_model_dir), "groups": groups})
     assert config.engine_config("prefill").mtp_kv
     assert not config.engine_config("decode").mtp_kv
+    # The prefix cache keeps no MTP-layer KV: off by default on both sides of MTP drafting.
+    assert not config.engine_config("prefill").enable_prefix_caching
+    assert not config.engine_config("decode").enable_prefix_caching
     del groups["decode"]["speculative"]
     config = ClusterConfig.from_dict({"model": str(deepseek_model_dir), "groups": groups})
     assert not config.engine_config("prefill").mtp_kv

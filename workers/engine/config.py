@@ -44,7 +44,7 @@ class EngineConfig:
         match an earlier sequence's (`workers.engine.prefix_cache`). Prefill role: a cached
         prefix is not computed again (its pages are still sent); decode role: finished
         requests' pages stay cached and a prompt's cached prefix is not transferred again.
-        Not with speculative decoding or ``mtp_kv`` yet.
+        Not with MTP speculative decoding or ``mtp_kv`` yet (the cache keeps no MTP-layer KV).
     speculative: speculative decoding (`workers.engine.speculative`): drafts verified by the
         model, lossless; mixed and decode roles, not with prefix caching yet. None: off.
     mtp_kv: prefill role: also run the checkpoint's MTP module over the prompt and send its KV
@@ -116,9 +116,11 @@ class EngineConfig:
         if self.speculative is not None:
             if self.role == "prefill":
                 raise ValueError("speculative decoding runs on mixed and decode workers")
-            if self.enable_prefix_caching:
+            if self.enable_prefix_caching and self.speculative.method == "mtp":
+                # A cached prefix has no MTP-layer KV (the cache keeps the model's layers only),
+                # so a request that hit the cache would never get an MTP draft.
                 raise ValueError(
-                    "speculative decoding with enable_prefix_caching is not supported yet"
+                    "MTP speculative decoding with enable_prefix_caching is not supported yet"
                 )
         if self.tensor_parallel_size < 1:
             raise ValueError(

@@ -494,6 +494,7 @@ class EngineCore:
             if drafts:
                 assert self.speculator is not None
                 kept = self.speculator.verify(seq, drafts, tokens)
+                self.scheduler.name_kept_drafts(seq, drafts[:kept])
                 # The kept drafts, then the target's token after them.
                 tokens = drafts[:kept] + tokens[kept : kept + 1]
                 logprobs = logprobs[: kept + 1] if logprobs else None

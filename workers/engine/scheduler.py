@@ -237,15 +237,29 @@ class Scheduler:
             self.release_pages(seq)
             seq.num_computed_tokens = 0
 
-    def _name_full_pages(self, seq: Sequence, num_new: int) -> None:
-        """Name the pages this step filled (their KV is complete)."""
-        first = (seq.num_computed_tokens - num_new) // self.page_size
-        self._name_pages(seq, first, seq.num_computed_tokens // self.page_size)
+    def name_kept_drafts(self, seq: Sequence, kept: list[int]) -> None:
+        """Name the pages that a verify step's ``kept`` drafts (not yet appended to ``seq``)
+        filled: `postprocess` names pages of the sequence's own tokens only, since it runs
+        before the drafts are judged."""
+        if self.caching and kept:
+            first = seq.num_tokens // self.page_size
+            tokens = seq.token_ids + kept
+            self._name_pages(seq, first, (seq.num_tokens + len(kept)) // self.page_size, tokens)
 
-    def _name_pages(self, seq: Sequence, first: int, full: int) -> None:
+    def _name_full_pages(self, seq: Sequence, num_new: int) -> None:
+        """Name the pages this step filled with the sequence's own tokens (their KV is
+        complete); pages holding drafts wait for their verdict (`name_kept_drafts`)."""
+        first = (seq.num_computed_tokens - num_new) // self.page_size
+        full = min(seq.num_computed_tokens, seq.num_tokens) // self.page_size
+        self._name_pages(seq, first, full)
+
+    def _name_pages(
+        self, seq: Sequence, first: int, full: int, token_ids: list[int] | None = None
+    ) -> None:
         if full <= first:
             return
-        names = extend_page_hashes(seq.page_hashes, seq.token_ids, self.page_size, full, self.salt)
+        tokens = seq.token_ids if token_ids is None else token_ids
+        names = extend_page_hashes(seq.page_hashes, tokens, self.page_size, full, self.salt)
         for index in range(first, full):
             self.block_manager.register(seq.page_ids[index], names[index])
 
