@@ -49,6 +49,7 @@ from tests.engine.engine_helpers import (
     run_engine,
 )
 from tests.engine.model_helpers import reference_mtp_draft
+from tests.engine.test_speculative import repetitive_prompts
 from tests.kv.harness import RemotePrefill
 from tests.waiting import wait_until
 from workers.engine.config import EngineConfig
@@ -368,17 +369,23 @@ def test_mtp_decoder_gets_the_mtp_layer_and_drafts_from_the_shipped_state(
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize(("p", "d"), [(1, 2), (2, 2)])
+@pytest.mark.parametrize(("p", "d", "speculating"), [(1, 2, False), (2, 2, False), (1, 1, True)])
 def test_prefix_caching_on_both_sides_keeps_parity_and_skips_held_pages(
-    p: int, d: int, references: dict[str, Reference]
+    p: int, d: int, speculating: bool, references: dict[str, Reference]
 ) -> None:
     """Prefix caching on both groups under TP: a second turn reuses the prefill worker's
     cached pages (every rank's pool holds their KV) and is written only past the pages the
-    decoder holds (every rank's pool), with the tokens of a plain engine."""
+    decoder holds (every rank's pool), with the tokens of a plain engine. A speculating
+    decoder (ngram) holds the pages its kept drafts filled as well."""
     reference = references["tiny"]
     plain = make_engine(reference.model_dir)
     system, follow_up = prompts_of_lengths([75, 28], seed=21)
-    pair = TPPair(reference.model_dir, p, d, prefix_caching=True)
+    spec = None
+    if speculating:
+        # A repeated phrase, so that prompt lookup's drafts are kept in the first answer.
+        (system,) = repetitive_prompts([75])
+        spec = SpeculativeConfig(num_speculative_tokens=3)
+    pair = TPPair(reference.model_dir, p, d, spec, prefix_caching=True)
     try:
         assert pair.decode is not None and pair.prefill is not None
         answer, final = pair.decode.submit("turn1", system, GREEDY, pair.endpoint).result(90)
@@ -407,6 +414,8 @@ def test_prefix_caching_on_both_sides_keeps_parity_and_skips_held_pages(
             max_run,
         )
         assert pair.prefill.state()["num_prefix_cache_hits"] == (len(system) - 1) // PAGE * PAGE
+        if speculating:  # some of what the decoder held came from kept drafts
+            assert pair.decode.engine.stats.num_accepted_tokens > 0
         wait_until(
             lambda: (
                 pair.decode is not None and pair.decode.state()["num_free_pages"] == DECODE_PAGES
