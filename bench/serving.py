@@ -7,7 +7,9 @@
 Every server serves the same checkpoint (the configs' model; vLLM in float32) on this machine,
 alone; vLLM's own benchmark client (``vllm bench serve``, random dataset, ``--ignore-eos``,
 greedy) drives each over its OpenAI ``/v1/completions`` endpoint, so the figures are what a user
-of either would measure. Needs vLLM's venv: ``make bench-peers``. How the runs are ordered and
+of either would measure. A seed's runs at its several rates send different prompts (the
+client's seed is the seed + 1000 x the rate's position): both servers cache prefixes, and a
+repeated prompt list would be served from the cache. Needs vLLM's venv: ``make bench-peers``. How the runs are ordered and
 summarised: `peers.compare_serving`. Progress goes to stderr; the table to stdout.
 """
 
@@ -101,7 +103,7 @@ def main() -> int:
                 log = args.logs / f"{label.replace(' ', '_')}-{workload.name}-{seed}.log"
                 print(f"[serving] starting {label} (log: {log})", file=sys.stderr, flush=True)
                 with running(server, PORT, log):
-                    for rate in rates:
+                    for rate_index, rate in enumerate(rates):
                         result_path = (
                             args.logs
                             / "results"
@@ -116,7 +118,10 @@ def main() -> int:
                             workload=workload,
                             rate=rate,
                             num_prompts=args.num_prompts,
-                            seed=seed,
+                            # Each rate gets prompts of its own: the same seed would send
+                            # the same prompts again, which both servers' prefix caches then
+                            # answer without computing them.
+                            seed=seed + 1000 * rate_index,
                         )
                         with (args.logs / "client.log").open("a") as client_log:
                             done = subprocess.run(
