@@ -29,6 +29,7 @@ from peers.compare_serving import (
     WORKLOADS,
     Server,
     client_command,
+    client_seed,
     format_rows,
     keep,
     medians,
@@ -118,10 +119,7 @@ def main() -> int:
                             workload=workload,
                             rate=rate,
                             num_prompts=args.num_prompts,
-                            # Each rate gets prompts of its own: the same seed would send
-                            # the same prompts again, which both servers' prefix caches then
-                            # answer without computing them.
-                            seed=seed + 1000 * rate_index,
+                            seed=client_seed(seed, rate_index),
                         )
                         with (args.logs / "client.log").open("a") as client_log:
                             done = subprocess.run(

@@ -222,6 +222,14 @@ def keep(result: dict[str, Any]) -> dict[str, float]:
     return {key: float(result.get(key) or 0.0) for key in METRICS}
 
 
+def client_seed(seed: int, rate_index: int) -> int:
+    """The client's seed for a seed's run at its ``rate_index``-th rate: the prompts (and
+    arrivals) differ from rate to rate, since a server that saw a prompt list at one rate would
+    answer it from its prefix cache at the next (both servers cache prefixes). The first rate
+    keeps the seed itself."""
+    return seed + 1000 * rate_index
+
+
 def server_order(labels: Sequence[str], seed_index: int) -> list[str]:
     """The servers rotated by one per seed: A B C, B C A, C A B, ..."""
     shift = seed_index % len(labels) if labels else 0

@@ -90,6 +90,17 @@ def test_both_servers_get_the_same_client_arguments(peers_on_path: None) -> None
     assert "--ignore-eos" in rest and pairs["--endpoint"] == "/v1/completions"
 
 
+def test_each_rate_of_a_seed_sends_prompts_of_its_own(peers_on_path: None) -> None:
+    # One server serves a seed's rates in turn: a repeated prompt list would be answered from
+    # its prefix cache.
+    from peers.compare_serving import client_seed
+
+    for seed in (0, 3, 999):
+        seeds = [client_seed(seed, i) for i in range(10)]
+        assert len(set(seeds)) == 10
+        assert seeds[0] == seed  # a one-rate run is the run it always was
+
+
 def test_a_missing_vllm_venv_is_one_line_naming_make_bench_peers(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "serving.py")],
