@@ -9,8 +9,9 @@ alone; vLLM's own benchmark client (``vllm bench serve``, random dataset, ``--ig
 greedy) drives each over its OpenAI ``/v1/completions`` endpoint, so the figures are what a user
 of either would measure. A seed's runs at its several rates send different prompts (the
 client's seed is the seed + 1000 x the rate's position): both servers cache prefixes, and a
-repeated prompt list would be served from the cache. Needs vLLM's venv: ``make bench-peers``. How the runs are ordered and
-summarised: `peers.compare_serving`. Progress goes to stderr; the table to stdout.
+repeated prompt list would be served from the cache. Needs vLLM's venv: ``make bench-peers``.
+How the runs are ordered and summarised: `peers.compare_serving`. Progress goes to stderr; the
+table to stdout.
 """
 
 from __future__ import annotations

@@ -375,8 +375,8 @@ def test_prefix_caching_on_both_sides_keeps_parity_and_skips_held_pages(
 ) -> None:
     """Prefix caching on both groups under TP: a second turn reuses the prefill worker's
     cached pages (every rank's pool holds their KV) and is written only past the pages the
-    decoder holds (every rank's pool), with the tokens of a plain engine. A speculating
-    decoder (ngram) holds the pages its kept drafts filled as well."""
+    decoder holds (every rank's pool), with the tokens of a plain engine; also with a decoder
+    that speculates (ngram) and keeps some of its drafts."""
     reference = references["tiny"]
     plain = make_engine(reference.model_dir)
     system, follow_up = prompts_of_lengths([75, 28], seed=21)

@@ -46,7 +46,8 @@ class EngineConfig:
         requests' pages stay cached and a prompt's cached prefix is not transferred again.
         Not with MTP speculative decoding or ``mtp_kv`` yet (the cache keeps no MTP-layer KV).
     speculative: speculative decoding (`workers.engine.speculative`): drafts verified by the
-        model, lossless; mixed and decode roles, not with prefix caching yet. None: off.
+        model, lossless; mixed and decode roles (with prefix caching for ngram and draft-model
+        drafts, not MTP). None: off.
     mtp_kv: prefill role: also run the checkpoint's MTP module over the prompt and send its KV
         as the pool's last layer, which decoders that draft with ``mtp`` need (the cluster
         sets it on the prefill group when its decode group does).
