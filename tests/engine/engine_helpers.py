@@ -51,6 +51,15 @@ def prompts_of_lengths(lengths: Sequence[int], seed: int = 0, high: int = 256) -
     return [torch.randint(0, high, (n,), generator=generator).tolist() for n in lengths]
 
 
+def repetitive_prompts(lengths: Sequence[int], seed: int = 0) -> list[list[int]]:
+    """Prompts that repeat a short random phrase, so prompt lookup finds what comes next (a
+    random model copies such patterns often enough for drafts to be kept and rejected)."""
+    phrases = prompts_of_lengths([5 + i % 4 for i in range(len(lengths))], seed=seed)
+    return [
+        (phrase * (n // len(phrase) + 1))[:n] for phrase, n in zip(phrases, lengths, strict=True)
+    ]
+
+
 def run_engine(
     engine: EngineCore,
     prompts: Sequence[Sequence[int]],

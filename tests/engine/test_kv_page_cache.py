@@ -13,6 +13,7 @@ from tests.engine.engine_helpers import (
     hf_greedy,
     make_engine,
     prompts_of_lengths,
+    repetitive_prompts,
     run_engine,
 )
 from workers.engine.block_manager import BlockManager, PageAllocationError
@@ -21,6 +22,7 @@ from workers.engine.config import EngineConfig
 from workers.engine.engine_core import EngineCore
 from workers.engine.prefix_cache import cache_salt, extend_page_hashes
 from workers.engine.sampling_params import SamplingParams
+from workers.engine.speculative import SpeculativeConfig
 
 PAGE = 16
 
@@ -264,8 +266,6 @@ def test_speculation_caches_the_pages_its_kept_drafts_fill(model_dir: Path) -> N
     before they are judged, so they are named only once kept); the next turn, the conversation
     so far plus a question, reuses every full page of the first turn's prompt and answer, and
     both turns' tokens are the plain engine's."""
-    from tests.engine.test_speculative import NGRAM, repetitive_prompts
-
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     first = repetitive_prompts([37])[0]
     plain = make_engine(model_dir)
@@ -273,7 +273,11 @@ def test_speculation_caches_the_pages_its_kept_drafts_fill(model_dir: Path) -> N
     second = first + answer + prompts_of_lengths([11], seed=3)[0]
     (expected,) = run_engine(plain, [second], params)
 
-    engine = make_engine(model_dir, enable_prefix_caching=True, speculative=NGRAM)
+    engine = make_engine(
+        model_dir,
+        enable_prefix_caching=True,
+        speculative=SpeculativeConfig(num_speculative_tokens=3),
+    )
     assert run_engine(engine, [first], params) == [answer]
     stats = engine.stats
     assert stats.num_accepted_tokens > 0  # some pages were filled by kept drafts

@@ -16,7 +16,12 @@ import pytest
 import torch
 from torch import Tensor
 
-from tests.engine.engine_helpers import make_engine, prompts_of_lengths, run_engine
+from tests.engine.engine_helpers import (
+    make_engine,
+    prompts_of_lengths,
+    repetitive_prompts,
+    run_engine,
+)
 from tests.engine.model_helpers import reference_mtp_draft, reference_mtp_drafts
 from workers.engine import engine_core, speculator
 from workers.engine.config import EngineConfig
@@ -26,15 +31,6 @@ from workers.engine.sequence import Sequence as Seq
 from workers.engine.speculative import SpeculativeConfig, accepted_prefix, propose_ngram
 
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
-
-
-def repetitive_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
-    """Prompts that repeat a short random phrase, so prompt lookup finds what comes next (a
-    random model copies such patterns often enough for drafts to be kept and rejected)."""
-    phrases = prompts_of_lengths([5 + i % 4 for i in range(len(lengths))], seed=seed)
-    return [
-        (phrase * (n // len(phrase) + 1))[:n] for phrase, n in zip(phrases, lengths, strict=True)
-    ]
 
 
 def test_ngram_proposes_what_followed_the_latest_match() -> None:

@@ -46,10 +46,10 @@ from tests.engine.engine_helpers import (
     hf_greedy,
     make_engine,
     prompts_of_lengths,
+    repetitive_prompts,
     run_engine,
 )
 from tests.engine.model_helpers import reference_mtp_draft
-from tests.engine.test_speculative import repetitive_prompts
 from tests.kv.harness import RemotePrefill
 from tests.waiting import wait_until
 from workers.engine.config import EngineConfig

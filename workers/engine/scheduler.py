@@ -241,10 +241,10 @@ class Scheduler:
         """Name the pages that a verify step's ``kept`` drafts (not yet appended to ``seq``)
         filled: `postprocess` names pages of the sequence's own tokens only, since it runs
         before the drafts are judged."""
-        if self.caching and kept:
-            first = seq.num_tokens // self.page_size
-            tokens = seq.token_ids + kept
-            self._name_pages(seq, first, (seq.num_tokens + len(kept)) // self.page_size, tokens)
+        first = seq.num_tokens // self.page_size
+        full = (seq.num_tokens + len(kept)) // self.page_size
+        if self.caching and full > first:  # copy the token list only when a page filled
+            self._name_pages(seq, first, full, seq.token_ids + kept)
 
     def _name_full_pages(self, seq: Sequence, num_new: int) -> None:
         """Name the pages this step filled with the sequence's own tokens (their KV is
