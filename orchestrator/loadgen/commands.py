@@ -363,13 +363,19 @@ def _simulate_runs(
     cost: CostModel, runs: list[ClusterRun], options: BenchOptions, args: argparse.Namespace
 ) -> dict[str, Any]:
     from orchestrator.loadgen.requests import kept_specs
-    from orchestrator.loadgen.validate import compare_to_measured, format_validation, predict
+    from orchestrator.loadgen.validate import (
+        acceptance_of,
+        compare_to_measured,
+        format_validation,
+        predict,
+    )
     from workers.log import echo, progress
 
     specs = kept_specs(options.workload, options.duration_s, options.num_warmup)
     validation: dict[str, Any] = {}
     for run in progress(runs, desc="simulating", unit="config"):
-        prediction = predict(cost, run.config, specs, args.warmup)
+        acceptance = acceptance_of(run.step_traces)
+        prediction = predict(cost, run.config, specs, args.warmup, acceptance=acceptance)
         validation[run.name] = compare_to_measured(prediction, run.summary)
         echo(format_validation(run.name, validation[run.name]))
     validation["calibration"] = args.simulate
@@ -415,6 +421,7 @@ def _run_validate(args: argparse.Namespace) -> int:
     from orchestrator.loadgen.requests import kept_specs
     from orchestrator.loadgen.validate import (
         TOLERANCE,
+        acceptance_of,
         compare_to_measured,
         format_validation,
         median_of,
@@ -464,7 +471,15 @@ def _run_validate(args: argparse.Namespace) -> int:
     for run in progress(document["runs"], desc="simulating", unit="config"):
         name = run["name"]
         config = load_config(document["configs"][name], None)
-        prediction = predict(cost, config, specs, options.num_warmup, seeds)
+        # A speculating config: the acceptance its workers had over all the repeats.
+        traces = [
+            trace
+            for other in documents
+            for other_run in other["runs"]
+            if other_run["name"] == name
+            for trace in other_run.get("step_traces") or []
+        ]
+        prediction = predict(cost, config, specs, options.num_warmup, seeds, acceptance_of(traces))
         summaries, per_result = [], {}
         for path, other in zip(args.result, documents, strict=True):
             summary = next(r["summary"] for r in other["runs"] if r["name"] == name)

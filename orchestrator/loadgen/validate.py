@@ -11,6 +11,11 @@ requests left out as in the measurement); its TTFT ends when the first token is 
 the cost model's fixed
 per-request overhead (router, gRPC, client, KV admission: `orchestrator.loadgen.overheads`
 derives it from a measured run; 0 when the calibration has none).
+
+The engine settings come from the config too (`serving_options`): prefix caching as each
+group's engine runs it, the router's policy, and a decode (or mixed) group's speculative
+decoding with the acceptance the run had, summed from its workers' draft counters (saved with
+their step traces: `acceptance_of`).
 """
 
 from __future__ import annotations
@@ -23,7 +28,9 @@ import numpy as np
 from orchestrator.config.cluster import ClusterConfig
 from orchestrator.sim.cost import CostModel
 from orchestrator.sim.instances import EngineLimits
+from orchestrator.sim.options import RoutingName, ServingOptions
 from orchestrator.sim.simulator import Layout, SimResult, Simulator
+from orchestrator.sim.speculative import SPEC_METHODS, SpecDecoding
 from orchestrator.sim.workload import RequestSpec
 from workers.engine.config import DEFAULT_KV_MEMORY_BYTES
 
@@ -75,9 +82,74 @@ def limits_of(config: ClusterConfig, role: str, cost: CostModel) -> EngineLimits
     )
 
 
-def simulator_for(cost: CostModel, config: ClusterConfig, seed: int = 0) -> Simulator:
+def acceptance_of(step_traces: Sequence[dict[str, Any]]) -> tuple[float, ...] | None:
+    """The conditional acceptance per draft position that the decode (or mixed) workers of a
+    run had, from the draft counters their step traces carry (summed over workers); None
+    when none speculated."""
+    from orchestrator.sim.spec_profile import acceptance_from_counters
+
+    counters = [
+        trace["speculative"]
+        for trace in step_traces
+        if trace.get("role") in ("decode", "mixed") and "speculative" in trace
+    ]
+    if not counters:
+        return None
+    k = max(int(c["num_speculative_tokens"]) for c in counters)
+    kept = [0.0] * k
+    for c in counters:
+        for position, count in enumerate(c["num_accepted_tokens_per_pos"][:k]):
+            kept[position] += float(count)
+    drafts = sum(float(c["num_draft_tokens"]) for c in counters)
+    return acceptance_from_counters(drafts, kept, k)
+
+
+def serving_options(
+    config: ClusterConfig, acceptance: Sequence[float] | None = None
+) -> ServingOptions:
+    """What the served cluster's engines and router did beyond their limits, as the
+    simulator's options: the decode (or mixed) group's speculative decoding with
+    ``acceptance`` (its measured profile), prefix caching as that group's engines run it, the
+    router's policy and weights."""
+    role = "decode" if config.is_disaggregated else "mixed"
+    group = config.group(role)
+    speculative = None
+    if group.speculative is not None:
+        method = group.speculative.method
+        if method not in SPEC_METHODS:
+            raise ValueError(
+                f"groups.{role} drafts with {method}: the simulator models {list(SPEC_METHODS)}"
+            )
+        k = group.speculative.num_speculative_tokens
+        if acceptance is None:
+            raise ValueError(
+                f"groups.{role} speculates: the run's acceptance is needed (its workers' step "
+                "traces carry their draft counters; rerun the compare that saved none)"
+            )
+        if len(acceptance) < k:
+            raise ValueError(f"an acceptance of {len(acceptance)} draft positions, not {k}")
+        speculative = SpecDecoding(tuple(acceptance[:k]), method=method)
+    router = config.router
+    # The simulator balances load one way: round_robin and random spread it evenly too.
+    routing: RoutingName = "kv_aware" if router.policy == "kv_aware" else "least_outstanding"
+    return ServingOptions(
+        speculative=speculative,
+        prefix_caching=bool(config.engine_config(role).enable_prefix_caching),
+        routing=routing,
+        kv_cache_weight=router.kv_cache_weight,
+        kv_load_weight=router.kv_load_weight,
+    )
+
+
+def simulator_for(
+    cost: CostModel,
+    config: ClusterConfig,
+    seed: int = 0,
+    options: ServingOptions | None = None,
+) -> Simulator:
     """A simulator of the served cluster: its layout and each group's limits and KV pool;
-    ``seed``: of the cost model's step-time noise, if it has any."""
+    ``seed``: of the cost model's step-time noise, if it has any; ``options``: the engine and
+    router settings (`serving_options`; a cluster without drafts when None)."""
     layout = layout_of(config)
     if config.is_disaggregated:
         return Simulator(
@@ -86,8 +158,9 @@ def simulator_for(cost: CostModel, config: ClusterConfig, seed: int = 0) -> Simu
             limits_of(config, "decode", cost),
             prefill_limits=limits_of(config, "prefill", cost),
             seed=seed,
+            options=options,
         )
-    return Simulator(cost, layout, limits_of(config, "mixed", cost), seed=seed)
+    return Simulator(cost, layout, limits_of(config, "mixed", cost), seed=seed, options=options)
 
 
 def predict(
@@ -96,26 +169,34 @@ def predict(
     specs: list[RequestSpec],
     num_warmup: int,
     seeds: Sequence[int] = (0,),
+    acceptance: Sequence[float] | None = None,
 ) -> dict[str, float]:
     """``cost``: a model, or its spec (``calibrated:PATH``). ``seeds``: of the step-time noise
     (a model with a spread); with several, each figure is the median of one run per seed, as
-    a measured figure is compared as the median of repeats."""
+    a measured figure is compared as the median of repeats. ``acceptance``: the measured
+    profile, for a config that speculates (`serving_options`)."""
     if isinstance(cost, str):
         from orchestrator.sim.cost import create_cost_model
 
         cost = create_cost_model(cost)
     if not seeds:
         raise ValueError("predict needs at least one noise seed")
-    runs = [_predict_once(cost, config, specs, num_warmup, seed) for seed in seeds]
+    options = serving_options(config, acceptance)
+    runs = [_predict_once(cost, config, specs, num_warmup, seed, options) for seed in seeds]
     return {key: float(np.median([run[key] for run in runs])) for key in runs[0]}
 
 
 def _predict_once(
-    cost: CostModel, config: ClusterConfig, specs: list[RequestSpec], num_warmup: int, seed: int
+    cost: CostModel,
+    config: ClusterConfig,
+    specs: list[RequestSpec],
+    num_warmup: int,
+    seed: int,
+    options: ServingOptions,
 ) -> dict[str, float]:
     from orchestrator.sim.metrics import summarize
 
-    result = simulator_for(cost, config, seed).run(specs)
+    result = simulator_for(cost, config, seed, options).run(specs)
     measured = tuple(r for r in result.records if r.request_id >= num_warmup)
     # Warm-up requests are left out as in the measurement, their tokens' gaps with them: the
     # ITL percentiles pool the kept records' gaps (`metrics.summarize`).

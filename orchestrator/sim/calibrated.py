@@ -16,10 +16,11 @@ measured run (`orchestrator.loadgen.overheads`); absent, they are 0.
 Fits (least squares, coefficients kept >= 0 by dropping a feature that comes out negative):
 prefill = a + b * tokens + c * attention (attention = the positions the chunk's tokens attend
 to); decode = a + b * batch + c * kv_tokens; transfer = a + bytes / bandwidth (no points: free).
-A mixed step pays the larger intercept once plus every variable term. Speculative decoding
-is not measured by any calibration yet: a verified draft is priced as one more decode row over
-its sequence's context, and a position of the MTP module as one layer's share of a token
-(`CalibratedCostModel._price`), an assumption a calibration with drafts should replace.
+A mixed step pays the larger intercept once plus every variable term. A verified draft is
+priced as one more decode row over its sequence's context, which a fit to a speculating run's
+step traces measures (they count each verified draft as a decode row: `trace_fit`); a position
+of the MTP module as one layer's share of a token (`CalibratedCostModel._price`), an
+assumption no calibration has measured yet.
 
 Shared cores: a calibration taken with ``--concurrent N`` (``"contention": {"processes": N}``)
 holds its points measured while N - 1 other engine processes stepped, and under ``"alone"``
@@ -175,9 +176,10 @@ class CalibratedCostModel:
             + d_seq * shape.num_decode_seqs
             + d_kv * shape.num_decode_kv_tokens
         )
-        # Speculative decoding, not measured yet: a draft is one more decode row reading its
-        # sequence's context (the per-sequence and per-KV-token terms), and an MTP position
-        # one layer of a token's pass (the per-token cost of whichever role the fit has).
+        # Speculative decoding: a draft is one more decode row reading its sequence's context
+        # (the per-sequence and per-KV-token terms, as step traces count it), and an MTP
+        # position one layer of a token's pass (the per-token cost of whichever role the fit
+        # has; not measured).
         per_token = max(p_token, d_seq)
         variable += (
             d_seq * shape.num_draft_tokens

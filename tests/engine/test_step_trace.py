@@ -11,6 +11,7 @@ import pytest
 from tests.engine.engine_helpers import make_engine
 from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import SamplingParams
+from workers.engine.speculative import SpeculativeConfig
 from workers.engine.step_loop import StepLoop
 from workers.engine.step_trace import StepTrace
 
@@ -44,11 +45,12 @@ def test_mixed_steps_account_for_every_token_and_mark_busy_cycles(tiny_model_dir
         _run(loop, done, [(40, 6), (5, 3)], "a")
         first = loop.call(loop.trace.snapshot)
         _run(loop, done, [(20, 2)], "b")
-        trace = loop.call(loop.trace.snapshot)
+        trace = loop.trace_snapshot()
     finally:
         loop.stop()
 
     records = trace["records"]
+    assert "speculative" not in trace  # no drafts, no counters
     assert trace["num_recorded"] == len(records) == engine.stats.num_steps
     assert trace["num_dropped"] == 0
     burst = len(first["records"])
@@ -80,6 +82,46 @@ def test_mixed_steps_account_for_every_token_and_mark_busy_cycles(tiny_model_dir
     assert totals(records[burst:]) == [20, attention(20), 1, kv(20, 2)]
     # 32-token budget: the 40-token prompt takes two chunks, with decodes of the other.
     assert max(r[3] for r in records) == 32
+
+
+def test_verified_drafts_are_decode_rows(tiny_model_dir: Path) -> None:
+    """A speculating step verifies its drafts in the newest token's chunk: the trace counts
+    each as one more decode row over its sequence's context (as the simulator prices a
+    draft), not as prefill."""
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    engine = make_engine(tiny_model_dir, speculative=spec)
+    done = threading.Event()
+
+    def on_outputs(outputs: list[RequestOutput]) -> None:
+        if not engine.has_unfinished():
+            done.set()
+
+    loop = StepLoop("trace-spec-test", engine, on_outputs)
+    loop.thread.start()
+    try:
+        _run(loop, done, [(24, 40)], "s")  # one repeated token: n-gram lookup finds drafts
+        trace = loop.trace_snapshot()
+    finally:
+        loop.stop()
+
+    records = trace["records"]
+    drafts = engine.stats.num_draft_tokens
+    assert drafts > 0
+    # The draft counters travel with the trace: the simulator's acceptance for this run.
+    assert trace["speculative"] == {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "num_draft_tokens": drafts,
+        "num_accepted_tokens_per_pos": engine.stats.num_accepted_tokens_per_pos,
+    }
+    prefill_tokens = sum(r[3] for r in records)
+    prefill_attention = sum(r[4] for r in records)
+    assert (prefill_tokens, prefill_attention) == (24, 24 * 25 // 2)
+    decode_steps = [r for r in records if r[5]]
+    # One sequence: each decode step is its newest token plus the drafts it verified.
+    assert sum(r[5] for r in decode_steps) == len(decode_steps) + drafts
+    # A row at position p attends to p + 1 positions: at least the context it extends.
+    assert all(r[6] >= r[5] * 25 for r in decode_steps)
 
 
 def test_the_trace_keeps_the_newest_records() -> None:

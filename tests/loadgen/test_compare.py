@@ -45,6 +45,7 @@ def test_ratios_and_verdicts() -> None:
     [
         ("bench-disagg.yaml", "bench-colocated.yaml", (1, 1), 2),
         ("bench-disagg-2p1d.yaml", "bench-colocated-3m.yaml", (2, 1), 3),
+        ("bench-disagg-2p1d-ngram.yaml", "bench-colocated-3m-ngram.yaml", (2, 1), 3),
     ],
 )
 def test_bench_configs_have_the_same_worker_processes(
@@ -67,6 +68,24 @@ def test_bench_configs_have_the_same_worker_processes(
         == limits_of(disaggregated, "prefill", cost)
         == EngineLimits(32, 256, 16384)
     )
+
+
+@pytest.mark.parametrize(
+    ("speculating", "plain"),
+    [
+        ("bench-disagg-2p1d-ngram.yaml", "bench-disagg-2p1d.yaml"),
+        ("bench-colocated-3m-ngram.yaml", "bench-colocated-3m.yaml"),
+    ],
+)
+def test_the_speculating_bench_configs_differ_only_in_their_drafts(
+    speculating: str, plain: str
+) -> None:
+    config = load_config(CONFIGS / speculating, "/nonexistent/model")
+    drafting = [g for g in config.groups if g.speculative is not None]
+    assert [g.role for g in drafting] == ["decode" if "disagg" in speculating else "mixed"]
+    assert drafting[0].speculative.method == "ngram"  # type: ignore[union-attr]
+    without = config.replace(groups=tuple(g.replace(speculative=None) for g in config.groups))
+    assert without == load_config(CONFIGS / plain, "/nonexistent/model")
 
 
 def test_predictions_from_a_calibration_file(tmp_path: Path) -> None:

@@ -149,7 +149,7 @@ def test_compare_writes_the_measured_result_before_simulating_it(
 ) -> None:
     monkeypatch.setattr(compare, "run_cluster", _FakeClusters())
 
-    def unservable(*args: object) -> None:
+    def unservable(*args: object, **kwargs: object) -> None:
         raise ValueError("a request the simulated pool cannot hold")
 
     monkeypatch.setattr(validate, "predict", unservable)
@@ -274,3 +274,52 @@ def test_validate_refuses_a_saved_run_that_measured_nothing(
     calibration = _calibration(tmp_path)
     assert main(["bench", "validate", str(result), "--calibration", str(calibration)]) == 2
     assert "pdserve bench validate: warm-up must be in [0, 1)" in capsys.readouterr().err
+
+
+def _speculating(config: ClusterConfig, role: str, k: int = 2) -> ClusterConfig:
+    from orchestrator.config.sections import SpeculativeSection
+
+    spec = SpeculativeSection(method="ngram", num_speculative_tokens=k)
+    groups = tuple(g.replace(speculative=spec) if g.role == role else g for g in config.groups)
+    return config.replace(groups=groups)
+
+
+def _spec_trace(role: str, drafts: int, kept: list[int], k: int = 2) -> dict[str, Any]:
+    counters = {"method": "ngram", "num_speculative_tokens": k, "num_draft_tokens": drafts,
+                "num_accepted_tokens_per_pos": kept}  # fmt: skip
+    return {"worker_id": f"{role}-0", "role": role, "records": [], "speculative": counters}
+
+
+def test_the_runs_acceptance_comes_from_its_decoders_draft_counters() -> None:
+    # Two decoders: 60 verifications of 2 drafts, 45 first drafts kept, 15 second ones.
+    traces = [
+        {"worker_id": "prefill-0", "role": "prefill", "records": []},
+        _spec_trace("decode", 80, [30, 10]),
+        _spec_trace("decode", 40, [15, 5]),
+    ]
+    assert validate.acceptance_of(traces) == pytest.approx((0.75, 1 / 3))
+    assert validate.acceptance_of(traces[:1]) is None  # nothing speculated
+
+
+def test_the_simulated_cluster_speculates_and_caches_as_the_config_says() -> None:
+    config = load_config(CONFIGS / "bench-disagg.yaml", "/nonexistent/model")
+    plain = validate.serving_options(config)
+    assert plain.speculative is None and plain.prefix_caching
+    assert plain.routing == "least_outstanding"
+    speculating = _speculating(config, "decode")
+    with pytest.raises(ValueError, match="the run's acceptance is needed"):
+        validate.serving_options(speculating)
+    with pytest.raises(ValueError, match="1 draft positions, not 2"):
+        validate.serving_options(speculating, (0.5,))
+    options = validate.serving_options(speculating, (0.75, 0.5, 0.1))
+    assert options.speculative is not None
+    assert (options.speculative.method, options.speculative.acceptance) == ("ngram", (0.75, 0.5))
+    uncached = _with_limits(config, None, enable_prefix_caching=False)
+    assert not validate.serving_options(uncached).prefix_caching
+
+    # Drafts that are always kept emit three tokens a step: a saturated cluster puts out more.
+    cost = affine()
+    workload = Workload(50.0, 40, LengthDist.parse("fixed:128"), LengthDist.parse("fixed:64"))
+    kept = predict(cost, speculating, workload.requests(), 0, acceptance=(1.0, 1.0))
+    rejected = predict(cost, speculating, workload.requests(), 0, acceptance=(0.0, 0.0))
+    assert kept["output_token_throughput"] > 1.5 * rejected["output_token_throughput"]

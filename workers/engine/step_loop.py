@@ -150,8 +150,25 @@ class StepLoop:
         self._wake.set()
 
     def trace_snapshot(self) -> dict[str, Any]:
-        """The engine's recent steps (`StepTrace.snapshot`), read on the loop thread."""
-        return self.call(self.trace.snapshot)
+        """The engine's recent steps (`StepTrace.snapshot`), read on the loop thread; with
+        speculative decoding on, also its draft counters since the start under
+        ``"speculative"`` (the form `orchestrator.sim.spec_profile` reads), from which the
+        simulator takes the acceptance a traced run had."""
+
+        def snapshot() -> dict[str, Any]:
+            trace = self.trace.snapshot()
+            spec = self._engine.config.speculative
+            if spec is not None:
+                stats = self._engine.stats
+                trace["speculative"] = {
+                    "method": spec.method,
+                    "num_speculative_tokens": spec.num_speculative_tokens,
+                    "num_draft_tokens": stats.num_draft_tokens,
+                    "num_accepted_tokens_per_pos": list(stats.num_accepted_tokens_per_pos),
+                }
+            return trace
+
+        return self.call(snapshot)
 
     def stop(self, timeout: float = 30.0) -> None:
         with self._lock:

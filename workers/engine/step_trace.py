@@ -17,10 +17,12 @@ mean anything); ``seconds`` is the engine step plus the hand-off of its outputs;
 is 1 when the loop went idle (waited for work) since the previous record, so that the time
 from one start to the next is a *busy cycle* (the step plus the loop's own work between
 steps: messenger polls, calls from other threads) only where it is 0. The shape fields are
-those of the simulator's `orchestrator.sim.cost.StepShape`: a chunk of one token at or after
-the last prompt position that samples is a decode (``decode_kv_tokens`` counts the positions
-it attends to, itself included); any other chunk is prefill (``prefill_attention``: the
-positions its tokens attend to).
+those of the simulator's `orchestrator.sim.cost.StepShape`: a chunk that samples and starts at
+or after the last prompt position is a decode: its newest token and, when it speculates, the
+drafts verified after it, each one decode row (``decode_seqs`` counts rows,
+``decode_kv_tokens`` the positions each row attends to, itself included), which is how the
+simulator prices a verified draft (one more decode row over its sequence's context); any
+other chunk is prefill (``prefill_attention``: the positions its tokens attend to).
 """
 
 from __future__ import annotations
@@ -42,12 +44,13 @@ def shape_of(seqs: Seq[Sequence], chunks: Seq[ScheduledChunk]) -> StepShapeCount
     prefill_tokens = prefill_attention = decode_seqs = decode_kv = 0
     for seq, chunk in zip(seqs, chunks, strict=True):
         n = chunk.num_tokens
-        if n == 1 and chunk.samples and chunk.start >= seq.num_prompt_tokens - 1:
-            decode_seqs += 1
-            decode_kv += chunk.end
+        attention = n * chunk.start + n * (n + 1) // 2  # row i attends to start + i + 1
+        if chunk.samples and chunk.start >= seq.num_prompt_tokens - 1:
+            decode_seqs += n  # the newest token, then any drafts it verifies
+            decode_kv += attention
         else:
             prefill_tokens += n
-            prefill_attention += n * chunk.start + n * (n + 1) // 2
+            prefill_attention += attention
     return prefill_tokens, prefill_attention, decode_seqs, decode_kv
 
 
