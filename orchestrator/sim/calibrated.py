@@ -212,6 +212,15 @@ class CalibratedCostModel:
     def supports_tp(self, tp: int) -> bool:
         return 1 <= tp <= self.max_tp
 
+    def spread_experts(self, instances: int) -> CalibratedCostModel:
+        if instances == 1:
+            return self
+        # The fit measured pdserve's engine, which keeps every expert in each instance.
+        raise ValueError(
+            f"{self.source}: a calibrated model prices instances as they were measured; it "
+            "cannot price experts spread over instances (use a roofline model)"
+        )
+
 
 def fit_affine(features: np.ndarray, seconds: np.ndarray) -> tuple[float, ...]:
     """Least squares of ``seconds`` on [1, features...], coefficients >= 0: a feature whose

@@ -28,7 +28,9 @@ def add_subcommands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--layout",
         action="append",
         required=True,
-        help="PxTP:DxTP (e.g. 1x8:3x8, disaggregated) or MxTP (e.g. 4x8, mixed); repeatable",
+        help="PxTP:DxTP (e.g. 1x8:3x8, disaggregated) or MxTP (e.g. 4x8, mixed); repeatable. "
+        "PxTP:DxTP:epK prices every K decode instances as one expert-parallel domain (e.g. "
+        "1x8:3x8:ep3; a what-if: pdserve's engine keeps every expert in each instance)",
     )
     p.set_defaults(func=_simulate)
 
@@ -227,22 +229,33 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def parse_layout(text: str) -> Layout:
+    """``PxTP:DxTP[:epK]`` or ``MxTP``; ``epK``: every K decode instances spread one copy of
+    the routed experts over their GPUs (`Layout.ep_decode`)."""
     from orchestrator.sim.simulator import Layout
+
+    usage = f"bad layout {text!r}: use PxTP:DxTP[:epK] or MxTP"
 
     def pair(part: str) -> tuple[int, int]:
         count, _, tp = part.lower().partition("x")
         return int(count), int(tp or 1)
 
+    parts = text.split(":")
+    ep = 1
+    if len(parts) == 3 and parts[2].lower().startswith("ep"):
+        try:
+            ep = int(parts.pop()[2:])
+        except ValueError:
+            raise ValueError(usage) from None
     try:
-        parts = [pair(part) for part in text.split(":")]
+        pairs = [pair(part) for part in parts]
     except ValueError:
-        raise ValueError(f"bad layout {text!r}: use PxTP:DxTP or MxTP") from None
-    if len(parts) == 1:
-        return Layout(num_mixed=parts[0][0], tp_mixed=parts[0][1])
-    if len(parts) == 2:
-        (p, tp_p), (d, tp_d) = parts
-        return Layout(num_prefill=p, num_decode=d, tp_prefill=tp_p, tp_decode=tp_d)
-    raise ValueError(f"bad layout {text!r}: use PxTP:DxTP or MxTP")
+        raise ValueError(usage) from None
+    if len(pairs) == 1:
+        return Layout(num_mixed=pairs[0][0], tp_mixed=pairs[0][1])
+    if len(pairs) == 2:
+        (p, tp_p), (d, tp_d) = pairs
+        return Layout(num_prefill=p, num_decode=d, tp_prefill=tp_p, tp_decode=tp_d, ep_decode=ep)
+    raise ValueError(usage)
 
 
 def _refuse(command: str, error: Exception) -> int:

@@ -71,6 +71,13 @@ class CostModel(Protocol):
 
     def supports_tp(self, tp: int) -> bool: ...
 
+    def spread_experts(self, instances: int) -> CostModel:
+        """The model for an instance of an expert-parallel domain of ``instances`` instances
+        that keep one copy of the routed experts between them (itself when ``instances`` is
+        1); ValueError when it cannot price that (no routed experts, or a fit of instances
+        that did not)."""
+        ...
+
     def request_overhead_seconds(self, disaggregated: bool) -> float:
         """Fixed time a request spends outside engine steps before its first token: router,
         RPCs, the first message's way back and, disaggregated, the decoder's admission of the

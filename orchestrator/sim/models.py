@@ -96,14 +96,6 @@ class ModelSpec:
         experts that position selects."""
         return self.mtp_dense_params + self.experts_per_token * self.expert_params
 
-    def mtp_routed_params_read(self, num_tokens: float) -> float:
-        """Routed expert parameters of the MTP module's one MoE layer a pass of ``num_tokens``
-        positions touches (uniform routing, as `expert_fraction_read`)."""
-        if not self.num_moe_layers:
-            return 0.0
-        per_layer = self.routed_params / self.num_moe_layers
-        return per_layer * self.expert_fraction_read(num_tokens)
-
     def expert_fraction_read(self, num_tokens: float) -> float:
         """Expected fraction of routed experts a step of ``num_tokens`` touches, if routing
         were uniform: 1 - (1 - k/E)^tokens. Small decode batches read few experts."""

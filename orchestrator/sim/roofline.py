@@ -15,6 +15,17 @@ token reads, once: they add attention FLOPs, not KV bytes. The MTP module's pass
 module's dense part, projection and head plus the routed experts its positions select, one
 layer's share of the step's attention and two all-reduces.
 
+Expert parallelism across instances (``expert_domain`` > 1, `spread_experts`): a domain of
+``expert_domain`` instances keeps one copy of the routed experts, spread over all its GPUs,
+while each instance attends to its own sequences (data-parallel attention, the wide-EP
+deployments of DeepSeek's decoders). A step then reads the experts that the whole domain's
+tokens select, divided over the domain's GPUs, and sends each token to its experts' GPUs and
+back (dispatch and combine, two all-to-alls per MoE layer) over the nodes' NICs. The
+members are assumed to carry equal loads (the router balances them): the domain's step
+routes ``expert_domain`` times this instance's tokens. Not modelled: the lockstep wait for
+the slowest member, and overlapping the all-to-alls with compute (two micro-batches), which
+real deployments use to hide them: the price is conservative there.
+
 Achieved rates are explicit parameters (`Efficiency`), not hidden in the presets: the model
 is only as good as they are, and a calibrated model should replace it when one exists.
 """
@@ -62,10 +73,20 @@ class RooflineCostModel:
     gpu: GPUSpec
     nic: NICSpec
     efficiency: Efficiency = field(default_factory=Efficiency)
+    expert_domain: int = 1  # instances one copy of the routed experts is spread over
+
+    def __post_init__(self) -> None:
+        if self.expert_domain < 1:
+            raise ValueError(f"expert_domain must be >= 1, got {self.expert_domain}")
+        if self.expert_domain > 1 and not self.model.num_experts:
+            raise ValueError(f"{self.model.name} has no routed experts to spread over instances")
 
     @property
     def name(self) -> str:
-        return f"roofline {self.model.name} on {self.gpu.name}, {self.nic.name}"
+        name = f"roofline {self.model.name} on {self.gpu.name}, {self.nic.name}"
+        if self.expert_domain > 1:
+            name += f", experts over {self.expert_domain} instances"
+        return name
 
     @property
     def num_layers(self) -> int:
@@ -73,6 +94,10 @@ class RooflineCostModel:
 
     def with_efficiency(self, **changes: float) -> RooflineCostModel:
         return replace(self, efficiency=replace(self.efficiency, **changes))
+
+    def spread_experts(self, instances: int) -> RooflineCostModel:
+        """This model for an instance of an expert-parallel domain of ``instances``."""
+        return replace(self, expert_domain=instances)
 
     # --- the CostModel protocol -----------------------------------------------------------
 
@@ -87,10 +112,10 @@ class RooflineCostModel:
         flop_rate = self.gpu.peak_flops * eff.mfu * tp
         byte_rate = self.gpu.hbm_bandwidth * eff.bandwidth
         tokens = shape.num_tokens
-        weights = (
-            m.dense_params + m.routed_params * m.expert_fraction_read(tokens)
-        ) * m.weight_bytes
-        linear = max(2.0 * m.active_params * tokens / flop_rate, weights / tp / byte_rate)
+        weights = m.dense_params + self._routed_read(m.routed_params, tokens)
+        linear = max(
+            2.0 * m.active_params * tokens / flop_rate, weights * m.weight_bytes / tp / byte_rate
+        )
         prefill_attention = m.num_layers * m.attn_flops_per_position * shape.num_prefill_attention
         # Decode reads every context (a sequence's drafts read it with its newest token, in
         # the same kernel); prefill and drafts write their own tokens' KV.
@@ -105,7 +130,8 @@ class RooflineCostModel:
         layers = m.num_layers
         mtp = self._mtp_seconds(shape, tp, attention / layers) if shape.num_mtp_passes else 0.0
         allreduce = self._allreduce_seconds(tokens, tp, layers)
-        return linear + attention + allreduce + mtp + eff.step_overhead_s
+        alltoall = self._alltoall_seconds(tokens, tp, m.num_moe_layers)
+        return linear + attention + allreduce + alltoall + mtp + eff.step_overhead_s
 
     def step_noise(self) -> dict[tuple[str, str], Spread]:
         return {}  # a model of hardware, not a measurement: no spread
@@ -125,8 +151,10 @@ class RooflineCostModel:
         return 0.0  # milliseconds against the seconds of a reference deployment's TTFT
 
     def kv_capacity_tokens(self, tp: int) -> int:
+        m = self.model
         per_rank = self.gpu.hbm_bytes * self.efficiency.memory_utilization
-        free = per_rank - self.model.total_params * self.model.weight_bytes / tp
+        held = m.dense_params + m.routed_params / self.expert_domain  # this instance's share
+        free = per_rank - held * m.weight_bytes / tp
         return int(free / (self.model.kv_bytes_per_token * self._kv_share(tp)))
 
     def supports_tp(self, tp: int) -> bool:
@@ -156,11 +184,37 @@ class RooflineCostModel:
         byte_rate = self.gpu.hbm_bandwidth * eff.bandwidth
         # Every pass reads the module's weights again; the experts touched are those of the
         # positions of one pass (an even split of the step's positions over its passes).
-        per_pass = m.mtp_dense_params + m.mtp_routed_params_read(positions / passes)
+        moe_layer = m.routed_params / m.num_moe_layers if m.num_moe_layers else 0.0
+        per_pass = m.mtp_dense_params + self._routed_read(moe_layer, positions / passes)
         weights = passes * per_pass * m.weight_bytes
         linear = max(2.0 * m.mtp_active_params * positions / flop_rate, weights / tp / byte_rate)
         allreduce = self._allreduce_seconds(positions / passes, tp, passes)
-        return linear + passes * layer_attention + allreduce
+        alltoall = self._alltoall_seconds(positions / passes, tp, passes if moe_layer else 0)
+        return linear + passes * layer_attention + allreduce + alltoall
+
+    def _routed_read(self, routed_params: float, tokens: float) -> float:
+        """Parameters of ``routed_params`` (one or all MoE layers) that this instance reads in
+        a step of ``tokens`` tokens: those the domain's tokens select, its share of them."""
+        domain = self.expert_domain
+        return routed_params * self.model.expert_fraction_read(domain * tokens) / domain
+
+    def _alltoall_seconds(self, tokens: float, tp: int, moe_layers: int) -> float:
+        """Dispatch and combine of ``moe_layers`` layers over ``tokens`` tokens, across nodes.
+
+        Each of the instance's ``tp`` GPUs sends its share of the tokens to every expert
+        they select, FP8 out (1 byte an element) and BF16 back (2), over its own NIC (at most
+        the node's NIC count); the experts on the instance's own GPUs (1 / domain of them) are
+        reached over NVLink, priced as free. Each all-to-all also pays one NIC latency. As
+        DeepEP's low-latency kernels count bytes: per (token, expert), not per node."""
+        domain = self.expert_domain
+        if domain == 1 or not moe_layers:
+            return 0.0
+        m, nic = self.model, self.nic
+        remote = (domain - 1) / domain
+        elements = tokens * m.experts_per_token * m.hidden_size * remote
+        rate = min(tp, nic.num_nics) * nic.bandwidth * self.efficiency.nic
+        per_layer = 2 * nic.latency + elements * (1.0 + 2.0) / rate
+        return moe_layers * per_layer
 
     def _allreduce_seconds(self, tokens: float, tp: int, layers: int) -> float:
         """``layers`` layers, each over ``tokens`` tokens."""

@@ -48,7 +48,13 @@ from orchestrator.sim.workload import Arrivals, RequestSpec
 
 @dataclass(frozen=True)
 class Layout:
-    """Instance counts and TP sizes: prefill + decode groups, or mixed alone."""
+    """Instance counts and TP sizes: prefill + decode groups, or mixed alone.
+
+    ep_decode: decode instances per expert-parallel domain (`CostModel.spread_experts`): 1,
+    each instance holds every expert (how pdserve's engine runs); k > 1, every k decode
+    instances spread one copy of the routed experts over their GPUs (a what-if for wide
+    expert parallelism: the planner does not propose it, as the engine does not run it).
+    """
 
     num_prefill: int = 0
     num_decode: int = 0
@@ -56,6 +62,7 @@ class Layout:
     tp_prefill: int = 1
     tp_decode: int = 1
     tp_mixed: int = 1
+    ep_decode: int = 1
 
     def __post_init__(self) -> None:
         counts = (self.num_prefill, self.num_decode, self.num_mixed)
@@ -65,6 +72,13 @@ class Layout:
         mixed = self.num_mixed > 0 and self.num_prefill == self.num_decode == 0
         if not (disaggregated or mixed):
             raise ValueError(f"give prefill and decode instances, or mixed alone: {self}")
+        if self.ep_decode < 1 or (
+            self.ep_decode > 1 and (not disaggregated or self.num_decode % self.ep_decode)
+        ):
+            raise ValueError(
+                f"an expert-parallel domain of {self.ep_decode} decode instances must divide "
+                f"the decode group (mixed instances in one are not modelled): {self}"
+            )
 
     @property
     def is_mixed(self) -> bool:
@@ -82,7 +96,10 @@ class Layout:
     def label(self) -> str:
         if self.is_mixed:
             return f"{self.num_mixed}M(tp{self.tp_mixed})"
-        return f"{self.num_prefill}P(tp{self.tp_prefill}):{self.num_decode}D(tp{self.tp_decode})"
+        decode = f"tp{self.tp_decode}"
+        if self.ep_decode > 1:
+            decode += f",ep{self.ep_decode * self.tp_decode}"
+        return f"{self.num_prefill}P(tp{self.tp_prefill}):{self.num_decode}D({decode})"
 
 
 @dataclass(frozen=True)
@@ -198,8 +215,9 @@ class Simulator:
                 PrefillInstance(cost, layout.tp_prefill, self.prefill_limits, options)
                 for _ in range(layout.num_prefill)
             ]
+            decode_cost = cost.spread_experts(layout.ep_decode)
             self.decodes = [
-                DecodeInstance(cost, layout.tp_decode, self.limits, options)
+                DecodeInstance(decode_cost, layout.tp_decode, self.limits, options)
                 for _ in range(layout.num_decode)
             ]
         # The cost model's spread of step times, if it has one, drawn from ``seed``.

@@ -98,6 +98,8 @@ PLAN = ["plan", "--cost", "roofline:llama-3-70b:h100", "--gpus", "8", "--tp", "4
         ([*SIMULATE, "--cost", "roofline:llama-3-70b:h100:speed=2"], "unknown roofline setting"),
         ([*SIMULATE, "--cost", "calibrated:/nonexistent.json"], "/nonexistent.json"),
         ([*SIMULATE, "--layout", "1x8:abc"], "bad layout '1x8:abc'"),
+        ([*SIMULATE, "--layout", "1x4:2x4:ep2"], "has no routed experts to spread"),
+        ([*SIMULATE, "--layout", "1x4:3x4:ep2"], "must divide the decode group"),
         ([*SIMULATE, "--prompt", "foo:3"], "bad length distribution"),
         ([*SIMULATE, "--rate", "0"], "rate must be a positive number"),
         ([*SIMULATE, "--warmup", "0.6"], "warmup must be in [0, 0.5)"),

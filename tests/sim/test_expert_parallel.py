@@ -1,0 +1,74 @@
+"""Expert parallelism across decode instances in the roofline model (`Layout.ep_decode`,
+`CostModel.spread_experts`): a domain of instances keeps one copy of the routed experts,
+reads its share of what the domain's tokens select and pays dispatch / combine over the NICs."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.sim.commands import parse_layout
+from orchestrator.sim.cost import StepShape, create_cost_model
+from orchestrator.sim.roofline import RooflineCostModel
+from orchestrator.sim.simulator import Layout
+from tests.sim.toy import affine
+
+R1 = "roofline:deepseek-r1:h200:8x400g"
+
+
+def _r1() -> RooflineCostModel:
+    cost = create_cost_model(R1)
+    assert isinstance(cost, RooflineCostModel)
+    return cost
+
+
+# DeepEP's low-latency kernels on H800 with one 400 Gb/s CX7 NIC per GPU, DeepSeek-V3/R1's
+# decode setting (128 tokens per GPU, hidden 7168, top-8 experts, FP8 dispatch, BF16
+# combine), as its README publishes them: EP size -> dispatch + combine microseconds.
+DEEPEP_LOW_LATENCY_US = {16: 118 + 195, 32: 155 + 273, 64: 173 + 314, 128: 192 + 369}
+
+
+@pytest.mark.parametrize("ep", sorted(DEEPEP_LOW_LATENCY_US))
+def test_the_all_to_all_price_is_deepeps_published_latency_within_15_percent(ep: int) -> None:
+    # Fixed before any comparison with a serving result: the NIC preset (50 GB/s, 5 us) and
+    # the a-priori NIC efficiency (0.8) alone set the price.
+    nodes = ep // 8
+    cost = _r1().spread_experts(nodes)
+    one_layer = cost._alltoall_seconds(tokens=8 * 128, tp=8, moe_layers=1)
+    published = DEEPEP_LOW_LATENCY_US[ep] * 1e-6
+    assert abs(one_layer - published) <= 0.15 * published
+
+
+def test_a_domain_reads_a_share_of_the_experts_and_pays_the_all_to_all() -> None:
+    alone, spread = _r1(), _r1().spread_experts(3)
+    assert alone.spread_experts(1) == alone
+    decode = StepShape(num_decode_seqs=16, num_decode_kv_tokens=16 * 6000)
+    # Sixteen tokens touch ~40% of a layer's experts; the domain's 48 touch ~78%, a third of
+    # them on each instance: fewer bytes, and a decode step is bound by them.
+    assert spread.step_seconds(decode, 8) < 0.9 * alone.step_seconds(decode, 8)
+    assert spread._alltoall_seconds(16, 8, 58) > 0 == alone._alltoall_seconds(16, 8, 58)
+    # A prefill step is compute-bound: spreading the experts saves it nothing, the
+    # all-to-all of its 2048 tokens costs it.
+    prefill = StepShape(2048, 2048 * 2049 // 2)
+    assert spread.step_seconds(prefill, 8) > alone.step_seconds(prefill, 8)
+    # Each instance holds a third of the routed experts: room for more KV.
+    assert spread.kv_capacity_tokens(8) > 2 * alone.kv_capacity_tokens(8)
+    assert "experts over 3 instances" in spread.name
+
+
+def test_experts_spread_only_where_there_are_experts_and_a_roofline_to_price_them() -> None:
+    with pytest.raises(ValueError, match="no routed experts"):
+        create_cost_model("roofline:llama-3-70b:h100").spread_experts(2)
+    calibrated = affine()
+    assert calibrated.spread_experts(1) is calibrated
+    with pytest.raises(ValueError, match="cannot price experts spread"):
+        calibrated.spread_experts(2)
+
+
+def test_the_layout_names_its_domain_and_refuses_one_it_cannot_form() -> None:
+    layout = parse_layout("1x8:3x8:ep3")
+    assert layout == Layout(num_prefill=1, num_decode=3, tp_prefill=8, tp_decode=8, ep_decode=3)
+    assert layout.label == "1P(tp8):3D(tp8,ep24)" and layout.num_gpus == 32
+    assert parse_layout("1x8:3x8").ep_decode == 1
+    for bad in ("1x8:3x8:ep2", "1x8:3x8:epx", "4x8:ep4", "1x8:3x8:ep0"):
+        with pytest.raises(ValueError):
+            parse_layout(bad)
