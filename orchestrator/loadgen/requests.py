@@ -36,16 +36,20 @@ def build_requests(
     excluded_ids: Iterable[int] = (),
     num_warmup: int = 0,
     duration_s: float | None = None,
+    prompt_stream: int = 0,
 ) -> list[TimedRequest]:
     """The workload's requests with prompts; arrivals after ``duration_s`` are dropped (a bound
-    on the run, not a rate change). The first ``num_warmup`` are marked warm-up."""
+    on the run, not a rate change). The first ``num_warmup`` are marked warm-up.
+    ``prompt_stream``: other prompts (same lengths and arrivals) for each value; runs against
+    one cluster that must not find each other's prompts in its prefix caches take distinct
+    streams (0: the seed's own prompts)."""
     specs = kept_specs(workload, duration_s, num_warmup)
     excluded = set(excluded_ids)
     allowed = np.array([t for t in range(vocab_size) if t not in excluded], dtype=np.int64)
     if not len(allowed):
         raise ValueError(f"no token ids left to draw prompts from (vocab {vocab_size})")
     # Its own stream (index 3): workload.py uses [seed, 1] and [seed, 2].
-    rng = np.random.default_rng([workload.seed, 3])
+    rng = np.random.default_rng([workload.seed, 3] + ([prompt_stream] if prompt_stream else []))
     out = []
     for spec in specs:
         ids = rng.choice(allowed, size=spec.num_prompt_tokens)

@@ -26,11 +26,14 @@ class BenchOptions:
     timeout_s: float = 600.0  # per request
     backend: Backend = "grpc"
     api_key: str | None = None
+    prompt_stream: int = 0  # `requests.build_requests`: runs on one cluster that must not share
 
     def __post_init__(self) -> None:
         # Before any cluster runs: a warm-up that leaves no request measured (after the
         # duration cut) makes a run that measures nothing and a simulation that fails.
         kept_specs(self.workload, self.duration_s, self.num_warmup)
+        if self.prompt_stream < 0:
+            raise ValueError(f"prompt_stream must be >= 0, got {self.prompt_stream}")
 
 
 async def measure(
@@ -48,6 +51,7 @@ async def measure(
         excluded_ids=info.eos_token_ids,
         num_warmup=options.num_warmup,
         duration_s=options.duration_s,
+        prompt_stream=options.prompt_stream,
     )
     longest = max(r.num_prompt_tokens + r.max_tokens for r in requests)
     if longest > info.max_model_len:

@@ -4,8 +4,9 @@ colocated cluster, and each cluster's goodput rate (`orchestrator.loadgen.goodpu
 Each cluster is started once (`compare.serving`) and runs every rate, seed and bisection probe
 before it is stopped and the next one starts: a start costs 10-30 s, more than a short run.
 Runs on one cluster are independent measurements: each waits for all its requests to finish
-before the next begins, and the engines keep no prefix cache, so nothing a run sent speeds up
-or slows down the next (only the first run sees engines that never stepped: `--warmup`).
+before the next begins, and each rate sends prompts of its own (`SweepPlan.options_at`), so
+the engines' prefix caches find nothing of an earlier run's prompts; nothing a run sent speeds
+up or slows down the next (only the first run sees engines that never stepped: `--warmup`).
 """
 
 from __future__ import annotations
@@ -41,9 +42,12 @@ class SweepPlan:
     target: float = TARGET
 
     def options_at(self, rate: float, seed: int) -> BenchOptions:
-        """The run's options (ValueError when its warm-up leaves nothing measured)."""
+        """The run's options (ValueError when its warm-up leaves nothing measured). A seed's
+        runs at two rates send different prompts (of the same lengths): the same prompts
+        again would be prefilled from the cache; both clusters at one rate send the same."""
         workload = self.options.workload.with_rate(rate).with_seed(seed)
-        return dataclasses.replace(self.options, workload=workload)
+        stream = 1 + round(rate * 1000)  # distinct for rates 0.001 req/s apart
+        return dataclasses.replace(self.options, workload=workload, prompt_stream=stream)
 
     def expected_s(self, rate: float) -> float:
         """A guess at a run's length, for the ETA: its arrivals' span, plus a second."""

@@ -38,6 +38,16 @@ def test_requests_are_the_simulators_list_with_exact_prompts() -> None:
     assert build_requests(workload, 320, excluded_ids=range(256, 320), num_warmup=3) == requests
     other = build_requests(workload.with_seed(8), 320)
     assert [r.prompt_token_ids for r in other] != [r.prompt_token_ids for r in requests]
+    # Another prompt stream: the same requests with other prompts; stream 0 is the default.
+    assert build_requests(workload, 320, excluded_ids=range(256, 320), num_warmup=3,
+                          prompt_stream=0) == requests  # fmt: skip
+    streamed = build_requests(workload, 320, excluded_ids=range(256, 320), num_warmup=3,
+                              prompt_stream=2)  # fmt: skip
+    assert [(r.arrival_s, r.num_prompt_tokens, r.max_tokens) for r in streamed] == [
+        (r.arrival_s, r.num_prompt_tokens, r.max_tokens) for r in requests
+    ]
+    pairs = zip(streamed, requests, strict=True)
+    assert all(a.prompt_token_ids != b.prompt_token_ids for a, b in pairs)
 
 
 def test_duration_drops_late_arrivals_and_bad_bounds_are_rejected() -> None:

@@ -26,9 +26,13 @@ from orchestrator.loadgen.goodput import (
     run_metrics,
 )
 from orchestrator.loadgen.records import RequestResult
+from orchestrator.loadgen.requests import build_requests
+from orchestrator.loadgen.session import BenchOptions
 from orchestrator.loadgen.stats import SLOs, summarize
+from orchestrator.loadgen.sweep import SweepPlan
 from orchestrator.loadgen.sweep_command import parse_rates, parse_seeds
 from orchestrator.loadgen.sweep_report import format_table, sweep_document, write_sweep_plot
+from orchestrator.sim.workload import LengthDist, Workload
 from tests.system.cluster_helpers import disaggregated_groups, mixed_groups
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -125,6 +129,26 @@ class _Table:
 
 def _search(table: _Table, rates: list[float], steps: int) -> Goodput:
     return asyncio.run(find_goodput(rates, steps, table))
+
+
+def test_a_seeds_runs_at_two_rates_send_other_prompts_and_both_clusters_the_same() -> None:
+    # Prefix caching is on by default: a seed's prompts sent again at the next rate would be
+    # prefilled from the cache, and that run would measure the cache, not the rate.
+    workload = Workload(1.0, 12, LengthDist.parse("uniform:8-64"), LengthDist.parse("fixed:4"))
+    plan = SweepPlan(BenchOptions(workload, SLOs(4.0, 0.05)), rates=(0.5, 0.625, 1.0), seeds=(0,))
+
+    def prompts(rate: float) -> list[tuple[int, ...]]:
+        options = plan.options_at(rate, 0)
+        requests = build_requests(options.workload, 320, prompt_stream=options.prompt_stream)
+        return [r.prompt_token_ids for r in requests]
+
+    at = {rate: prompts(rate) for rate in (0.5, 0.625, 1.0)}
+    assert at[0.5] == prompts(0.5)  # the other cluster, at the same rate: the same prompts
+    for a, b in ((0.5, 0.625), (0.625, 1.0), (0.5, 1.0)):
+        assert all(x != y for x, y in zip(at[a], at[b], strict=True))
+    assert [len(p) for p in at[0.5]] == [len(p) for p in at[1.0]]  # the seed's lengths
+    with pytest.raises(ValueError, match="prompt_stream"):
+        BenchOptions(workload, SLOs(4.0, 0.05), prompt_stream=-1)
 
 
 def test_bisection_probes_between_the_last_passing_and_the_first_failing_rate() -> None:
