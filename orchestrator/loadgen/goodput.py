@@ -18,6 +18,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from orchestrator.loadgen.step_load import LOAD_KEYS
+
 TARGET = 0.9  # DistServe: the rate at which 90% of requests meet both SLOs
 
 Metrics = dict[str, float | None]
@@ -34,7 +36,8 @@ SUMMARY_METRICS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("output_tok_s", ("output_token_throughput",)),
     ("errored", ("errored",)),
 )
-METRIC_KEYS = ("slo_attainment", *(key for key, _ in SUMMARY_METRICS))
+# A sweep's runs also carry how busy each role's engines were (`step_load.LOAD_KEYS`).
+METRIC_KEYS = ("slo_attainment", *(key for key, _ in SUMMARY_METRICS), *LOAD_KEYS)
 
 
 def attainment(summary: Mapping[str, Any]) -> float:

@@ -7,6 +7,8 @@ Runs on one cluster are independent measurements: each waits for all its request
 before the next begins, and each rate sends prompts of its own (`SweepPlan.options_at`), so
 the engines' prefix caches find nothing of an earlier run's prompts; nothing a run sent speeds
 up or slows down the next (only the first run sees engines that never stepped: `--warmup`).
+After each run the workers' step traces give each role's busy share over the run
+(`step_load`): which role the cluster ran out of where it fails.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from orchestrator.config.cluster import ClusterConfig
-from orchestrator.loadgen.compare import serving
+from orchestrator.loadgen.compare import serving, step_traces
 from orchestrator.loadgen.goodput import (
     TARGET,
     Goodput,
@@ -30,6 +32,7 @@ from orchestrator.loadgen.goodput import (
 )
 from orchestrator.loadgen.report import machine_load
 from orchestrator.loadgen.session import BenchOptions, measure
+from orchestrator.loadgen.step_load import TraceCursor, load
 from workers.log import progress, progress_enabled, progress_shown
 
 
@@ -143,7 +146,9 @@ async def sweep_cluster(
     ``on_run`` sees each run as it ends (a sweep cut short keeps what it measured)."""
     runs: list[SweepRun] = []
     load_before = machine_load()
-    async with serving(name, config, num_cpus) as (_app, address, http_url):
+    async with serving(name, config, num_cpus) as (app, address, http_url):
+        cursor = TraceCursor()  # each run's steps: those after the previous run's
+        cursor.advance(await step_traces(app))
 
         async def attainment_at(rate: float, probe: bool) -> float | None:
             measured = []
@@ -153,15 +158,10 @@ async def sweep_cluster(
                 began = time.perf_counter()
                 inner = tracker.inner_stream() if tracker is not None else None
                 _, summary = await measure(address, http_url, plan.options_at(rate, seed), inner)
-                run = SweepRun(
-                    name,
-                    rate,
-                    seed,
-                    probe,
-                    run_metrics(summary),
-                    summary,
-                    time.perf_counter() - began,
-                )
+                wall_s = time.perf_counter() - began
+                steps = cursor.advance(await step_traces(app))
+                metrics = {**run_metrics(summary), **load(steps, wall_s)}
+                run = SweepRun(name, rate, seed, probe, metrics, summary, wall_s)
                 if tracker is not None:
                     tracker.finish(rate, run.wall_s)
                 runs.append(run)

@@ -28,6 +28,11 @@ TABLE_ROWS: tuple[tuple[str, str, float | None], ...] = (
     ("decode_tok_s_per_request", "decode tok/s per request", 1.0),
     ("output_tok_s", "output tok/s", 1.0),
     ("errored", "errored requests", 1.0),
+    # Why a cluster fails: the role whose engines stepped all the run is what it ran out of.
+    ("busy_prefill", "busy: prefill workers", None),
+    ("busy_decode", "busy: decode workers", None),
+    ("busy_mixed", "busy: mixed workers", None),
+    ("decode_rows_per_step", "decode rows per step", 1.0),
 )
 
 

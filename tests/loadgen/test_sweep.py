@@ -383,9 +383,16 @@ def test_sweep_of_two_tiny_clusters(
         assert swept == [(4.0, 0), (4.0, 1), (8.0, 0), (8.0, 1)]
         probes = sorted({run["rate"] for run in mine if run["probe"]})
         assert len(probes) <= 1 and all(4.0 < rate < 8.0 for rate in probes)
+        roles = ("prefill", "decode") if name == "disaggregated" else ("mixed",)
         for run in mine:
-            assert 0.0 <= run["metrics"]["slo_attainment"] <= 1.0
+            metrics = run["metrics"]
+            assert 0.0 <= metrics["slo_attainment"] <= 1.0
             assert run["summary"]["sent"] == 2
+            # Each run's steps, from the workers' traces: its roles stepped, no other role.
+            for role in ("prefill", "decode", "mixed"):
+                busy = metrics[f"busy_{role}"]
+                assert (0.0 < busy <= 1.0) if role in roles else busy is None
+            assert metrics["decode_rows_per_step"] >= 1.0
         assert goodput[name] in {0.0, 4.0, 8.0, *probes}
         entry = document["goodput"][name]
         assert entry["rate"] == goodput[name]
@@ -403,5 +410,6 @@ def test_sweep_of_two_tiny_clusters(
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # The table on stdout, progress on stderr (plain lines: not a terminal).
     assert "disaggregated / colocated goodput rate" in captured.out
+    assert "busy: prefill workers" in captured.out
     assert "[bench sweep] disaggregated 4 req/s seed 0: run 1 of at most 12" in captured.err
     assert "[bench sweep] colocated 8 req/s seed 1" in captured.err
