@@ -45,8 +45,8 @@ class TraceCursor:
             worker = str(trace["worker_id"])
             last = self._seen.get(worker, float("-inf"))
             new = [(float(r[seconds]), float(r[rows])) for r in records if r[start] > last]
-            if records:
-                self._seen[worker] = max(last, max(r[start] for r in records))
+            if records:  # in step order: the newest is the last
+                self._seen[worker] = records[-1][start]
             out.append((str(trace["role"]), new))
         return out
 
