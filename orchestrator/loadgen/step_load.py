@@ -19,7 +19,8 @@ import statistics
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-ROLES = ("prefill", "decode", "mixed")
+from orchestrator.config.sections import GROUP_ROLES as ROLES
+
 Step = tuple[float, float]  # a step's seconds and decode rows
 # Keys a run's metrics gain (`load`): the role's mean busy share, and the decode rows of an
 # average step that decoded (decode or mixed workers).
