@@ -6,14 +6,16 @@
 #   gpu.txt              the GPU, torch, CUDA and transformers versions
 #   pytest-gpu.txt       the GPU tests (-m gpu; only their files, so that nothing else needs
 #                        importing there): engine on CUDA against HF on CUDA, with and
-#                        without CUDA graphs, CUDA layer progress, FlashInfer attention
+#                        without CUDA graphs, every model family (Qwen2/3, DeepSeek MLA and
+#                        MoE, Qwen3-MoE), speculative decoding (prompt lookup, MTP) and the
+#                        prefix cache on CUDA, CUDA layer progress, FlashInfer attention
 #                        (skips if flashinfer is not installed), a cuMem pool exported by one
 #                        process and mapped by another, two TP ranks on CUDA against one
 #   pytest-fabric-gpu.txt  CUDA pools over the fabric (FI_HMEM registration, GPU to GPU writes,
 #                        disaggregated parity on CUDA), only where the libfabric binding imports
 #                        (carry workers/fabric/_fabric_cffi*.so; the machine needs libfabric)
 #   engine-cuda-*.txt    bench/engine.py --device cuda: float32, bfloat16, bfloat16 --eager
-# Stage limits: 200 + 100 + 3 x 75 = 525 s, inside timeout_s 540.
+# Stage limits: 240 + 100 + 3 x 60 = 520 s, inside timeout_s 540.
 # Record the figures in bench/RESULTS.md (Engine, "On a GPU"). Without CUDA it stops at once.
 # pytest runs with addopts cleared: the image may lack pytest-timeout, whose `timeout` marker
 # some of these files use, and --strict-markers would turn that into an error.
@@ -36,7 +38,7 @@ except ImportError:
     print("flashinfer: absent (FlashInfer attention NOT tested; benches use the torch backend)")
 PY
 status=0
-timeout 200 python3 -m pytest -p no:cacheprovider -o addopts=-ra -q -m gpu tests/engine/test_device.py \
+timeout 240 python3 -m pytest -p no:cacheprovider -o addopts=-ra -q -m gpu tests/engine/test_device.py \
     tests/engine/test_decode_graphs.py tests/engine/test_attention_flashinfer.py \
     tests/engine/test_shared_kv_cuda.py 2>&1 \
     | tee "$out/pytest-gpu.txt" || status=1
@@ -54,7 +56,7 @@ fi
 # 15-minute device budget.
 for run in "float32" "bfloat16" "bfloat16 --eager"; do
     set -- $run
-    timeout 75 python3 bench/engine.py --device cuda --dtype "$1" ${2:-} --repeats 3 \
+    timeout 60 python3 bench/engine.py --device cuda --dtype "$1" ${2:-} --repeats 3 \
         2>&1 | tee "$out/engine-cuda-$1${2:-}.txt" || status=1
 done
 exit $status

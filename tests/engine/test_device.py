@@ -9,10 +9,18 @@ import pytest
 import torch
 
 import workers.engine.engine_core as engine_core
-from tests.engine.engine_helpers import hf_greedy, make_engine, prompts_of_lengths, run_engine
+from tests.engine.engine_helpers import (
+    hf_greedy,
+    make_engine,
+    prompts_of_lengths,
+    repetitive_prompts,
+    run_engine,
+)
 from workers.engine.config import EngineConfig
 from workers.engine.device import DeviceError, resolve_device
 from workers.engine.parallel import rank_devices
+from workers.engine.sampling_params import SamplingParams
+from workers.engine.speculative import SpeculativeConfig
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -122,3 +130,71 @@ def test_cuda_layer_progress_publishes_every_layer_of_each_pass(tiny_model_dir: 
 def test_negative_cuda_graph_batch_is_refused() -> None:
     with pytest.raises(ValueError, match="cuda_graph_max_batch must be >= 0, got -1"):
         EngineConfig(cuda_graph_max_batch=-1)
+
+
+@pytest.mark.gpu
+@cuda_only
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "deepseek", "deepseek_v2", "qwen3_moe"])
+def test_every_model_family_on_cuda_matches_hf_on_cuda(
+    family: str, request: pytest.FixtureRequest
+) -> None:
+    """Qwen's q/k norm and biases, DeepSeek's latent (MLA) cache and routed experts on the GPU:
+    HF's greedy tokens on the same GPU. Dense families replay decode graphs; MoE and MLA ones
+    run eagerly (their steps cannot be captured)."""
+    model_dir = Path(request.getfixturevalue(f"{family}_model_dir"))
+    prompts = prompts_of_lengths([1, 7, 17, 50, 300])
+    reference = [hf_greedy(model_dir, p, 8, device="cuda") for p in prompts]
+    engine = make_engine(model_dir, device="cuda", max_num_batched_tokens=64)
+    assert (engine.runner.decode_graphs is None) == (
+        family in {"deepseek", "deepseek_v2", "qwen3_moe"}
+    )
+    assert run_engine(engine, prompts) == reference
+
+
+@pytest.mark.gpu
+@cuda_only
+@pytest.mark.parametrize(
+    ("family", "speculative"),
+    [
+        ("tiny", SpeculativeConfig(method="ngram", num_speculative_tokens=3)),
+        ("deepseek", SpeculativeConfig(method="mtp", num_speculative_tokens=1)),
+    ],
+)
+def test_speculation_on_cuda_keeps_the_greedy_tokens(
+    family: str, speculative: SpeculativeConfig, request: pytest.FixtureRequest
+) -> None:
+    """Drafts verified on the GPU (prompt lookup next to decode graphs; DeepSeek's MTP module):
+    the tokens of decoding without speculation, with drafts rejected (and, from prompt
+    lookup, kept: a random MTP module rarely guesses right)."""
+    model_dir = Path(request.getfixturevalue(f"{family}_model_dir"))
+    prompts = repetitive_prompts([9, 30, 64, 130]) + prompts_of_lengths([17, 50], seed=2)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    expected = run_engine(
+        make_engine(model_dir, device="cuda", max_num_batched_tokens=64), prompts, params
+    )
+    engine = make_engine(
+        model_dir, device="cuda", max_num_batched_tokens=64, speculative=speculative
+    )
+    assert run_engine(engine, prompts, params) == expected
+    assert engine.stats.num_accepted_tokens < engine.stats.num_draft_tokens
+    if speculative.method == "ngram":
+        assert engine.stats.num_accepted_tokens > 0
+
+
+@pytest.mark.gpu
+@cuda_only
+@pytest.mark.parametrize("family", ["tiny", "deepseek"])
+def test_prefix_cache_on_cuda_reuses_pages_with_hf_tokens(
+    family: str, request: pytest.FixtureRequest
+) -> None:
+    """Cached pages (plain and latent) reused on the GPU: a prompt sharing two full pages with an
+    earlier one computes only the rest, and its tokens are HF's on the same GPU."""
+    model_dir = Path(request.getfixturevalue(f"{family}_model_dir"))
+    (system,) = prompts_of_lengths([40], seed=7)
+    prompts = [system + suffix for suffix in prompts_of_lengths([9, 23], seed=8)]
+    reference = [hf_greedy(model_dir, p, 8, device="cuda") for p in prompts]
+    engine = make_engine(model_dir, device="cuda", enable_prefix_caching=True)
+    page = engine.config.page_size
+    assert run_engine(engine, prompts[:1]) == reference[:1]
+    assert run_engine(engine, prompts[1:]) == reference[1:]
+    assert engine.stats.num_prefix_cache_hits == 40 // page * page
