@@ -35,7 +35,10 @@ Per-role fits (a file written by ``pdserve calibrate --from-trace``, `trace_fit`
 seconds]`` of the busy cycles of a served cluster's prefill, decode or mixed workers. Each
 role gets one affine fit of all four terms, and an instance of that role is priced with it
 alone: the points were measured inside the cluster, so its contention is in them and
-``busy_others`` plays no part. The points' spread around their role's fit, as quantiles of
+``busy_others`` plays no part, unless the file has ``"shared_cores"`` (``--shared-cores C``):
+then the points are core-seconds and a step's price is stretched by the share of a core it
+gets beside the instances in a step when it starts, weighed by their roles' CPU priorities
+(`shared_cores.SharedCores`). The points' spread around their role's fit, as quantiles of
 measured - fitted seconds per step kind (`noise.Spread`), is the model's ``step_noise``: the
 simulator adds a draw from it to each step's price. Such a file needs no ``"prefill"`` /
 ``"decode"`` points: the role-less fits (for a role the traces lack) are taken from its
@@ -56,6 +59,7 @@ import numpy as np
 
 from orchestrator.sim.cost import StepShape
 from orchestrator.sim.noise import Spread, step_kind
+from orchestrator.sim.shared_cores import SharedCores
 
 # Intercept, per prefill token, per attention position, per decode sequence, per KV token.
 RoleFit = tuple[float, float, float, float, float]
@@ -87,6 +91,8 @@ class CalibratedCostModel:
     role_coefficients: tuple[tuple[str, RoleFit], ...] = ()
     # Spread of measured - fitted busy cycles by (role, step kind): `noise.StepNoise`.
     step_noise_spreads: tuple[tuple[tuple[str, str], Spread], ...] = ()
+    # The fits' seconds are core-seconds of processes sharing these cores (`shared_cores`).
+    shared_cores: SharedCores | None = None
     max_tp: int = 8
     source: str = "calibrated"
 
@@ -142,8 +148,20 @@ class CalibratedCostModel:
         return self.source
 
     def step_seconds(
-        self, shape: StepShape, tp: int, busy_others: int = 0, role: str | None = None
+        self,
+        shape: StepShape,
+        tp: int,
+        busy_others: int = 0,
+        role: str | None = None,
+        other_roles: Sequence[str] = (),
     ) -> float:
+        if self.shared_cores is None:
+            return self._seconds(shape, tp, busy_others, role)
+        # Every fit in core-seconds: stretched by the share of a core this step gets.
+        slowdown = self.shared_cores.slowdown(role or "", other_roles)
+        return self._seconds(shape, tp, 0, role) * slowdown
+
+    def _seconds(self, shape: StepShape, tp: int, busy_others: int, role: str | None) -> float:
         role_fit = self._role_fit_of.get(role or "")
         if role_fit is not None:
             # One intercept for every step of the role, whatever its kind.
@@ -345,8 +363,19 @@ def fit(data: dict[str, Any], source: str = "calibrated") -> CalibratedCostModel
         ),
         role_coefficients=role_fits,
         step_noise_spreads=noise,
+        shared_cores=_shared_cores(data.get("shared_cores")),
         source=source,
     )
+
+
+def _shared_cores(section: dict[str, Any] | None) -> SharedCores | None:
+    if section is None:
+        return None
+    nice = tuple(
+        (str(role), int(_finite(level, f"shared_cores.nice.{role}")))
+        for role, level in sorted(section["nice"].items())
+    )
+    return SharedCores(_finite(section["cores"], "shared_cores.cores"), nice)
 
 
 def _finite(value: Any, name: str) -> float:

@@ -123,6 +123,15 @@ def add_subcommands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "contention and CPU priorities)",
     )
     p.add_argument(
+        "--shared-cores",
+        type=float,
+        default=None,
+        metavar="C",
+        help="with --from-trace: the traced workers shared C cores (the measuring machine's); "
+        "fit core-seconds and let the simulator price each layout's own contention (each "
+        "worker process computing on one thread, weighted by its group's nice)",
+    )
+    p.add_argument(
         "--overheads-from",
         default=None,
         metavar="COMPARE.json",
@@ -373,16 +382,26 @@ def _run_plan(args: argparse.Namespace) -> int:
         options=options,
     )
     try:  # before a search of minutes: what no emitted config could carry
-        check_options(limits, model_path=args.model_path, provider=args.provider)
+        check_options(limits, model_path=args.model_path, provider=args.provider, cost=cost)
     except ValueError as error:
         raise ValueError(f"--max-num-batched-tokens / --provider: {error}") from None
     if args.emit_helm:
+        if cost.shared_cores is not None:
+            raise ValueError(
+                "--emit-helm: a plan on one machine's shared CPU cores (the calibration's "
+                "shared_cores): the chart's pods run on GPU nodes"
+            )
         try:  # and what no Helm values could
             check_helm_options(model_path=args.model_path, provider=args.provider)
         except ValueError as error:
             raise ValueError(f"--emit-helm: {error}") from None
     candidates = plan(cost, spec)
     print(f"cost model: {cost.name}; {len(candidates)} layouts within {args.gpus} GPUs")
+    if cost.shared_cores is not None:
+        print(
+            f"every layout on the same {cost.shared_cores.cores:g} shared cores "
+            "(an instance is a process there): ranked by goodput"
+        )
     print(f"serving: {options.label()}")
     unit = "req/s" if isinstance(workload, Workload) else "conversations started per second"
     print(f"goodput: {unit} with >= {spec.attainment:.0%} meeting {_slo_text(slo)}")
@@ -506,11 +525,13 @@ def _calibrate(args: argparse.Namespace) -> int:
             if measuring:
                 raise ValueError(f"--from-trace measures nothing: {', '.join(measuring)} unused")
 
-            data = calibration_from_traces(args.from_trace)
+            data = calibration_from_traces(args.from_trace, args.shared_cores)
             model = fit(data)
     except (ValueError, OSError) as error:
         return _refuse("calibrate", error)
     if not args.from_trace:  # writes args.out itself
+        if args.shared_cores is not None:
+            return _refuse("calibrate", ValueError("--shared-cores needs --from-trace"))
         data = run_calibration(
             args.out,
             repeats=args.repeats,
@@ -542,6 +563,9 @@ def _calibrate(args: argparse.Namespace) -> int:
                 f"{role:<7} s = {a:.3g} + {b:.3g}*tokens + {c:.3g}*attention + {d:.3g}*batch "
                 f"+ {e:.3g}*kv_tokens"
             )
+        if model.shared_cores is not None:
+            nice = ", ".join(f"{r} {n}" for r, n in model.shared_cores.role_nice)
+            print(f"(core-seconds of {model.shared_cores.cores:g} shared cores; nice: {nice})")
     else:
         print(
             f"wrote {len(data['prefill'])} prefill, {len(data['decode'])} decode and "

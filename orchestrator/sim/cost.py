@@ -16,13 +16,14 @@ draws per step shape, does not import this module back.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from orchestrator.sim.shape import StepShape
 
 if TYPE_CHECKING:
     from orchestrator.sim.noise import Spread
+    from orchestrator.sim.shared_cores import SharedCores
 
 
 class CostModel(Protocol):
@@ -42,13 +43,19 @@ class CostModel(Protocol):
         ...
 
     def step_seconds(
-        self, shape: StepShape, tp: int, busy_others: int = 0, role: str | None = None
+        self,
+        shape: StepShape,
+        tp: int,
+        busy_others: int = 0,
+        role: str | None = None,
+        other_roles: Sequence[str] = (),
     ) -> float:
         """Wall time of one engine step of an instance of ``tp`` ranks, while ``busy_others``
         other instances of the cluster are in a step (it matters only to a model of instances
         that share one machine's cores; the others ignore it). ``role``: the instance's
         (``prefill``, ``decode``, ``mixed``), for a model fitted per role (a calibration from
-        step traces); the others ignore it."""
+        step traces); the others ignore it. ``other_roles``: the roles of those busy others,
+        when known (a model of shared cores weighs them by their CPU priority)."""
         ...
 
     def step_noise(self) -> Mapping[tuple[str, str], Spread]:
@@ -70,6 +77,12 @@ class CostModel(Protocol):
         ...
 
     def supports_tp(self, tp: int) -> bool: ...
+
+    @property
+    def shared_cores(self) -> SharedCores | None:
+        """The one machine's cores every instance shares (a calibration with
+        ``--shared-cores``), and each role's CPU priority; None: instances have their own."""
+        ...
 
     def spread_experts(self, instances: int) -> CostModel:
         """The model for an instance of an expert-parallel domain of ``instances`` instances

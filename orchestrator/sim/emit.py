@@ -6,7 +6,11 @@ orchestrator accepts (a `ConfigError` otherwise); `check_options` runs the same 
 command's limits and provider before the search, and `check_helm_options` the chart's own
 rules (a provider that spans nodes, a model path inside the pods). The Helm values carry the
 same layout, limits, KV pools, model path, provider and device, so the same rules cover them.
-Every layout runs on the GPUs it reserves (``device: cuda``, one GPU per rank).
+Every layout runs on the GPUs it reserves (``device: cuda``, one GPU per rank), except one
+priced on a machine's shared cores (`CostModel.shared_cores`): its workers run on that
+machine's CPUs (``device: cpu``), each rank reserving an equal part of them, and each group
+at the CPU priority (``nice``) the plan assumed; the chart gets no values for it (its pods
+run on GPU nodes).
 
 KV pools: given the cost model the plan priced, each group gets the pool the simulation
 assumed, ``num_pages`` per rank (`kv_num_pages`); without one the engine would fall back to
@@ -21,6 +25,7 @@ combine them yet), whatever the plan assumed.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from orchestrator.config.cluster import ClusterConfig, ConfigError
@@ -51,12 +56,17 @@ def kv_num_pages(cost: CostModel, tp: int, limits: EngineLimits) -> int:
     return num_pages
 
 
-def _group(replicas: int, tp: int, provider: str | None, num_pages: int | None) -> dict[str, Any]:
-    group: dict[str, Any] = {
-        "replicas": replicas,
-        "tp": tp,
-        "resources_per_rank": {"cpu": 4, "gpu": 1},
-    }
+def _group(
+    replicas: int,
+    tp: int,
+    provider: str | None,
+    num_pages: int | None,
+    resources: dict[str, Any],
+    nice: int = 0,
+) -> dict[str, Any]:
+    group: dict[str, Any] = {"replicas": replicas, "tp": tp, "resources_per_rank": resources}
+    if nice:
+        group["nice"] = nice
     if provider is not None:
         group["fabric"] = {"provider": provider}
     if num_pages is not None:
@@ -78,20 +88,22 @@ def cluster_config(
     emits no pool (only for checking options: the engine's default pool is not the plan's).
     ``options``: the serving options the plan assumed (see the module docstring)."""
     options = options or ServingOptions()
+    shared = None if cost is None else cost.shared_cores
+    resources: dict[str, Any] = {"cpu": 4, "gpu": 1}
+    if shared is not None:  # every rank an equal part of the machine's cores
+        resources = {"cpu": math.floor(100 * shared.cores / layout.num_gpus) / 100 or 0.01}
 
-    def pages(tp: int) -> int | None:
-        return None if cost is None else kv_num_pages(cost, tp, limits)
+    def group(role: str, replicas: int, tp: int, fabric: str | None) -> dict[str, Any]:
+        pages = None if cost is None else kv_num_pages(cost, tp, limits)
+        nice = 0 if shared is None else shared.nice(role)
+        return _group(replicas, tp, fabric, pages, dict(resources), nice)
 
     if layout.is_mixed:
-        groups = {"mixed": _group(layout.num_mixed, layout.tp_mixed, None, pages(layout.tp_mixed))}
+        groups = {"mixed": group("mixed", layout.num_mixed, layout.tp_mixed, None)}
     else:
         groups = {
-            "prefill": _group(
-                layout.num_prefill, layout.tp_prefill, provider, pages(layout.tp_prefill)
-            ),
-            "decode": _group(
-                layout.num_decode, layout.tp_decode, provider, pages(layout.tp_decode)
-            ),
+            "prefill": group("prefill", layout.num_prefill, layout.tp_prefill, provider),
+            "decode": group("decode", layout.num_decode, layout.tp_decode, provider),
         }
     spec = options.speculative
     if spec is not None:
@@ -107,7 +119,7 @@ def cluster_config(
     return {
         "model": model_path,
         "dtype": dtype,
-        "device": "cuda",
+        "device": "cuda" if shared is None else "cpu",
         "page_size": PAGE_SIZE,
         "limits": config_limits,
         "groups": groups,
@@ -130,10 +142,13 @@ def checked_cluster_config(
     return config
 
 
-def check_options(limits: EngineLimits, *, model_path: str, provider: str) -> None:
+def check_options(
+    limits: EngineLimits, *, model_path: str, provider: str, cost: CostModel | None = None
+) -> None:
     """Refuse limits or a provider that no emitted config could carry (ConfigError), before
-    a search that takes minutes: the loader's own rules on a one-to-one layout."""
-    checked_cluster_config(Layout(1, 1), limits, model_path=model_path, provider=provider)
+    a search that takes minutes: the loader's own rules on a one-to-one layout (on the
+    device the plan's ``cost`` implies)."""
+    checked_cluster_config(Layout(1, 1), limits, cost, model_path=model_path, provider=provider)
 
 
 def check_helm_options(*, model_path: str, provider: str) -> str:
@@ -167,6 +182,10 @@ def helm_values(
     prefill and decode groups only). ``cost`` and ``options`` as in `cluster_config` (of the
     options, the chart carries the routing policy); ConfigError as in
     `check_helm_options`."""
+    if cost is not None and cost.shared_cores is not None:
+        raise ValueError(
+            "a plan on one machine's shared CPU cores: the chart's pods run on GPU nodes"
+        )
     if layout.is_mixed:
         return None
     provider = check_helm_options(model_path=model_path, provider=provider)

@@ -126,7 +126,8 @@ class InstanceBase:
             else limits.kv_capacity_tokens
         )
         self.num_reserved_tokens = 0  # KV of admitted requests, prompt + output
-        self.busy_others = 0  # other instances in a step when this one starts one (simulator)
+        # The roles of the other instances in a step when this one starts one (simulator).
+        self.busy_other_roles: tuple[str, ...] = ()
 
     def _new_decode_batch(self) -> DecodeBatch:
         spec = self.options.speculative
@@ -140,7 +141,8 @@ class InstanceBase:
         return self.capacity - self.num_reserved_tokens
 
     def _price(self, shape: StepShape) -> float:
-        seconds = self.cost.step_seconds(shape, self.tp, self.busy_others, self.role)
+        others = self.busy_other_roles
+        seconds = self.cost.step_seconds(shape, self.tp, len(others), self.role, others)
         return self.noise.apply(self.role, shape, seconds)
 
     def _admits(self, request: SimRequest, num_admitted: int) -> bool:

@@ -4,6 +4,10 @@ For every layout within the GPU budget (prefill and decode instance counts, each
 size; optionally the mixed baseline), the planner finds the highest arrival rate at which at
 least ``attainment`` of requests meet both SLOs (TTFT and TPOT), by doubling then bisecting
 the rate of the same seeded workload. Goodput per GPU is that rate over the layout's GPUs.
+
+Layouts are ranked by goodput per GPU: GPUs are what a deployment pays for. Priced on one
+machine's shared cores (`CostModel.shared_cores`), every layout runs on the same machine, and
+an instance more is a process, not a GPU: they are ranked by goodput.
 """
 
 from __future__ import annotations
@@ -132,14 +136,20 @@ def max_goodput(cost: CostModel, layout: Layout, spec: PlanSpec) -> Candidate:
 
 
 def plan(cost: CostModel, spec: PlanSpec) -> list[Candidate]:
-    """Every layout, best goodput per GPU first (ties: fewer GPUs, then the label)."""
+    """Every layout, best goodput per GPU first, or best goodput on shared cores (ties: fewer
+    GPUs, then the label)."""
     candidates = []
     # One bar step per layout: each is a search of up to ~18 simulations.
     for layout in progress(list(layouts(cost, spec)), desc="planning", unit="layout"):
         candidate = max_goodput(cost, layout, spec)
         logger.debug("%s: %.3f req/s", layout.label, candidate.goodput)
         candidates.append(candidate)
-    return sorted(candidates, key=lambda c: (-c.goodput_per_gpu, c.layout.num_gpus, c.layout.label))
+
+    def rank(c: Candidate) -> tuple[float, int, str]:
+        measure = c.goodput if cost.shared_cores is not None else c.goodput_per_gpu
+        return -measure, c.layout.num_gpus, c.layout.label
+
+    return sorted(candidates, key=rank)
 
 
 def format_table(candidates: list[Candidate], top: int) -> str:

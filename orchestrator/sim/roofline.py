@@ -32,12 +32,14 @@ is only as good as they are, and a calibrated model should replace it when one e
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 
 from orchestrator.sim.cost import StepShape
 from orchestrator.sim.hardware import GPUS, NICS, GPUSpec, NICSpec
 from orchestrator.sim.models import MODELS, ModelSpec
 from orchestrator.sim.noise import Spread
+from orchestrator.sim.shared_cores import SharedCores
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,12 @@ class RooflineCostModel:
     # --- the CostModel protocol -----------------------------------------------------------
 
     def step_seconds(
-        self, shape: StepShape, tp: int, busy_others: int = 0, role: str | None = None
+        self,
+        shape: StepShape,
+        tp: int,
+        busy_others: int = 0,
+        role: str | None = None,
+        other_roles: Sequence[str] = (),
     ) -> float:
         # Each instance has GPUs of its own: what the other instances do costs it nothing.
         # Kernels run one after another, so each gets its own roofline and the times add:
@@ -156,6 +163,10 @@ class RooflineCostModel:
         held = m.dense_params + m.routed_params / self.expert_domain  # this instance's share
         free = per_rank - held * m.weight_bytes / tp
         return int(free / (self.model.kv_bytes_per_token * self._kv_share(tp)))
+
+    @property
+    def shared_cores(self) -> SharedCores | None:
+        return None  # each instance has GPUs of its own
 
     def supports_tp(self, tp: int) -> bool:
         m = self.model

@@ -11,8 +11,8 @@ with the least uncached work once this prompt is added. A conversation's later t
 event the instances it touched start a step if they are idle and have work. A request reaches
 the router `CostModel.request_overhead_seconds` after it arrives (the fixed costs outside engine
 steps), so that delay is part of its TTFT and of nothing else's. A step is priced with the
-number of other instances in a step when it starts (a cost model of instances that share one
-machine's cores charges for them; the price is fixed for the step's length).
+other instances in a step when it starts, their count and roles (a cost model of instances that
+share one machine's cores charges for them; the price is fixed for the step's length).
 
 The transfer model: the KV push overlaps the prefill passes layer by layer, so a request
 waits only for `cost.exposed_transfer_seconds` after its prefill ends. Only the prompt pages
@@ -328,8 +328,10 @@ class Simulator:
     def _kick(self, instance: PrefillInstance | DecodeInstance | MixedInstance, now: float) -> None:
         if instance.is_busy:
             return
-        instance.busy_others = sum(
-            other.is_busy for other in [*self.prefills, *self.decodes] if other is not instance
+        instance.busy_other_roles = tuple(
+            other.role
+            for other in [*self.prefills, *self.decodes]
+            if other.is_busy and other is not instance
         )
         duration = instance.start_step(now)
         if duration is not None:

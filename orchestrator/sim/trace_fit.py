@@ -21,6 +21,14 @@ noise in seconds"). Per role: seconds = a + b * prefill tokens + c * prefill att
 + d * decode sequences + e * decode KV tokens, least squares with coefficients >= 0
 (`calibrated.fit_affine`).
 
+With ``--shared-cores C`` (the cores of the machine the runs were measured on), each busy
+cycle's seconds become the core-seconds the worker got in it (`shared_cores.alone_seconds`,
+every worker of a run on one clock, each weighted by its group's ``nice``), and the file
+records ``"shared_cores": {"cores": C, "nice": {role: nice}}``: the simulator then prices
+a step at its core-seconds over the share of a core it gets beside the instances in a step
+when it starts, so that a layout with fewer (or more) processes per core than the measured
+ones is priced with its own contention.
+
 Predicting the run a trace was taken from checks the simulator's queueing and batching, given
 the step costs the run actually had; predicting other runs with it (other repeats of the same
 compare) also checks that those costs carry over.
@@ -36,38 +44,80 @@ from typing import Any
 
 from orchestrator.config.cluster import ClusterConfig
 from orchestrator.sim.calibrated import MIN_ROLE_POINTS
+from orchestrator.sim.shared_cores import alone_seconds, nice_weight
 
 ROLES = ("prefill", "decode", "mixed")
 POINT_FIELDS = ["prefill_tokens", "prefill_attention", "decode_seqs", "decode_kv_tokens", "seconds"]
 
 
-def busy_cycles(trace: dict[str, Any]) -> Iterator[list[float]]:
-    """``[prefill_tokens, attention, decode_seqs, kv_tokens, seconds]`` of each step of one
-    worker's trace: its busy cycle where one follows (the next record's loop did not wait
-    first), else the step's own duration."""
+def busy_cycles(trace: dict[str, Any]) -> Iterator[tuple[float, list[float]]]:
+    """``(start, [prefill_tokens, attention, decode_seqs, kv_tokens, seconds])`` of each step
+    of one worker's trace: its busy cycle where one follows (the next record's loop did not
+    wait first), else the step's own duration."""
     records = trace["records"]
     for current, following in itertools.pairwise(records):
         start, duration, _, *shape = current
         next_start, _, after_wait, *_ = following
         busy = not after_wait and next_start > start
-        yield [*shape, next_start - start if busy else duration]
+        yield start, [*shape, next_start - start if busy else duration]
     if records:
-        _, duration, _, *shape = records[-1]
-        yield [*shape, duration]
+        start, duration, _, *shape = records[-1]
+        yield start, [*shape, duration]
 
 
-def role_points(documents: Sequence[dict[str, Any]]) -> dict[str, list[list[float]]]:
-    """Busy cycles of every traced worker of every run of ``documents``, by worker role."""
+def role_points(
+    documents: Sequence[dict[str, Any]], cores: float | None = None
+) -> tuple[dict[str, list[list[float]]], dict[str, int]]:
+    """Busy cycles of every traced worker of every run of ``documents``, by worker role; with
+    ``cores``, in core-seconds (`shared_cores.alone_seconds`), and each role's ``nice`` in the
+    runs' configs."""
     points: dict[str, list[list[float]]] = {}
+    nice: dict[str, int] = {}
     for document in documents:
         for run in document["runs"]:
-            for trace in run.get("step_traces") or []:
-                if "error" in trace:
-                    continue  # the worker was lost before its trace was read
+            traces = [t for t in run.get("step_traces") or [] if "error" not in t]
+            # (A worker lost before its trace was read has an "error" instead.)
+            for trace in traces:
                 if trace["role"] not in ROLES:
                     raise ValueError(f"step trace of unknown role {trace['role']!r}")
-                points.setdefault(trace["role"], []).extend(busy_cycles(trace))
-    return points
+            cycles = [list(busy_cycles(trace)) for trace in traces]
+            if cores is not None and traces:
+                run_nice = _role_nice(document, run["name"], nice)
+                _to_core_seconds(traces, cycles, run_nice, cores)
+            for trace, worker in zip(traces, cycles, strict=True):
+                points.setdefault(trace["role"], []).extend(point for _, point in worker)
+    return points, nice
+
+
+def _role_nice(document: dict[str, Any], run_name: str, seen: dict[str, int]) -> dict[str, int]:
+    """Each role's ``nice`` in the config that ``run_name`` of ``document`` served, added to
+    ``seen``; ValueError where an earlier run's group of that role had another."""
+    from orchestrator.loadgen.compare import load_config
+
+    config = load_config(document["configs"][run_name], document.get("model"))
+    for group in config.groups:
+        if seen.setdefault(group.role, group.nice) != group.nice:
+            raise ValueError(
+                f"the traced runs' {group.role} groups run at different nice levels: "
+                "calibrate each setting on its own"
+            )
+    return {group.role: group.nice for group in config.groups}
+
+
+def _to_core_seconds(
+    traces: Sequence[dict[str, Any]],
+    cycles: Sequence[list[tuple[float, list[float]]]],
+    nice: dict[str, int],
+    cores: float,
+) -> None:
+    """Replace the seconds of each busy cycle of one run's workers by its core-seconds."""
+    workers = [
+        (nice_weight(nice[trace["role"]]), [(start, point[-1]) for start, point in worker])
+        for trace, worker in zip(traces, cycles, strict=True)
+    ]
+    for worker, alone in zip(cycles, alone_seconds(workers, cores), strict=True):
+        for (_, point), seconds in zip(worker, alone, strict=True):
+            point[-1] = seconds
 
 
 def model_facts(config: ClusterConfig) -> dict[str, Any]:
@@ -91,8 +141,11 @@ def model_facts(config: ClusterConfig) -> dict[str, Any]:
     }
 
 
-def calibration_from_traces(paths: Sequence[str | Path]) -> dict[str, Any]:
-    """The calibration file's data (see `calibrated`) from saved ``bench compare`` results."""
+def calibration_from_traces(
+    paths: Sequence[str | Path], shared_cores: float | None = None
+) -> dict[str, Any]:
+    """The calibration file's data (see `calibrated`) from saved ``bench compare`` results;
+    ``shared_cores``: the cores the runs shared (points in core-seconds, see above)."""
     from orchestrator.loadgen.compare import load_config
 
     documents = []
@@ -104,7 +157,9 @@ def calibration_from_traces(paths: Sequence[str | Path]) -> dict[str, Any]:
         if document.get("command") != "compare":
             raise ValueError(f"{path} is not a pdserve bench compare result")
         documents.append(document)
-    points = role_points(documents)
+    if shared_cores is not None and not shared_cores > 0:
+        raise ValueError(f"--shared-cores must be > 0, got {shared_cores}")
+    points, nice = role_points(documents, shared_cores)
     if not points:
         raise ValueError(
             "no step traces in "
@@ -116,8 +171,11 @@ def calibration_from_traces(paths: Sequence[str | Path]) -> dict[str, Any]:
             raise ValueError(f"only {len(found)} busy cycles of {role} workers: too few to fit")
     first = documents[0]
     config = load_config(first["configs"]["disaggregated"], first.get("model"))
-    return {
+    data = {
         **model_facts(config),
         "from_trace": {"results": [Path(p).name for p in paths], "fields": POINT_FIELDS},
         "roles": points,
     }
+    if shared_cores is not None:
+        data["shared_cores"] = {"cores": shared_cores, "nice": nice}
+    return data

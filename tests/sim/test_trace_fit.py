@@ -91,7 +91,8 @@ def test_busy_cycles_run_from_one_start_to_the_next_without_a_wait_else_a_step()
         [1.00, 0.01, 1.0, 0, 0, 1, 7],
         [1.03, 0.01, 0.0, 0, 0, 1, 8],
     ]}  # fmt: skip
-    cycles = list(busy_cycles(trace))
+    starts, cycles = zip(*busy_cycles(trace), strict=True)
+    assert starts == (0.00, 0.02, 0.05, 1.00, 1.03)
     assert [c[:4] for c in cycles] == [
         [32, 528, 0, 0], [0, 0, 2, 90], [0, 0, 2, 92], [0, 0, 1, 7], [0, 0, 1, 8],
     ]  # fmt: skip
