@@ -83,9 +83,11 @@ def cluster_config(
     provider: str = "verbs;ofi_rxm",
     dtype: str = "auto",
     options: ServingOptions | None = None,
+    pools: bool = True,
 ) -> dict[str, Any]:
-    """``cost``: the model the plan priced, whose KV capacity becomes each group's pool; None
-    emits no pool (only for checking options: the engine's default pool is not the plan's).
+    """``cost``: the model the plan priced, whose KV capacity becomes each group's pool (and
+    whose shared cores, if any, make a CPU config); None, or ``pools`` False, emits no pool
+    (only for checking options: the engine's default pool is not the plan's).
     ``options``: the serving options the plan assumed (see the module docstring)."""
     options = options or ServingOptions()
     shared = None if cost is None else cost.shared_cores
@@ -94,7 +96,7 @@ def cluster_config(
         resources = {"cpu": math.floor(100 * shared.cores / layout.num_gpus) / 100 or 0.01}
 
     def group(role: str, replicas: int, tp: int, fabric: str | None) -> dict[str, Any]:
-        pages = None if cost is None else kv_num_pages(cost, tp, limits)
+        pages = None if cost is None or not pools else kv_num_pages(cost, tp, limits)
         nice = 0 if shared is None else shared.nice(role)
         return _group(replicas, tp, fabric, pages, dict(resources), nice)
 
@@ -133,11 +135,12 @@ def checked_cluster_config(
     cost: CostModel | None = None,
     *,
     options: ServingOptions | None = None,
+    pools: bool = True,
     **strings: str,
 ) -> dict[str, Any]:
     """`cluster_config` (same options), loaded as the orchestrator loads it; `ConfigError` (a
     ValueError) when the loader would refuse it."""
-    config = cluster_config(layout, limits, cost=cost, options=options, **strings)
+    config = cluster_config(layout, limits, cost=cost, options=options, pools=pools, **strings)
     ClusterConfig.from_dict(config)
     return config
 
@@ -146,9 +149,11 @@ def check_options(
     limits: EngineLimits, *, model_path: str, provider: str, cost: CostModel | None = None
 ) -> None:
     """Refuse limits or a provider that no emitted config could carry (ConfigError), before
-    a search that takes minutes: the loader's own rules on a one-to-one layout (on the
-    device the plan's ``cost`` implies)."""
-    checked_cluster_config(Layout(1, 1), limits, cost, model_path=model_path, provider=provider)
+    a search that takes minutes: the loader's own rules on a one-to-one layout, on the device
+    the plan's ``cost`` implies (no pools: the model need not fit that layout)."""
+    checked_cluster_config(
+        Layout(1, 1), limits, cost, pools=False, model_path=model_path, provider=provider
+    )
 
 
 def check_helm_options(*, model_path: str, provider: str) -> str:
