@@ -25,7 +25,7 @@ assumption no calibration has measured yet.
 Shared cores: a calibration taken with ``--concurrent N`` (``"contention": {"processes": N}``)
 holds its points measured while N - 1 other engine processes stepped, and under ``"alone"``
 the same points measured alone. Both are fitted; a step is priced between the two in
-proportion to the other instances in a step when it starts (``busy_others / (N - 1)``, at
+proportion to the other instances in a step when it starts (``len(busy_others) / (N - 1)``, at
 most 1), as the cluster's worker processes share this machine's cores. The machine measured
 has one rank: for ``tp > 1`` the variable terms are divided by ``tp`` (ideal scaling) and
 ``tp_step_overhead_s`` is added per step, an assumption to replace with measurements.
@@ -151,14 +151,13 @@ class CalibratedCostModel:
         self,
         shape: StepShape,
         tp: int,
-        busy_others: int = 0,
+        busy_others: Sequence[str] = (),
         role: str | None = None,
-        other_roles: Sequence[str] = (),
     ) -> float:
         if self.shared_cores is None:
-            return self._seconds(shape, tp, busy_others, role)
+            return self._seconds(shape, tp, len(busy_others), role)
         # Every fit in core-seconds: stretched by the share of a core this step gets.
-        slowdown = self.shared_cores.slowdown(role or "", other_roles)
+        slowdown = self.shared_cores.slowdown(role or "", busy_others)
         return self._seconds(shape, tp, 0, role) * slowdown
 
     def _seconds(self, shape: StepShape, tp: int, busy_others: int, role: str | None) -> float:
@@ -397,7 +396,8 @@ def mixed_errors(model: CalibratedCostModel, data: dict[str, Any]) -> list[float
             tokens, _attention(tokens, int(m["context"])), batch, int(m["kv_tokens"]) + batch
         )
         # Measured while the calibration's other processes stepped.
-        predicted = model.step_seconds(shape, 1, model.contention_processes - 1)
+        others = ("mixed",) * (model.contention_processes - 1)  # the engines measured beside it
+        predicted = model.step_seconds(shape, 1, others)
         errors.append((predicted - m["seconds"]) / m["seconds"])
     return errors
 

@@ -46,16 +46,15 @@ class CostModel(Protocol):
         self,
         shape: StepShape,
         tp: int,
-        busy_others: int = 0,
+        busy_others: Sequence[str] = (),
         role: str | None = None,
-        other_roles: Sequence[str] = (),
     ) -> float:
-        """Wall time of one engine step of an instance of ``tp`` ranks, while ``busy_others``
-        other instances of the cluster are in a step (it matters only to a model of instances
-        that share one machine's cores; the others ignore it). ``role``: the instance's
+        """Wall time of one engine step of an instance of ``tp`` ranks, while the other
+        instances of the cluster whose roles ``busy_others`` lists are in a step (it matters
+        only to a model of instances that share one machine's cores, which counts them or
+        weighs them by their CPU priority; the others ignore it). ``role``: the instance's
         (``prefill``, ``decode``, ``mixed``), for a model fitted per role (a calibration from
-        step traces); the others ignore it. ``other_roles``: the roles of those busy others,
-        when known (a model of shared cores weighs them by their CPU priority)."""
+        step traces); the others ignore it."""
         ...
 
     def step_noise(self) -> Mapping[tuple[str, str], Spread]:

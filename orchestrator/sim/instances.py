@@ -16,7 +16,7 @@ finds cached, and a decoder is pushed only the prompt pages it does not hold; ca
 live in the KV the reservations leave free. With speculative decoding (`options`) a running
 set is a `spec_batch.SpecDecodeSet`: sequences verify drafts and emit one or more tokens.
 Instances are driven by `simulator.Simulator`: `start_step` plans a step and returns its
-duration (None when idle; priced with ``busy_others``, the other instances in a step at that
+duration (None when idle; priced with ``busy_other_roles``, the other instances in a step at that
 moment, which the simulator sets), `finish_step` applies it at its end time.
 """
 
@@ -141,8 +141,7 @@ class InstanceBase:
         return self.capacity - self.num_reserved_tokens
 
     def _price(self, shape: StepShape) -> float:
-        others = self.busy_other_roles
-        seconds = self.cost.step_seconds(shape, self.tp, len(others), self.role, others)
+        seconds = self.cost.step_seconds(shape, self.tp, self.busy_other_roles, self.role)
         return self.noise.apply(self.role, shape, seconds)
 
     def _admits(self, request: SimRequest, num_admitted: int) -> bool:

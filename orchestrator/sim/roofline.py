@@ -107,9 +107,8 @@ class RooflineCostModel:
         self,
         shape: StepShape,
         tp: int,
-        busy_others: int = 0,
+        busy_others: Sequence[str] = (),
         role: str | None = None,
-        other_roles: Sequence[str] = (),
     ) -> float:
         # Each instance has GPUs of its own: what the other instances do costs it nothing.
         # Kernels run one after another, so each gets its own roofline and the times add:

@@ -247,10 +247,16 @@ def test_a_calibration_under_contention_prices_steps_by_how_many_others_step() -
     )
     alone = prefill_seconds(fit(_fit_data()), 256, 0, 1)
     assert model.step_seconds(chunk, 1) == pytest.approx(alone)  # nobody else stepping
-    assert model.step_seconds(chunk, 1, busy_others=1) == pytest.approx(1.5 * alone)  # 1 of 2
-    assert model.step_seconds(chunk, 1, busy_others=2) == pytest.approx(2 * alone)
-    assert model.step_seconds(chunk, 1, busy_others=5) == pytest.approx(2 * alone)  # at most
-    assert model.step_seconds(batch, 1, 2) == pytest.approx(3 * model.step_seconds(batch, 1))
+    assert model.step_seconds(chunk, 1, busy_others=("mixed",)) == pytest.approx(
+        1.5 * alone
+    )  # 1 of 2
+    assert model.step_seconds(chunk, 1, busy_others=("mixed",) * 2) == pytest.approx(2 * alone)
+    assert model.step_seconds(chunk, 1, busy_others=("mixed",) * 5) == pytest.approx(
+        2 * alone
+    )  # at most
+    assert model.step_seconds(batch, 1, ("mixed",) * 2) == pytest.approx(
+        3 * model.step_seconds(batch, 1)
+    )
     # Without the fits measured alone, the contended fit prices every step.
     del data["alone"]
     assert fit(data).step_seconds(chunk, 1) == pytest.approx(2 * alone)

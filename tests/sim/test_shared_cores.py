@@ -116,13 +116,13 @@ def test_calibrate_fits_core_seconds_and_the_model_prices_each_layouts_share(
     # Priced on those two cores: three mixed instances each get two thirds of one; a decoder
     # beside two nice prefill workers keeps its core, and they split the other.
     step = StepShape(*shape)
-    assert model.step_seconds(step, 1, 2, "mixed", ("mixed", "mixed")) == pytest.approx(
+    assert model.step_seconds(step, 1, ("mixed", "mixed"), "mixed") == pytest.approx(
         1.5 * _price(MIXED_LAW, shape)
     )
-    assert model.step_seconds(step, 1, 2, "decode", ("prefill", "prefill")) == pytest.approx(
+    assert model.step_seconds(step, 1, ("prefill", "prefill"), "decode") == pytest.approx(
         _price(DECODE_LAW, shape)
     )
-    assert model.step_seconds(step, 1, 2, "prefill", ("prefill", "decode")) == pytest.approx(
+    assert model.step_seconds(step, 1, ("prefill", "decode"), "prefill") == pytest.approx(
         2 * _price(PREFILL_LAW, shape)
     )
     # One core: where the prefill and decode cycles overlapped, each got a share of it, so

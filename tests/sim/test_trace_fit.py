@@ -130,7 +130,7 @@ def test_calibrate_from_traces_recovers_each_roles_law(
     for role, law in (("prefill", PREFILL_LAW), ("decode", DECODE_LAW), ("mixed", MIXED_LAW)):
         assert fits[role] == pytest.approx(law, rel=1e-6, abs=1e-12), role
         shape = [200, 200 * 300 + 200 * 201 // 2, 5, 2500]
-        price = model.step_seconds(StepShape(*shape), 1, busy_others=2, role=role)
+        price = model.step_seconds(StepShape(*shape), 1, busy_others=("mixed",) * 2, role=role)
         assert price == pytest.approx(_price(law, shape)), role  # contention plays no part
     # Without a traced role: the fits of the prefill-only and decode-only cycles of all roles.
     assert model.prefill_coefficients[1] > 0 and model.decode_coefficients[1] > 0
