@@ -401,16 +401,22 @@ def _validation_cost(args: argparse.Namespace) -> CalibratedCostModel:
 
     cost = load(args.calibration)
     if args.no_overheads or args.overheads_from:
-        cost = dataclasses.replace(cost, request_overhead_s=(0.0, 0.0))
+        cost = cost.without_overheads()
     if args.overheads_from:
         from orchestrator.loadgen.overheads import derive
 
         source = Path(args.overheads_from)
         reference = load(args.overheads_against) if args.overheads_against else cost
-        reference = dataclasses.replace(reference, request_overhead_s=(0.0, 0.0))
+        reference = reference.without_overheads()
         entry = derive(reference, json.loads(source.read_text()), source.name)
-        fixed = (entry.get("disaggregated_s", 0.0), entry.get("mixed_s", 0.0))
-        cost = dataclasses.replace(cost, request_overhead_s=fixed)
+        cost = dataclasses.replace(
+            cost,
+            request_overhead_s=(entry.get("disaggregated_s", 0.0), entry.get("mixed_s", 0.0)),
+            token_delay_s=(
+                entry.get("disaggregated_token_s", 0.0),
+                entry.get("mixed_token_s", 0.0),
+            ),
+        )
     return cost
 
 
@@ -418,7 +424,7 @@ def _run_validate(args: argparse.Namespace) -> int:
     import json
 
     from orchestrator.loadgen.compare import load_config
-    from orchestrator.loadgen.requests import kept_specs
+    from orchestrator.loadgen.requests import document_specs
     from orchestrator.loadgen.validate import (
         TOLERANCE,
         acceptance_of,
@@ -451,18 +457,15 @@ def _run_validate(args: argparse.Namespace) -> int:
     cost = _validation_cost(args)
     print(
         f"{cost.name}: request overheads disaggregated {cost.request_overhead_s[0]:.3f} s, "
-        f"mixed {cost.request_overhead_s[1]:.3f} s"
+        f"mixed {cost.request_overhead_s[1]:.3f} s; token delay (mean) disaggregated "
+        f"{cost.token_delay_s[0] * 1e3:.2f} ms, mixed {cost.token_delay_s[1] * 1e3:.2f} ms"
     )
     if cost.step_noise():
         print(
             f"step-time noise: seeds {seeds.start}..{seeds.stop - 1}"
             + (f", each figure the median of {len(seeds)} simulations" if len(seeds) > 1 else "")
         )
-    workload_args = argparse.Namespace(**document["workload"], ttft_slo=1.0, tpot_slo=1.0)
-    for key, value in (("max_concurrency", 1), ("timeout", 1.0), ("backend", "grpc")):
-        setattr(workload_args, key, value)
-    options = _options(workload_args)
-    specs = kept_specs(options.workload, options.duration_s, options.num_warmup)
+    specs, num_warmup = document_specs(document)
     # Per config: its rows against each result and, for several, against their median; the
     # closing count judges a set of repeats on the median, a single result on itself.
     checks: dict[str, dict[str, Any]] = {}
@@ -479,7 +482,7 @@ def _run_validate(args: argparse.Namespace) -> int:
             if other_run["name"] == name
             for trace in other_run.get("step_traces") or []
         ]
-        prediction = predict(cost, config, specs, options.num_warmup, seeds, acceptance_of(traces))
+        prediction = predict(cost, config, specs, num_warmup, seeds, acceptance_of(traces))
         summaries, per_result = [], {}
         for path, other in zip(args.result, documents, strict=True):
             summary = next(r["summary"] for r in other["runs"] if r["name"] == name)

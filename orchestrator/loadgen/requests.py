@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from orchestrator.sim.workload import RequestSpec, Workload
+from orchestrator.sim.workload import LengthDist, RequestSpec, Workload
 
 
 @dataclass(frozen=True)
@@ -83,3 +84,18 @@ def kept_specs(
             f"warm-up must be in [0, {len(specs)}) (the requests{within}), got {num_warmup}"
         )
     return specs
+
+
+def document_specs(document: dict[str, Any]) -> tuple[list[RequestSpec], int]:
+    """The request list a saved ``compare`` result ran (its workload's seed, lengths and
+    arrivals), and its number of warm-up requests."""
+    w = document["workload"]
+    workload = Workload(
+        rate=w["rate"],
+        num_requests=w["num_requests"],
+        prompt=LengthDist.parse(w["prompt"]),
+        output=LengthDist.parse(w["output"]),
+        arrival=w["arrival"],
+        seed=w["seed"],
+    )
+    return kept_specs(workload, w.get("duration"), w["warmup"]), int(w["warmup"])

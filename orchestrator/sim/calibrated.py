@@ -7,11 +7,13 @@ The measurements file (written by ``pdserve calibrate``, `calibrate.run_calibrat
      "prefill":  [{"tokens": 64, "context": 0, "seconds": 0.004}, ...],
      "decode":   [{"batch": 4, "kv_tokens": 160, "seconds": 0.003}, ...],
      "transfer": [{"bytes": 1048576, "seconds": 0.0007}, ...],      # optional
-     "overheads": {"disaggregated_s": 0.12, "mixed_s": 0.05, ...}}   # optional
+     "overheads": {"disaggregated_s": 0.12, "mixed_s": 0.05,           # optional
+                   "disaggregated_token_s": 0.0004, "mixed_token_s": 0.0, ...}}
 
 ``overheads`` are fixed per-request seconds outside engine steps (router, RPCs, the first
-message, the decoder's KV admission), derived by ``pdserve calibrate --overheads-from`` from a
-measured run (`orchestrator.loadgen.overheads`); absent, they are 0.
+message, the decoder's KV admission) and the mean of each streamed message's varying delay on
+its way to the client (``*_token_s``, `delivery`), derived by ``pdserve calibrate
+--overheads-from`` from a measured run (`orchestrator.loadgen.overheads`); absent, they are 0.
 
 Fits (least squares, coefficients kept >= 0 by dropping a feature that comes out negative):
 prefill = a + b * tokens + c * attention (attention = the positions the chunk's tokens attend
@@ -51,7 +53,7 @@ import functools
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +85,7 @@ class CalibratedCostModel:
     transfer_coefficients: tuple[float, float] = (0.0, 0.0)  # intercept, seconds per byte
     tp_step_overhead_s: float = 0.0
     request_overhead_s: tuple[float, float] = (0.0, 0.0)  # disaggregated, mixed
+    token_delay_s: tuple[float, float] = (0.0, 0.0)  # disaggregated, mixed (`delivery`)
     # Fits of the same engine measured alone (prefill, decode), when the main ones were
     # measured while contention_processes - 1 other engine processes stepped.
     alone_coefficients: tuple[tuple[float, float, float], tuple[float, float, float]] | None = None
@@ -111,6 +114,7 @@ class CalibratedCostModel:
         numbers = (
             *coefficients,
             *self.request_overhead_s,
+            *self.token_delay_s,
             self.tp_step_overhead_s,
             self.kv_bytes_per_token,
         )
@@ -119,7 +123,7 @@ class CalibratedCostModel:
             raise ValueError(
                 f"cost coefficients, overheads and kv_bytes_per_token must be finite, got {numbers}"
             )
-        if min(coefficients) < 0 or min(self.request_overhead_s) < 0:
+        if min(coefficients) < 0 or min(*self.request_overhead_s, *self.token_delay_s) < 0:
             raise ValueError(f"cost coefficients must be >= 0, got {coefficients}")
         if self.num_layers < 1 or self.kv_bytes_per_token <= 0 or self.kv_capacity_per_rank < 1:
             raise ValueError("num_layers, kv_bytes_per_token and kv_capacity must be positive")
@@ -215,6 +219,13 @@ class CalibratedCostModel:
 
     def request_overhead_seconds(self, disaggregated: bool) -> float:
         return self.request_overhead_s[0 if disaggregated else 1]
+
+    def token_delay_seconds(self, disaggregated: bool) -> float:
+        return self.token_delay_s[0 if disaggregated else 1]
+
+    def without_overheads(self) -> CalibratedCostModel:
+        """The same steps, with no cost outside them (the reference overheads are fit to)."""
+        return replace(self, request_overhead_s=(0.0, 0.0), token_delay_s=(0.0, 0.0))
 
     def kv_bytes(self, num_tokens: int) -> int:
         return int(self.kv_bytes_per_token * num_tokens)
@@ -355,6 +366,10 @@ def fit(data: dict[str, Any], source: str = "calibrated") -> CalibratedCostModel
         request_overhead_s=(
             _finite(overheads.get("disaggregated_s", 0.0), "overheads.disaggregated_s"),
             _finite(overheads.get("mixed_s", 0.0), "overheads.mixed_s"),
+        ),
+        token_delay_s=(
+            _finite(overheads.get("disaggregated_token_s", 0.0), "overheads.disaggregated_token_s"),
+            _finite(overheads.get("mixed_token_s", 0.0), "overheads.mixed_token_s"),
         ),
         alone_coefficients=alone,
         contention_processes=int(

@@ -39,6 +39,12 @@ def add_subcommands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--gpus", type=int, required=True, help="GPU budget")
     p.add_argument("--tp", default="1,2,4,8", help="TP sizes to consider (comma-separated)")
     p.add_argument("--no-mixed", action="store_true", help="leave out the mixed baseline")
+    p.add_argument(
+        "--expert-parallel",
+        action="store_true",
+        help="also try each decode group of a MoE model as one expert-parallel domain (roofline "
+        "models; a what-if pdserve's engine does not run: nothing is emitted or applied for it)",
+    )
     p.add_argument("--attainment", type=float, default=0.9, help="share of requests meeting SLOs")
     p.add_argument("--top", type=int, default=10)
     p.add_argument(
@@ -380,7 +386,13 @@ def _run_plan(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         min_duration_s=args.min_duration,
         options=options,
+        expert_parallel=args.expert_parallel,
     )
+    if args.expert_parallel and (args.emit_config or args.emit_helm or args.apply):
+        raise ValueError(
+            "--expert-parallel plans layouts pdserve's engine does not run (each instance keeps "
+            "every expert): leave out --emit-config, --emit-helm and --apply"
+        )
     try:  # before a search of minutes: what no emitted config could carry
         check_options(limits, model_path=args.model_path, provider=args.provider, cost=cost)
     except ValueError as error:
@@ -409,6 +421,13 @@ def _run_plan(args: argparse.Namespace) -> int:
     if not candidates or candidates[0].goodput == 0:
         print("no layout meets the SLOs; nothing emitted" + (" or applied" if args.apply else ""))
         return 1
+    if candidates[0].layout.ep_decode > 1:
+        print(
+            f"\nbest: {candidates[0].layout.label}, decoders as one expert-parallel domain: a "
+            "what-if pdserve's engine does not run, so no config; the best layout it runs: "
+            + next((c.layout.label for c in candidates if c.layout.ep_decode == 1), "none")
+        )
+        return 0
     _emit(candidates[0].layout, limits, cost, args, options)
     if args.apply:
         import asyncio
@@ -470,7 +489,6 @@ def _emit(
 
 def _calibrate(args: argparse.Namespace) -> int:
     import json
-    from dataclasses import replace
     from pathlib import Path
 
     import numpy as np
@@ -548,7 +566,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     if result is not None:
         from orchestrator.loadgen.overheads import derive
 
-        reference = model if against is None else replace(against, request_overhead_s=(0.0, 0.0))
+        reference = model if against is None else against.without_overheads()
         data["overheads"] = derive(reference, result, Path(args.overheads_from).name)
         if against is not None:
             data["overheads"]["against"] = Path(args.overheads_against).name
@@ -594,7 +612,9 @@ def _calibrate(args: argparse.Namespace) -> int:
         o = data["overheads"]
         print(
             f"request overheads: disaggregated {o.get('disaggregated_s', 0):.3f} s, "
-            f"mixed {o.get('mixed_s', 0):.3f} s (from {o['from']})"
+            f"mixed {o.get('mixed_s', 0):.3f} s; token delay (mean) disaggregated "
+            f"{o.get('disaggregated_token_s', 0) * 1e3:.2f} ms, "
+            f"mixed {o.get('mixed_token_s', 0) * 1e3:.2f} ms (from {o['from']})"
         )
     print(f"use it with: --cost calibrated:{args.out}")
     return 0

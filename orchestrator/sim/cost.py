@@ -96,6 +96,12 @@ class CostModel(Protocol):
         pushed KV. The simulator delays each arrival by it."""
         ...
 
+    def token_delay_seconds(self, disaggregated: bool) -> float:
+        """Mean of the varying part of a streamed message's delay on its way to the client
+        (`delivery`): the simulator widens and narrows the gaps between a request's tokens by
+        it; 0: the gaps are the engine's steps."""
+        ...
+
 
 def prefill_seconds(model: CostModel, num_tokens: int, num_context: int, tp: int) -> float:
     """One prefill chunk of ``num_tokens`` after ``num_context`` tokens already in the cache."""

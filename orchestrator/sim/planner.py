@@ -8,6 +8,11 @@ the rate of the same seeded workload. Goodput per GPU is that rate over the layo
 Layouts are ranked by goodput per GPU: GPUs are what a deployment pays for. Priced on one
 machine's shared cores (`CostModel.shared_cores`), every layout runs on the same machine, and
 an instance more is a process, not a GPU: they are ranked by goodput.
+
+With ``expert_parallel`` (a MoE model priced by the roofline model), every disaggregated
+layout of two decode instances or more is also tried with its decode group as one
+expert-parallel domain (`Layout.ep_decode`): a what-if, since pdserve's engine keeps every
+expert in each instance, so such a layout can be planned and ranked but not emitted.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ class PlanSpec:
     # a request's life never reaches steady state and flatters the layout.
     min_duration_s: float = 30.0
     options: ServingOptions = field(default_factory=ServingOptions)
+    expert_parallel: bool = False  # also each decode group as one expert-parallel domain
 
     def __post_init__(self) -> None:
         if self.gpu_budget < 1:
@@ -74,8 +80,15 @@ class Candidate:
 
 def layouts(cost: CostModel, spec: PlanSpec) -> Iterator[Layout]:
     """Every layout within the budget whose TP sizes the model supports and whose P:D ratio
-    the cluster config accepts (`orchestrator.config.cluster.MAX_GROUP_RATIO`, either way)."""
+    the cluster config accepts (`orchestrator.config.cluster.MAX_GROUP_RATIO`, either way);
+    with ``spec.expert_parallel``, each one of several decode instances a second time, as one
+    expert-parallel domain (ValueError when the cost model cannot price that)."""
     budget, sizes = spec.gpu_budget, [tp for tp in spec.tp_choices if cost.supports_tp(tp)]
+    if spec.expert_parallel:
+        try:
+            cost.spread_experts(2)
+        except ValueError as error:
+            raise ValueError(f"expert parallelism: {error}") from None
     for tp_p in sizes:
         for tp_d in sizes:
             for num_p in range(1, (budget - tp_d) // tp_p + 1):
@@ -85,6 +98,14 @@ def layouts(cost: CostModel, spec: PlanSpec) -> Iterator[Layout]:
                     yield Layout(
                         num_prefill=num_p, num_decode=num_d, tp_prefill=tp_p, tp_decode=tp_d
                     )
+                    if spec.expert_parallel and num_d > 1:
+                        yield Layout(
+                            num_prefill=num_p,
+                            num_decode=num_d,
+                            tp_prefill=tp_p,
+                            tp_decode=tp_d,
+                            ep_decode=num_d,
+                        )
     if spec.include_mixed:
         for tp in sizes:
             for num_m in range(1, budget // tp + 1):

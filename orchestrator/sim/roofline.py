@@ -156,6 +156,9 @@ class RooflineCostModel:
     def request_overhead_seconds(self, disaggregated: bool) -> float:
         return 0.0  # milliseconds against the seconds of a reference deployment's TTFT
 
+    def token_delay_seconds(self, disaggregated: bool) -> float:
+        return 0.0  # a model of hardware: the serving stack's way out is not in it
+
     def kv_capacity_tokens(self, tp: int) -> int:
         m = self.model
         per_rank = self.gpu.hbm_bytes * self.efficiency.memory_utilization

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from orchestrator.sim.cost import CostModel, StepShape, exposed_transfer_seconds
+from orchestrator.sim.delivery import delivered_gaps
 from orchestrator.sim.instances import (
     DecodeInstance,
     EngineLimits,
@@ -53,7 +54,8 @@ class Layout:
     ep_decode: decode instances per expert-parallel domain (`CostModel.spread_experts`): 1,
     each instance holds every expert (how pdserve's engine runs); k > 1, every k decode
     instances spread one copy of the routed experts over their GPUs (a what-if for wide
-    expert parallelism: the planner does not propose it, as the engine does not run it).
+    expert parallelism: the planner tries it only when asked, and never emits it, as the
+    engine does not run it).
     """
 
     num_prefill: int = 0
@@ -224,6 +226,7 @@ class Simulator:
         noise = StepNoise(cost.step_noise(), seed)
         for instance in [*self.prefills, *self.decodes]:
             instance.noise = noise
+        self._seed = seed
 
     def run(self, workload: Arrivals | list[RequestSpec]) -> SimResult:
         specs = workload if isinstance(workload, list) else workload.requests()
@@ -392,17 +395,25 @@ class Simulator:
             # Conservation: every arrival leaves; anything else is a simulator bug.
             raise RuntimeError(f"{num_arrivals} arrivals, {len(self._finished)} finished")
         durations = [np.array([d for d, _ in instance.itl_steps]) for instance in self.decodes]
+        # The tokens' way out (`delivery`), drawn in request order from a generator of its own:
+        # the same seed, the same gaps, whatever the step noise drew.
+        delay = self.cost.token_delay_seconds(not self.layout.is_mixed)
+        ways_out = np.random.default_rng([self._seed, 1])
         records = tuple(
-            sorted(
-                (self._record(r, durations) for r in self._finished),
-                key=lambda r: r.request_id,
-            )
+            self._record(r, durations, delay, ways_out)
+            for r in sorted(self._finished, key=lambda r: r.spec.request_id)
         )
         itl = tuple(step for d in self.decodes for step in d.itl_steps)
         busy = tuple(i.busy_seconds for i in [*self.prefills, *self.decodes])
         return SimResult(self.layout, records, itl, busy)
 
-    def _record(self, request: SimRequest, durations: list[np.ndarray]) -> RequestRecord:
+    def _record(
+        self,
+        request: SimRequest,
+        durations: list[np.ndarray],
+        token_delay: float,
+        ways_out: np.random.Generator,
+    ) -> RequestRecord:
         times = (
             request.prefill_start_time,
             request.kv_ready_time,
@@ -418,6 +429,7 @@ class Simulator:
             request.first_token_step + 1 : request.last_step + 1
         ]
         gaps = steps if request.emitted is None else _gaps_with_zeros(steps, request.emitted)
+        gaps = delivered_gaps(gaps, token_delay, ways_out)
         moved = request.num_transferred_tokens
         return RequestRecord(
             spec.request_id,

@@ -3,6 +3,7 @@ the residual against the simulator recovering a known overhead."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -11,9 +12,15 @@ import pytest
 
 from orchestrator.cli.main import main
 from orchestrator.loadgen.compare import load_config
-from orchestrator.loadgen.overheads import derive, isolated, residuals
-from orchestrator.loadgen.validate import simulator_for
-from orchestrator.sim.workload import RequestSpec
+from orchestrator.loadgen.overheads import (
+    FIT_NOISE_SEEDS,
+    derive,
+    isolated,
+    residuals,
+    token_delay,
+)
+from orchestrator.loadgen.validate import predict, simulator_for
+from orchestrator.sim.workload import LengthDist, RequestSpec, Workload
 from tests.sim.toy import affine
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -81,10 +88,26 @@ def test_derive_writes_both_kinds_and_refuses_what_it_cannot_use(tmp_path: Path)
     assert entry["from"] == "compare.json"
     assert entry["disaggregated_requests"] == entry["mixed_requests"] == 3
     assert entry["disaggregated_s"] > 0 and entry["mixed_s"] > 0
+    # One decode step per gap and a measured ITL p99 far above it: a delay fills the rest.
+    assert 0 < entry["disaggregated_token_s"] <= 0.02 and 0 < entry["mixed_token_s"] <= 0.02
     with pytest.raises(ValueError, match="not a pdserve bench compare"):
         derive(affine(), {"command": "run"}, "run.json")
     with pytest.raises(ValueError, match="without overheads"):
         derive(affine(overhead=(0.1, 0.0)), document, "compare.json")
+
+
+def test_the_token_delay_is_the_one_that_gives_the_measured_itl_p99() -> None:
+    cost = affine(capacity=16384)
+    config = load_config(CONFIGS / "bench-disagg.yaml", "/nonexistent/model")
+    workload = Workload(2.0, 40, LengthDist.parse("fixed:300"), LengthDist.parse("fixed:32"))
+    specs = workload.requests()
+    truth = dataclasses.replace(cost, token_delay_s=(0.002, 0.002))
+    measured = predict(truth, config, specs, 4, FIT_NOISE_SEEDS)["itl_p99_s"]
+    assert token_delay(cost, config, specs, 4, measured) == pytest.approx(0.002, rel=0.02)
+    # Steps that already reach the measured tail leave nothing to the way out.
+    steps_only = predict(cost, config, specs, 4, FIT_NOISE_SEEDS)["itl_p99_s"]
+    assert token_delay(cost, config, specs, 4, 0.9 * steps_only) == 0.0
+    assert token_delay(cost, config, specs, 4, 0.0) == 0.0  # a run without a figure
 
 
 def _calibration(tmp_path: Path) -> tuple[dict[str, Any], Path]:

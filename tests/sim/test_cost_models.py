@@ -150,17 +150,25 @@ def _fit_data() -> dict[str, Any]:
     }  # fmt: skip
 
 
-def test_the_fit_reads_request_overheads_and_defaults_them_to_zero() -> None:
+def test_the_fit_reads_request_overheads_and_token_delays_and_defaults_them_to_zero() -> None:
     data = _fit_data()
     assert fit(data).request_overhead_seconds(True) == 0.0
     data["overheads"] = {"from": "run.json", "disaggregated_s": 0.09, "mixed_s": 0.05}
     model = fit(data)
     assert model.request_overhead_seconds(True) == pytest.approx(0.09)
     assert model.request_overhead_seconds(False) == pytest.approx(0.05)
-    data["overheads"]["mixed_s"] = -0.01
-    with pytest.raises(ValueError, match=">= 0"):
-        fit(data)
-    assert create_cost_model("roofline:llama-3-70b:h100").request_overhead_seconds(True) == 0.0
+    assert model.token_delay_seconds(True) == model.token_delay_seconds(False) == 0.0
+    data["overheads"].update(disaggregated_token_s=0.0007, mixed_token_s=0.001)
+    model = fit(data)
+    assert model.token_delay_seconds(True) == pytest.approx(0.0007)
+    assert model.token_delay_seconds(False) == pytest.approx(0.001)
+    assert model.without_overheads().token_delay_s == (0.0, 0.0)
+    assert model.without_overheads().request_overhead_s == (0.0, 0.0)
+    for key in ("mixed_s", "mixed_token_s"):
+        with pytest.raises(ValueError, match=">= 0"):
+            fit({**data, "overheads": {**data["overheads"], key: -0.01}})
+    roofline = create_cost_model("roofline:llama-3-70b:h100")
+    assert roofline.request_overhead_seconds(True) == roofline.token_delay_seconds(True) == 0.0
 
 
 def test_mixed_points_are_checked_against_the_fits_mixed_step_price() -> None:

@@ -1,15 +1,22 @@
 """Expert parallelism across decode instances in the roofline model (`Layout.ep_decode`,
 `CostModel.spread_experts`): a domain of instances keeps one copy of the routed experts,
-reads its share of what the domain's tokens select and pays dispatch / combine over the NICs."""
+reads its share of what the domain's tokens select and pays dispatch / combine over the NICs;
+the planner tries such layouts when asked and never emits one."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from orchestrator.cli.main import main
 from orchestrator.sim.commands import parse_layout
 from orchestrator.sim.cost import StepShape, create_cost_model
+from orchestrator.sim.metrics import SLO
+from orchestrator.sim.planner import PlanSpec, layouts
 from orchestrator.sim.roofline import RooflineCostModel
 from orchestrator.sim.simulator import Layout
+from orchestrator.sim.workload import LengthDist, Workload
 from tests.sim.toy import affine
 
 R1 = "roofline:deepseek-r1:h200:8x400g"
@@ -72,3 +79,35 @@ def test_the_layout_names_its_domain_and_refuses_one_it_cannot_form() -> None:
     for bad in ("1x8:3x8:ep2", "1x8:3x8:epx", "4x8:ep4", "1x8:3x8:ep0"):
         with pytest.raises(ValueError):
             parse_layout(bad)
+
+
+def _plan_spec(expert_parallel: bool, budget: int = 24) -> PlanSpec:
+    workload = Workload(1.0, 40, LengthDist.parse("fixed:2000"), LengthDist.parse("fixed:200"))
+    return PlanSpec(
+        workload, SLO(2.0, 0.011), budget, tp_choices=(8,), expert_parallel=expert_parallel
+    )
+
+
+def test_the_planner_tries_each_decode_group_as_one_domain_only_when_asked() -> None:
+    plain = list(layouts(_r1(), _plan_spec(False)))
+    wide = list(layouts(_r1(), _plan_spec(True)))
+    assert all(layout.ep_decode == 1 for layout in plain)
+    # Each layout of several decoders once more, its decoders one domain; nothing else.
+    domains = [layout for layout in wide if layout.ep_decode > 1]
+    assert domains == [Layout(num_prefill=1, num_decode=2, tp_prefill=8, tp_decode=8, ep_decode=2)]
+    assert [layout for layout in wide if layout.ep_decode == 1] == plain
+    for dense in (create_cost_model("roofline:llama-3-70b:h100"), affine()):
+        with pytest.raises(ValueError, match="expert parallelism"):
+            list(layouts(dense, _plan_spec(True)))
+
+
+def test_a_plan_with_expert_parallel_layouts_emits_and_applies_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["plan", "--cost", R1, "--gpus", "24", "--tp", "8", "--expert-parallel"]
+    for extra in (["--emit-config", str(tmp_path / "c.yaml")], ["--apply", "127.0.0.1:1"]):
+        assert main([*base, *extra]) == 2
+        assert "--expert-parallel plans layouts pdserve's engine does not run" in (
+            capsys.readouterr().err
+        )
+    assert not (tmp_path / "c.yaml").exists()
