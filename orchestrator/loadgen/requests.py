@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
-from orchestrator.sim.workload import LengthDist, RequestSpec, Workload
+from orchestrator.sim.workload import RequestSpec, Workload
 
 
 @dataclass(frozen=True)
@@ -89,13 +90,6 @@ def kept_specs(
 def document_specs(document: dict[str, Any]) -> tuple[list[RequestSpec], int]:
     """The request list a saved ``compare`` result ran (its workload's seed, lengths and
     arrivals), and its number of warm-up requests."""
-    w = document["workload"]
-    workload = Workload(
-        rate=w["rate"],
-        num_requests=w["num_requests"],
-        prompt=LengthDist.parse(w["prompt"]),
-        output=LengthDist.parse(w["output"]),
-        arrival=w["arrival"],
-        seed=w["seed"],
-    )
+    w = document["workload"]  # the flags the load generator ran with
+    workload = Workload.from_args(SimpleNamespace(**w))
     return kept_specs(workload, w.get("duration"), w["warmup"]), int(w["warmup"])
