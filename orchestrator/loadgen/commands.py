@@ -394,29 +394,20 @@ def _validate(args: argparse.Namespace) -> int:
 
 def _validation_cost(args: argparse.Namespace) -> CalibratedCostModel:
     """``--calibration``, its fixed per-request costs replaced as the flags ask."""
-    import dataclasses
     import json
 
     from orchestrator.sim.calibrated import load
 
     cost = load(args.calibration)
-    if args.no_overheads or args.overheads_from:
-        cost = cost.without_overheads()
+    if args.no_overheads:
+        return cost.without_overheads()
     if args.overheads_from:
         from orchestrator.loadgen.overheads import derive
 
         source = Path(args.overheads_from)
         reference = load(args.overheads_against) if args.overheads_against else cost
-        reference = reference.without_overheads()
-        entry = derive(reference, json.loads(source.read_text()), source.name)
-        cost = dataclasses.replace(
-            cost,
-            request_overhead_s=(entry.get("disaggregated_s", 0.0), entry.get("mixed_s", 0.0)),
-            token_delay_s=(
-                entry.get("disaggregated_token_s", 0.0),
-                entry.get("mixed_token_s", 0.0),
-            ),
-        )
+        entry = derive(reference.without_overheads(), json.loads(source.read_text()), source.name)
+        cost = cost.with_overheads(entry)
     return cost
 
 

@@ -225,7 +225,12 @@ class CalibratedCostModel:
 
     def without_overheads(self) -> CalibratedCostModel:
         """The same steps, with no cost outside them (the reference overheads are fit to)."""
-        return replace(self, request_overhead_s=(0.0, 0.0), token_delay_s=(0.0, 0.0))
+        return self.with_overheads({})
+
+    def with_overheads(self, overheads: dict[str, Any]) -> CalibratedCostModel:
+        """The same steps, with the costs outside them of an ``overheads`` entry (absent: 0)."""
+        request, token = _overheads(overheads)
+        return replace(self, request_overhead_s=request, token_delay_s=token)
 
     def kv_bytes(self, num_tokens: int) -> int:
         return int(self.kv_bytes_per_token * num_tokens)
@@ -355,7 +360,7 @@ def fit(data: dict[str, Any], source: str = "calibrated") -> CalibratedCostModel
             np.array([[m["bytes"]] for m in transfer]), np.array([m["seconds"] for m in transfer])
         )
         t = (intercept, per_byte)
-    overheads = data.get("overheads") or {}
+    request, token = _overheads(data.get("overheads") or {})
     return CalibratedCostModel(
         num_layers=int(_finite(data["num_layers"], "num_layers")),
         kv_bytes_per_token=_finite(data["kv_bytes_per_token"], "kv_bytes_per_token"),
@@ -363,14 +368,8 @@ def fit(data: dict[str, Any], source: str = "calibrated") -> CalibratedCostModel
         prefill_coefficients=p,
         decode_coefficients=d,
         transfer_coefficients=t,
-        request_overhead_s=(
-            _finite(overheads.get("disaggregated_s", 0.0), "overheads.disaggregated_s"),
-            _finite(overheads.get("mixed_s", 0.0), "overheads.mixed_s"),
-        ),
-        token_delay_s=(
-            _finite(overheads.get("disaggregated_token_s", 0.0), "overheads.disaggregated_token_s"),
-            _finite(overheads.get("mixed_token_s", 0.0), "overheads.mixed_token_s"),
-        ),
+        request_overhead_s=request,
+        token_delay_s=token,
         alone_coefficients=alone,
         contention_processes=int(
             _finite((data.get("contention") or {}).get("processes", 1), "contention.processes")
@@ -380,6 +379,19 @@ def fit(data: dict[str, Any], source: str = "calibrated") -> CalibratedCostModel
         shared_cores=_shared_cores(data.get("shared_cores")),
         source=source,
     )
+
+
+def _overheads(section: dict[str, Any]) -> tuple[tuple[float, float], tuple[float, float]]:
+    """The request overheads and token delays of an ``overheads`` entry (disaggregated, mixed;
+    absent keys: 0)."""
+
+    def pair(disaggregated: str, mixed: str) -> tuple[float, float]:
+        return (
+            _finite(section.get(disaggregated, 0.0), f"overheads.{disaggregated}"),
+            _finite(section.get(mixed, 0.0), f"overheads.{mixed}"),
+        )
+
+    return pair("disaggregated_s", "mixed_s"), pair("disaggregated_token_s", "mixed_token_s")
 
 
 def _shared_cores(section: dict[str, Any] | None) -> SharedCores | None:
