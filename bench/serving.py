@@ -41,7 +41,7 @@ from peers.compare_serving import (
     verdicts,
     vllm_server,
 )
-from peers.vllm_peer import PeerUnavailable, vllm_python
+from peers.vllm_peer import PeerUnavailable, vllm_engine_python, vllm_python
 
 from orchestrator.config.cluster import ClusterConfig
 
@@ -75,7 +75,8 @@ def main() -> int:
     seeds = [int(s) for s in args.seeds.split(",")]
     try:
         workloads = [WORKLOADS[w] for w in args.workloads.split(",")]
-        python = vllm_python()
+        # The client (vLLM's) runs anywhere; the vLLM server only where its wheel's ops load.
+        python = vllm_python() if args.no_vllm else vllm_engine_python()
     except KeyError as error:
         parser.error(f"--workloads: unknown {error}; known: {', '.join(WORKLOADS)}")
     except PeerUnavailable as error:

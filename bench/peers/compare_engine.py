@@ -23,7 +23,7 @@ from pathlib import Path
 import engine as bench_engine  # bench/engine.py: the same prompts and timing as the HF table
 import torch
 
-from peers.vllm_peer import PeerUnavailable, VllmPeer, vllm_python
+from peers.vllm_peer import PeerUnavailable, VllmPeer, vllm_engine_python
 from workers.engine.config import EngineConfig
 from workers.engine.engine_core import EngineCore
 
@@ -112,7 +112,7 @@ def print_peer_table(
     repeats: int,
     prompt_len: int,
 ) -> None:
-    vllm_python()  # no venv: say so before loading anything
+    vllm_engine_python()  # no venv, or a CPU it cannot run on: say so before loading anything
     rows: list[Row] = []
     for dtype in dtypes:
         rows += measure_dtype(model_dir, dtype, batches, new_tokens, repeats, prompt_len)

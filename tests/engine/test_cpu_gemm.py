@@ -9,7 +9,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers.engine.cpu_gemm import ENV_SWITCH, can_prepack, dense, linear, pack
+from workers.engine import cpu_gemm
+from workers.engine.cpu_gemm import (
+    ENV_SWITCH,
+    FLOAT32_COPY,
+    can_prepack,
+    dense,
+    linear,
+    native_half,
+    pack,
+)
 from workers.engine.layers import DecoderLayer
 from workers.engine.llm import LLM
 from workers.engine.loader import load_model
@@ -37,8 +46,56 @@ def test_packed_linear_equals_plain(rows: int) -> None:
 def test_what_is_packed() -> None:
     assert can_prepack(torch.zeros(4, 4))
     assert not can_prepack(torch.zeros(4))  # norms and biases stay plain
-    assert not can_prepack(torch.zeros(4, 4, dtype=torch.float16))
+    assert can_prepack(torch.zeros(4, 4, dtype=torch.bfloat16))
+    assert can_prepack(torch.zeros(4, 4, dtype=torch.float16))
+    assert not can_prepack(torch.zeros(4, 4, dtype=torch.int8))
     assert not can_prepack(pack(torch.zeros(4, 4)))
+    assert not can_prepack(pack(torch.zeros(4, 4, dtype=torch.bfloat16)))
+
+
+def _half_precision_case(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(7)
+    weight = torch.randn(96, 40, generator=generator).to(dtype)
+    x = torch.randn(16, 40, generator=generator).to(dtype)
+    return weight, x
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_weight_without_native_dot_products(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows >= 2 run in float32 on the weight's float32 copy, one row on the weight itself."""
+    # A fake of a CPU without half-precision dot products (AVX2 only), wherever this runs.
+    monkeypatch.setattr(cpu_gemm, "native_half", lambda dtype: False)
+    weight, x = _half_precision_case(dtype)
+    bias = torch.randn(96).to(dtype)
+    packed = pack(weight)
+    assert not packed.is_mkldnn and packed.dtype == dtype and torch.equal(dense(packed), weight)
+    copy = getattr(packed, FLOAT32_COPY)
+    assert copy.is_mkldnn and copy.dtype == torch.float32
+    assert torch.equal(copy.to_dense(), weight.float())
+    with torch.inference_mode():
+        out = linear(x, packed, bias)
+        # A float32 GEMM of the half-precision values, rounded once at the end (to within a
+        # rounding: two float32 GEMMs may sum in different orders).
+        expected = F.linear(x.float(), weight.float(), bias.float())
+        assert out.dtype == dtype
+        torch.testing.assert_close(out, expected.to(dtype))
+        assert torch.equal(linear(x[:1], packed, bias), F.linear(x[:1], weight, bias))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_weight_on_this_cpu(dtype: torch.dtype) -> None:
+    weight, x = _half_precision_case(dtype)
+    packed = pack(weight)
+    assert packed.is_mkldnn == native_half(dtype)
+    assert hasattr(packed, FLOAT32_COPY) == (not native_half(dtype))
+    assert packed.dtype == dtype and torch.equal(dense(packed), weight)
+    with torch.inference_mode():
+        for rows in (x[:1], x):
+            out = linear(rows, packed)
+            assert out.dtype == dtype
+            torch.testing.assert_close(out, F.linear(rows.float(), weight.float()).to(dtype))
 
 
 def test_load_packs_projections_and_keeps_the_embedding_plain(tiny_model_dir: Path) -> None:

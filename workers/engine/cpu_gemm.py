@@ -9,9 +9,16 @@ at 16-64 rows, and the 49152-wide LM head 2-4x faster (bench/history/RESULTS-not
 
 A packed weight is an opaque ``torch._mkldnn`` tensor of the same shape and dtype: `linear`
 dispatches on it, `dense` gives the plain tensor back (tests, tools). Packed: 2-D float32
-weights, and bfloat16 ones where the CPU has native bfloat16 dot products (oneDNN emulates
-them otherwise, slower than MKL). ``PDSERVE_CPU_PREPACK=0`` keeps plain weights (a fallback
-should a oneDNN build misbehave).
+weights, and bfloat16 / float16 ones where the CPU has native dot products for them
+(AVX512_BF16 or AMX; AVX512_FP16). Elsewhere (an AVX2-only CPU, say) a half-precision weight
+stays plain and gets a float32 packed copy of its values beside it (`FLOAT32_COPY`): GEMMs of
+two rows or more run in float32 on activations cast up and are rounded back once, which is what
+a half-precision GEMM with float32 accumulation computes; one-row GEMMs (a lone sequence's
+decode step, memory-bound) read the half-precision weight, half the bytes. On a 2-vCPU AVX2
+machine, SmolLM2-135M in bfloat16: decode at batch 16 3x and prefill 6x faster than with the
+bfloat16 GEMMs alone, batch 1 unchanged, for three times the projections' bfloat16 bytes
+(bench/history/RESULTS-notebook.md, "bfloat16 on a CPU without bfloat16 dot products").
+``PDSERVE_CPU_PREPACK=0`` keeps plain weights (a fallback should a oneDNN build misbehave).
 """
 
 from __future__ import annotations
@@ -29,20 +36,39 @@ def prepack_enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1").strip().lower() not in {"0", "false", "no", "off"}
 
 
+_HALF = (torch.bfloat16, torch.float16)
+# The attribute of a plain half-precision weight that holds its float32 packed copy (`pack`).
+FLOAT32_COPY = "float32_packed"
+
+
 def can_prepack(weight: torch.Tensor) -> bool:
     if weight.dim() != 2 or weight.device.type != "cpu" or weight.is_mkldnn:
         return False
-    if not torch.backends.mkldnn.is_available():
+    if not torch.backends.mkldnn.is_available() or hasattr(weight, FLOAT32_COPY):
         return False
-    if weight.dtype == torch.float32:
-        return True
-    return weight.dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return weight.dtype == torch.float32 or weight.dtype in _HALF
+
+
+def native_half(dtype: torch.dtype) -> bool:
+    """Whether this CPU has native dot products for half-precision ``dtype`` (oneDNN emulates
+    them otherwise, slower than a float32 GEMM)."""
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return False
 
 
 def pack(weight: torch.Tensor) -> nn.Parameter:
-    """The [out, in] ``weight`` in oneDNN's layout (a new tensor; ``weight`` is left as it is)."""
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-    return nn.Parameter(packed, requires_grad=False)
+    """The [out, in] ``weight`` in oneDNN's layout (a new tensor; ``weight`` is left as it is),
+    or, for a half-precision weight without native dot products, the weight itself with a
+    float32 packed copy beside it (module docstring)."""
+    plain = weight.detach()
+    if plain.dtype in _HALF and not native_half(plain.dtype):
+        parameter = nn.Parameter(plain, requires_grad=False)
+        setattr(parameter, FLOAT32_COPY, torch.ops.mkldnn._reorder_linear_weight(plain.float()))
+        return parameter
+    return nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(plain), requires_grad=False)
 
 
 def dense(weight: torch.Tensor) -> torch.Tensor:
@@ -54,4 +80,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear`` for plain and packed weights alike."""
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+    copy = getattr(weight, FLOAT32_COPY, None)
+    if copy is None or x.numel() == x.shape[-1]:
+        return F.linear(x, weight, bias)
+    bias32 = None if bias is None else bias.float()
+    return torch.ops.mkldnn._linear_pointwise(x.float(), copy, bias32, "none", [], "").to(x.dtype)

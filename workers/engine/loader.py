@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from workers.engine.cpu_gemm import can_prepack, pack, prepack_enabled
+from workers.engine.cpu_gemm import FLOAT32_COPY, can_prepack, pack, prepack_enabled
 from workers.engine.errors import UnsupportedCheckpointError
 from workers.engine.layers import Reduce
 from workers.engine.mla import MLAttention
@@ -113,6 +113,16 @@ def _prepare_cpu_projections(model: CausalLM, prepack: bool) -> None:
                 parameter.data = parameter.data.t().contiguous().t()
     if prepack and can_prepack(model.lm_head):
         model.lm_head = pack(model.lm_head)
+    weights = {id(w): w for w in (*model.parameters(), model.lm_head)}.values()
+    copies = [getattr(w, FLOAT32_COPY) for w in weights if hasattr(w, FLOAT32_COPY)]
+    if copies:
+        logger.info(
+            "this CPU has no native %s dot products: projections of two rows or more run in "
+            "float32, on float32 copies of the weights (%.0f MiB more; PDSERVE_CPU_PREPACK=0 "
+            "keeps the weights alone)",
+            str(model.lm_head.dtype).removeprefix("torch."),
+            sum(c.numel() for c in copies) * 4 / 2**20,
+        )
 
 
 def load_model(
