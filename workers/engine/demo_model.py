@@ -256,13 +256,17 @@ def _convert_tokenizer(gguf_path: Path, out_dir: Path) -> None:
     logger.info("converting the GGUF tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tokenizer.save_pretrained(str(out_dir))
-    # transformers 5 stores the template in chat_template.jinja; keep a copy in
-    # tokenizer_config.json too, where older readers look for it.
+    # transformers 5 stores the template in chat_template.jinja and names its own tokenizer
+    # class; keep a copy of the template in tokenizer_config.json, where older readers look for
+    # it, and name the class transformers 4 knows (5 reads it as the same tokenizer): servers
+    # pinned to transformers 4, vLLM's CPU builds among them, then load this checkpoint too.
     config_path = out_dir / "tokenizer_config.json"
     settings = json.loads(config_path.read_text())
     if tokenizer.chat_template and "chat_template" not in settings:
         settings["chat_template"] = tokenizer.chat_template
-        config_path.write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n")
+    if settings.get("tokenizer_class") == "TokenizersBackend":
+        settings["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n")
 
 
 def _publish(staging: Path, out_dir: Path) -> None:
