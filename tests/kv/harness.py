@@ -132,6 +132,13 @@ def decode_pool_full(decode: DecodeWorker, num_pages: int) -> bool:
     )
 
 
+def decode_pages_back(decode: DecodeWorker, num_pages: int) -> bool:
+    """Every page of a `DecodeWorker` free and none pinned, read from its engine: unlike
+    `decode_pool_full` this holds for a decoder whose fabric was abandoned (its `state` raises)."""
+    block_manager = decode.engine.block_manager
+    return block_manager.num_free_pages == num_pages and block_manager.num_pinned_pages == 0
+
+
 def prefill_pool_full(prefill: PrefillWorker | RemotePrefill, num_pages: int) -> bool:
     """A prefill worker is back to rest: every page free, no transfer live. Its `state` runs on
     its step loop: it raises if the loop died."""

@@ -10,8 +10,11 @@ unhealthy, so the control plane replaces it. A counter the abandoned fabric disa
 proof that its writes landed (the pages stay held), and a `PrefillAccepted` handled after the
 fabric closed fails its request, never the step loop.
 
-Real workers on the tiny preset over ``tcp`` (real engines, real libfabric). The stuck post is
-a NAMED TEST FAULT (`tests.fabric.harness.StuckPosts`): one fabric's posts block once armed.
+A prefill process killed while the decoder's post to it is stuck (on shm: killed while it held
+its lock) is another matter: its exit is proof, so what it was offered is freed.
+
+Real workers on the tiny preset over ``tcp`` (the killed prefill: a process of its own, over
+``shm``; real engines, real libfabric). The stuck post is a NAMED TEST FAULT (`tests.fabric.harness.StuckPosts`): one fabric's posts block once armed.
 """
 
 from __future__ import annotations
@@ -24,11 +27,12 @@ import pytest
 
 from tests.engine.engine_helpers import prompts_of_lengths
 from tests.fabric.harness import StuckPosts
+from tests.kv.harness import RemotePrefill
 from tests.waiting import wait_until
 from workers.engine.config import EngineConfig
 from workers.engine.errors import EngineClosedError
 from workers.engine.sampling_params import SamplingParams
-from workers.fabric import PeerStuckError, progress, watchdog
+from workers.fabric import PeerFailedError, PeerStuckError, progress, watchdog
 from workers.kv.decode_messenger import DecodeMessengerConfig
 from workers.service.kv_worker import DecodeWorker, PrefillWorker
 
@@ -270,3 +274,66 @@ def test_a_prefill_accepted_handled_after_the_fabric_closed_fails_its_request(
         stuck.release.set()
         decode.close()
         prefill.close(drain_timeout_s=2.0)
+
+
+def test_a_decoder_stuck_posting_to_a_killed_prefill_frees_the_pages_it_offered_it(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On shm a prefill process killed while it holds its region lock blocks, for good, a
+    post of the decoder's that began before its death (its exit is then noticed only by the
+    thread that is stuck). The watchdog abandons the fabric, but the peer's watched process
+    has exited: that is proof of death, so its transfers fail as gone and every page comes
+    back. The decoder stays unhealthy: its progress thread never returns."""
+    monkeypatch.setattr(watchdog, "_STALL_S", 2.0)  # the kill below completes well within it
+    monkeypatch.setattr(watchdog, "_WATCHDOG_PERIOD_S", 0.05)
+    prefill = RemotePrefill(
+        tiny_model_dir, "shm", engine={"num_pages": PREFILL_PAGES, "max_num_batched_tokens": 16}
+    )
+    decode = DecodeWorker(
+        tiny_model_dir,
+        EngineConfig(num_pages=DECODE_PAGES),
+        provider="shm",
+        messenger_config=DecodeMessengerConfig(
+            transfer_timeout_s=TRANSFER_DEADLINE_S, drain_interval_s=DRAIN_S
+        ),
+    )
+    stuck = StuckPosts(progress.lib, decode.fabric.threads[0])
+    monkeypatch.setattr(progress, "lib", stuck)
+    try:
+        long_prompt, other_prompt = prompts_of_lengths([1600, 1200], seed=5)
+        offered = decode.submit("offered", long_prompt, GREEDY, prefill.endpoint)
+        wait_until(
+            lambda: (decode.transfer_progress("offered") or (0, 0))[0] > 0,
+            what="first write of the offered transfer",
+        )
+        waiting = decode.submit("waiting", other_prompt, GREEDY, prefill.endpoint)
+        wait_until(lambda: decode.transfer_progress("waiting") is not None, what="second sent")
+
+        stuck.armed.set()
+        decode.abort("offered")  # its AbortPrefill is the post that never returns
+        assert stuck.entered.wait(WAIT_S)
+        prefill.kill()
+        wait_until(lambda: decode.fabric.closed_reason() is not None, what="fabric abandoned")
+        failure = decode.fabric.peer_failure(prefill.endpoint.address)
+        assert type(failure) is PeerFailedError, failure  # not the stuck post's PeerStuckError
+
+        tokens, final = waiting.result(WAIT_S)
+        assert tokens == [] and final.finish_reason == "error"
+        assert final.error is not None and "prefill worker gone" in final.error, final.error
+        assert offered.result(WAIT_S)[1].finish_reason == "abort"
+        block_manager = decode.engine.block_manager
+        wait_until(
+            lambda: (
+                block_manager.num_free_pages == DECODE_PAGES and block_manager.num_pinned_pages == 0
+            ),
+            what="decode pool full again",
+        )
+        for request_id in ("offered", "waiting"):
+            record = decode.transfer_stats(request_id) or {}
+            assert record.get("quarantine_release") == "peer_gone", record
+        with pytest.raises(EngineClosedError, match="KV fabric unusable"):
+            decode.state()
+    finally:
+        stuck.release.set()
+        decode.close()
+        prefill.close()

@@ -27,7 +27,8 @@ Life cycle of a peer handle (`PeerHandle`, keyed by `fi_addr`):
 Threads: everything here runs on the progress thread (or inline before it starts), except
 `check_accepts` (submitters, under the lock), `failure` (any thread, no lock: a failure is
 recorded before its peer is marked failed, and the mark cleared before the failure) and the
-watchdog, which marks a peer failed under the lock. The lock is the progress loop's, shared:
+watchdog, which asks `has_exited` of the peer a stuck post is addressed to (a killed peer may
+die holding its lock after the post began) and marks it failed under the lock. The lock is the progress loop's, shared:
 the current handles change only under it, and the loop's `jobs` is iterated only under it.
 """
 
@@ -235,6 +236,18 @@ class PeerTable:
             self._fd_peers[fd] = peer
             self._exit_poll.register(fd, select.POLLIN)
             self.fail_exited()
+
+    def has_exited(self, peer: PeerHandle) -> bool:
+        """Whether ``peer``'s watched process has exited. Any thread: the watchdog asks while
+        the progress thread is stuck posting to it (and so changes no watch)."""
+        fd = self._exit_fds.get(peer.address)
+        if fd is None:
+            return False
+        try:
+            readable, _, _ = select.select([fd], [], [], 0)
+        except (OSError, ValueError):  # closed meanwhile: the progress thread returned
+            return False
+        return bool(readable)
 
     def _unwatch(self, address: bytes) -> None:
         fd = self._exit_fds.pop(address, None)

@@ -48,8 +48,9 @@ Every accepted job ends in exactly one callback within its deadline plus a bound
   this thread keeps current around each post and poll by plain attribute stores (no lock).
   When one native call has not returned for `watchdog._STALL_S` it calls `_abandon`, which
   fails every outstanding job (`PeerStuckError` for the peer being posted to, recorded as
-  its failure: it may only be stopped, so that is no proof of its death; `EngineClosedError`
-  for the rest), fails pending `call()`s and armed counters (which then
+  its failure: it may only be stopped, so that is no proof of its death, unless its watched
+  process has exited, then `PeerFailedError`: a peer killed while it held its lock, after our
+  post began; `EngineClosedError` for the rest), fails pending `call()`s and armed counters (which then
   refuse arming: nothing would fire or expire them), and refuses new work. The stuck thread,
   should it ever return, finds every job already finished. `_abandon` stays here, beside
   `_shutdown`: both end the loop's work and act on the state its lock guards.
@@ -76,6 +77,8 @@ from workers.fabric.counters import ImmCounters
 from workers.fabric.deadlines import SWEEP_PERIOD_S, DeadlineSweep
 from workers.fabric.errors import (
     EngineClosedError,
+    FabricError,
+    PeerFailedError,
     PeerStuckError,
     SubmitQueueFullError,
     TransferError,
@@ -445,8 +448,14 @@ class ProgressLoop:
             f"fabric progress thread stuck in {self.provider_name} ({call} has not returned "
             f"for {stalled_s:.1f} s); engine abandoned"
         )
-        # Not proof that the peer's process is gone (`PeerStuckError`): it may only be stopped.
-        stuck = None if peer is None else (peer.fi_addr, PeerStuckError(f"{peer.name}: {reason}"))
+        stuck: tuple[int, FabricError] | None = None
+        if peer is not None and self.peers.has_exited(peer):
+            # Killed while it held its region lock, after this post began: proof of death, so
+            # whoever offered it pages may free them (nothing of it can write any more).
+            stuck = (peer.fi_addr, PeerFailedError(f"peer {peer.name}: its process has exited"))
+        elif peer is not None:
+            # Not proof that the peer's process is gone: it may only be stopped.
+            stuck = (peer.fi_addr, PeerStuckError(f"{peer.name}: {reason}"))
         with self._lock:
             if self._wedged or self._stopped:
                 return

@@ -78,7 +78,7 @@ from workers.kv.errors import (
 )
 from workers.kv.imm import ImmLayout, SlotTable
 from workers.kv.incoming import Incoming, NicAdvert, RequestPlanner
-from workers.kv.peer_liveness import PeerLiveness
+from workers.kv.peer_liveness import PeerLiveness, proves_gone
 from workers.kv.pools import register_engine_pools, register_extra_nics
 from workers.kv.prefill_peers import PrefillPeers
 from workers.kv.protocol import (
@@ -376,7 +376,14 @@ class DecodeMessenger:
         """The fabric was abandoned (a post never returned): no message or write moves any
         more, so every request fails now instead of at its deadline. Pages that were offered
         to a prefill worker stay quarantined for good: its writes can still land (the memory
-        stays registered), and no abort can be sent nor its answer received."""
+        stays registered), and no abort can be sent nor its answer received; except pages
+        offered to a prefill process the fabric found gone (on shm, the post that never
+        returned may be to a peer killed while it held its lock): they are freed (`_gone`)."""
+        addresses = {incoming.endpoint.address for incoming in self._by_id.values()}
+        for address in addresses | self.quarantine.peers():
+            failure = self.fabric.peer_failure(address)
+            if proves_gone(failure):
+                self._gone(address, failure)
         for request_id in list(self._by_id):
             self._fail(request_id, f"KV fabric unusable: {reason}")
 

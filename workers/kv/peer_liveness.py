@@ -50,6 +50,12 @@ log = logging.getLogger(__name__)
 _TCP_NAME = re.compile(r"^fi_sockaddr_in6?://\[?(?P<host>[^\]]+?)\]?:(?P<port>\d+)$")
 
 
+def proves_gone(error: FabricError | None) -> bool:
+    """Whether a fabric failure on record proves the peer's process gone: a failed connection
+    or an exited process does; a missed deadline (a stuck post included) does not."""
+    return isinstance(error, PeerFailedError) and not isinstance(error, OperationTimeoutError)
+
+
 def tcp_address(peer_name: str) -> tuple[str, int] | None:
     """``(host, port)`` of a ``tcp`` peer's name; None for any other provider's name."""
     match = _TCP_NAME.match(peer_name)
@@ -164,7 +170,7 @@ class PeerLiveness:
             watch = self._watches.get(address)
             if watch is not None:
                 self.probe(address, watch)  # stopped and dead peers both miss deadlines
-        elif isinstance(error, PeerFailedError):  # connection failed or process exited
+        elif proves_gone(error):  # connection failed or process exited
             self._on_gone(address, error)
         else:
             log.info("AbortPrefill not sent: %s", error)
