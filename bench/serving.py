@@ -41,6 +41,7 @@ from peers.compare_serving import (
     verdicts,
     vllm_server,
 )
+from peers.process_cpu import TreeSampler, format_cores
 from peers.vllm_peer import PeerUnavailable, vllm_engine_python, vllm_python
 
 from orchestrator.config.cluster import ClusterConfig
@@ -105,7 +106,7 @@ def main() -> int:
                 server = servers[label]
                 log = args.logs / f"{label.replace(' ', '_')}-{workload.name}-{seed}.log"
                 print(f"[serving] starting {label} (log: {log})", file=sys.stderr, flush=True)
-                with running(server, PORT, log):
+                with running(server, PORT, log) as process:
                     for rate_index, rate in enumerate(rates):
                         result_path = (
                             args.logs
@@ -123,7 +124,10 @@ def main() -> int:
                             num_prompts=args.num_prompts,
                             seed=client_seed(seed, rate_index),
                         )
-                        with (args.logs / "client.log").open("a") as client_log:
+                        with (
+                            (args.logs / "client.log").open("a") as client_log,
+                            TreeSampler(process.pid) as sampler,
+                        ):
                             done = subprocess.run(
                                 command, stdout=client_log, stderr=subprocess.STDOUT, check=False
                             )
@@ -134,7 +138,10 @@ def main() -> int:
                                 file=sys.stderr,
                             )
                             return 1
-                        metrics = keep(json.loads(result_path.read_text()))
+                        result = json.loads(result_path.read_text())
+                        metrics = keep(result)
+                        # Over the load itself, not the client's start.
+                        cpu = sampler.cores_over(float(result["duration"]))
                         runs.append(
                             {
                                 "workload": workload.name,
@@ -142,6 +149,7 @@ def main() -> int:
                                 "seed": seed,
                                 "rate": rate,
                                 "metrics": metrics,
+                                "server_cores": cpu,
                             }
                         )
                         elapsed = time.monotonic() - started
@@ -151,7 +159,8 @@ def main() -> int:
                             f"TPOT p50 {metrics['p50_tpot_ms']:.0f} ms, "
                             f"p99 {metrics['p99_tpot_ms']:.0f} ms, "
                             f"TTFT p99 {metrics['p99_ttft_ms']:.0f} ms, "
-                            f"{metrics['request_throughput']:.2f} req/s done "
+                            f"{metrics['request_throughput']:.2f} req/s done; server cores "
+                            f"{sum(cpu.values()):.2f} ({format_cores(cpu)}) "
                             f"({elapsed / 60:.0f} min)",
                             file=sys.stderr,
                             flush=True,

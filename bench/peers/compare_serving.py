@@ -144,7 +144,7 @@ def wait_ready(port: int, process: subprocess.Popen[bytes], timeout: float = 300
 
 
 @contextmanager
-def running(server: Server, port: int, log: Path) -> Iterator[None]:
+def running(server: Server, port: int, log: Path) -> Iterator[subprocess.Popen[bytes]]:
     """The server in a session of its own (a signal reaches all its processes), its output in
     ``log``; SIGINT at the end, SIGKILL to the session if it has not stopped in 60 s."""
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -159,7 +159,7 @@ def running(server: Server, port: int, log: Path) -> Iterator[None]:
         )
         try:
             wait_ready(port, process)
-            yield
+            yield process
         finally:
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGINT)

@@ -126,3 +126,53 @@ def test_an_unknown_workload_is_refused(tmp_path: Path) -> None:
     )
     assert result.returncode == 2
     assert "--workloads: unknown 'nope'" in result.stderr
+
+
+# A parent in a session of its own (as `running` starts a server) starts a child that spins
+# ~0.4 s of CPU under a name of its own; both wait for a line on stdin before they exit.
+_TREE = r"""
+import os, subprocess, sys
+os.setsid()
+child = subprocess.Popen([sys.executable, "-c", '''
+import ctypes, sys, time
+ctypes.CDLL(None).prctl(15, b"pd-spinner", 0, 0, 0)  # PR_SET_NAME: the name /proc shows
+end = time.process_time() + 0.4
+while time.process_time() < end:
+    pass
+print("spun", flush=True)
+sys.stdin.readline()
+'''], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+print(child.stdout.readline().strip(), flush=True)
+sys.stdin.readline()
+child.communicate("\n")
+"""
+
+
+def test_server_cores_count_each_process_of_the_tree_by_name(peers_on_path: None) -> None:
+    from peers.process_cpu import TreeSampler, cores_used, format_cores, tree_cpu_seconds
+
+    before = {"pd-spinner": 0.0}
+    tree = subprocess.Popen(
+        [sys.executable, "-c", _TREE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        with TreeSampler(tree.pid, period_s=0.05) as sampler:
+            assert tree.stdout is not None and tree.stdout.readline().strip() == "spun"
+        # The spin happened within the sampled span: the spinner took a share of a core.
+        assert 0 < sampler.cores_over(3600.0)["pd-spinner"] <= 1.0
+        after = tree_cpu_seconds(tree.pid)
+        parent = Path(f"/proc/{tree.pid}/comm").read_text().strip()
+        assert set(after) == {parent, "pd-spinner"}  # the tree only, not this test's process
+        assert after["pd-spinner"] >= 0.35  # the grandchild's CPU, by its own name
+        assert after[parent] < 10  # the parent's own (a long test run's process has more)
+        cores = cores_used(before, after, 2.0)
+        assert cores["pd-spinner"] == pytest.approx(after["pd-spinner"] / 2.0, abs=1e-3)
+        assert next(iter(cores)) == "pd-spinner"  # largest first
+        assert format_cores(cores, top=1).startswith("pd-spinner 0.")
+    finally:
+        assert tree.stdin is not None
+        tree.stdin.write("\n")
+        tree.stdin.close()
+        tree.wait(30)
+    with pytest.raises(ValueError, match="wall_s must be positive"):
+        cores_used(before, before, 0.0)
