@@ -28,8 +28,9 @@ Threads: everything here runs on the progress thread (or inline before it starts
 `check_accepts` (submitters, under the lock), `failure` (any thread, no lock: a failure is
 recorded before its peer is marked failed, and the mark cleared before the failure) and the
 watchdog, which asks `has_exited` of the peer a stuck post is addressed to (a killed peer may
-die holding its lock after the post began) and marks it failed under the lock. The lock is the progress loop's, shared:
-the current handles change only under it, and the loop's `jobs` is iterated only under it.
+die holding its lock after the post began) and marks it failed under the lock. The lock is the
+progress loop's, shared: the current handles change only under it, and the loop's `jobs` is
+iterated only under it.
 """
 
 from __future__ import annotations

@@ -50,8 +50,8 @@ Every accepted job ends in exactly one callback within its deadline plus a bound
   fails every outstanding job (`PeerStuckError` for the peer being posted to, recorded as
   its failure: it may only be stopped, so that is no proof of its death, unless its watched
   process has exited, then `PeerFailedError`: a peer killed while it held its lock, after our
-  post began; `EngineClosedError` for the rest), fails pending `call()`s and armed counters (which then
-  refuse arming: nothing would fire or expire them), and refuses new work. The stuck thread,
+  post began; `EngineClosedError` for the rest), fails pending `call()`s and armed counters
+  (which then refuse arming: nothing would fire or expire them), and refuses new work. The stuck thread,
   should it ever return, finds every job already finished. `_abandon` stays here, beside
   `_shutdown`: both end the loop's work and act on the state its lock guards.
 
