@@ -1,6 +1,6 @@
 """The worker's gRPC service against a real engine (tiny preset): a client that leaves while
-its request is being submitted, a duplicate id on a Connect stream, an engine that cannot take
-requests."""
+its request is being submitted, a burst of requests during one step, a duplicate id on a Connect
+stream, an engine that cannot take requests."""
 
 from __future__ import annotations
 
@@ -88,6 +88,61 @@ def test_a_client_leaving_while_its_request_is_submitted_aborts_it(
                 await leaving
             assert left.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             release.set()
+            busy.cancel()
+            await wait_until_async(lambda: in_engine(backend) == [])
+
+    try:
+        asyncio.run(run())
+    finally:
+        release.set()
+        backend.engine.step = real_step  # type: ignore[method-assign]
+
+
+def test_every_request_that_arrives_during_a_step_joins_the_next_one(
+    mixed: tuple[MixedBackend, WorkerServer],
+) -> None:
+    """A submit holds a thread until the step thread takes it, between two steps. With a
+    fixed pool of 4 threads, a worker took at most 4 new requests per step, the rest one or
+    more steps later (under load on a CPU, seconds of TTFT each). While a step is held, more
+    requests than that arrive: all of them wait on the step thread when it ends, and the next
+    step admits them all."""
+    backend, server = mixed
+    arrivals = 12
+    real_step = backend.engine.step
+    stepping, release = threading.Event(), threading.Event()
+    admitted: list[int] = []
+
+    def held_step():  # type: ignore[no-untyped-def]
+        stepping.set()
+        release.wait(BOUND)
+        return real_step()
+
+    def counting_step():  # type: ignore[no-untyped-def]
+        admitted.append(len(backend.engine._requests))
+        return real_step()
+
+    async def run() -> None:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            stub = wpb_grpc.WorkerStub(channel)
+            busy = stub.Generate(request("busy", 400))
+            await anext(busy.__aiter__())
+            backend.engine.step = held_step  # type: ignore[method-assign]
+            await wait_until_async(stepping.is_set, BOUND)
+
+            async def client(n: int) -> int:
+                return len([r async for r in stub.Generate(request(f"r{n}", 2))])
+
+            clients = [asyncio.create_task(client(n)) for n in range(arrivals)]
+            await wait_until_async(
+                lambda: backend._loop._calls.qsize() == arrivals,
+                BOUND,
+                f"all {arrivals} submits waiting on the step thread",
+            )
+            backend.engine.step = counting_step  # type: ignore[method-assign]
+            release.set()
+            assert all(replies > 0 for replies in await asyncio.gather(*clients))
+            # The step after the held one ran the busy request and every arrival.
+            assert admitted[0] == 1 + arrivals
             busy.cancel()
             await wait_until_async(lambda: in_engine(backend) == [])
 

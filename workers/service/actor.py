@@ -138,7 +138,7 @@ class WorkerActor:
         address = ""
         if spec.role != "prefill":
             self._server = WorkerServer(
-                WorkerServicer(spec.worker_id, self._backend),
+                WorkerServicer(spec.worker_id, self._backend, config.max_num_seqs),
                 host,
                 token=spec.cluster_secret or None,
             )

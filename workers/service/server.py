@@ -28,6 +28,7 @@ from grpc_reflection.v1alpha import reflection
 
 from protos.pdserve.v1 import worker_pb2 as wpb
 from protos.pdserve.v1 import worker_pb2_grpc as wpb_grpc
+from workers.engine.config import EngineConfig
 from workers.netaddr import join_host_port
 from workers.service.backend import WorkerBackend
 from workers.service.connect import ConnectSession, status_of_submit_error
@@ -37,16 +38,30 @@ from workers.wire import TokenDelta, sampling_from_proto
 logger = logging.getLogger(__name__)
 
 WORKER_SERVICE = wpb.DESCRIPTOR.services_by_name["Worker"].full_name
-# Backend calls (submit / abort) wait for the step thread; they leave the event loop for these.
-_BACKEND_THREADS = 4
+# Backend calls (submit, abort, load) run on executor threads: each blocks its thread until the
+# step thread takes it, between two steps. A request that finds no free thread waits for the
+# step boundary after next: with a fixed 4 threads a worker admitted at most 4 new requests per
+# step, and under load, where a step with a 2048-token budget takes seconds on a CPU, TTFT grew
+# by whole steps (bench/RESULTS.md, "Serving against vllm serve"). One step admits at most the
+# engine's max_num_seqs requests: that many threads, plus a few for the router's load polls and
+# aborts, let every request that can join the next step wait for it. Idle threads cost nothing.
+_SPARE_THREADS = 8
 
 
 class WorkerServicer(wpb_grpc.WorkerServicer):
-    def __init__(self, worker_id: str, backend: WorkerBackend) -> None:
+    def __init__(
+        self,
+        worker_id: str,
+        backend: WorkerBackend,
+        max_num_seqs: int = EngineConfig.max_num_seqs,
+    ) -> None:
+        """``max_num_seqs``: the engine's, which bounds the requests one step admits."""
         self.worker_id = worker_id
         self.backend = backend
         self.draining = False
-        self._executor = ThreadPoolExecutor(_BACKEND_THREADS, thread_name_prefix="worker-call")
+        self._executor = ThreadPoolExecutor(
+            max_num_seqs + _SPARE_THREADS, thread_name_prefix="worker-call"
+        )
         self.num_streams = 0
         self._sessions: set[ConnectSession] = set()
 
