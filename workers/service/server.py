@@ -42,7 +42,7 @@ WORKER_SERVICE = wpb.DESCRIPTOR.services_by_name["Worker"].full_name
 # step thread takes it, between two steps. A request that finds no free thread waits for the
 # step boundary after next: with a fixed 4 threads a worker admitted at most 4 new requests per
 # step, and under load, where a step with a 2048-token budget takes seconds on a CPU, TTFT grew
-# by whole steps (bench/RESULTS.md, "Serving against vllm serve"). One step admits at most the
+# by whole steps (bench/RESULTS.md, "On a CPU without AVX-512"). One step admits at most the
 # engine's max_num_seqs requests: that many threads, plus a few for the router's load polls and
 # aborts, let every request that can join the next step wait for it. Idle threads cost nothing.
 _SPARE_THREADS = 8
