@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -51,6 +52,36 @@ def in_engine(backend: MixedBackend) -> list[str]:
     return backend._loop.call(lambda: list(backend.engine._requests))
 
 
+class HeldSteps:
+    """Swaps the engine's step: after `hold`, a step waits for ``release`` before it runs (as a
+    big prefill chunk on a loaded machine runs long), with ``stepping`` set while it waits."""
+
+    def __init__(self, backend: MixedBackend) -> None:
+        self.engine = backend.engine
+        self.real_step = backend.engine.step
+        self.stepping, self.release = threading.Event(), threading.Event()
+
+    def hold(self) -> None:
+        self.engine.step = self._held  # type: ignore[method-assign]
+
+    def _held(self):  # type: ignore[no-untyped-def]
+        self.stepping.set()
+        self.release.wait(BOUND)
+        return self.real_step()
+
+
+@contextmanager
+def held_steps(backend: MixedBackend) -> Iterator[HeldSteps]:
+    """`HeldSteps` for the block; on leaving, any held step is released and the engine's own
+    step is back."""
+    held = HeldSteps(backend)
+    try:
+        yield held
+    finally:
+        held.release.set()
+        backend.engine.step = held.real_step  # type: ignore[method-assign]
+
+
 def test_a_client_leaving_while_its_request_is_submitted_aborts_it(
     mixed: tuple[MixedBackend, WorkerServer],
 ) -> None:
@@ -58,21 +89,14 @@ def test_a_client_leaving_while_its_request_is_submitted_aborts_it(
     to leave the request running to max_tokens for nobody. The step is held (as a big prefill
     chunk on a loaded machine runs long) until the deadline has passed."""
     backend, server = mixed
-    real_step = backend.engine.step
-    stepping, release = threading.Event(), threading.Event()
 
-    def held_step():  # type: ignore[no-untyped-def]
-        stepping.set()
-        release.wait(BOUND)
-        return real_step()
-
-    async def run() -> None:
+    async def run(held: HeldSteps) -> None:
         async with grpc.aio.insecure_channel(server.address) as channel:
             stub = wpb_grpc.WorkerStub(channel)
             busy = stub.Generate(request("busy", 400))
             await anext(busy.__aiter__())
-            backend.engine.step = held_step  # type: ignore[method-assign]
-            await wait_until_async(stepping.is_set, BOUND)  # a long step is running
+            held.hold()
+            await wait_until_async(held.stepping.is_set, BOUND)  # a long step is running
 
             async def victim() -> None:
                 async for _ in stub.Generate(request("victim", 400), timeout=DEADLINE_S):
@@ -87,15 +111,12 @@ def test_a_client_leaving_while_its_request_is_submitted_aborts_it(
             with pytest.raises(grpc.aio.AioRpcError) as left:
                 await leaving
             assert left.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            release.set()
+            held.release.set()
             busy.cancel()
             await wait_until_async(lambda: in_engine(backend) == [])
 
-    try:
-        asyncio.run(run())
-    finally:
-        release.set()
-        backend.engine.step = real_step  # type: ignore[method-assign]
+    with held_steps(backend) as held:
+        asyncio.run(run(held))
 
 
 def test_every_request_that_arrives_during_a_step_joins_the_next_one(
@@ -108,26 +129,19 @@ def test_every_request_that_arrives_during_a_step_joins_the_next_one(
     step admits them all."""
     backend, server = mixed
     arrivals = 12
-    real_step = backend.engine.step
-    stepping, release = threading.Event(), threading.Event()
     admitted: list[int] = []
 
-    def held_step():  # type: ignore[no-untyped-def]
-        stepping.set()
-        release.wait(BOUND)
-        return real_step()
+    async def run(held: HeldSteps) -> None:
+        def counting_step():  # type: ignore[no-untyped-def]
+            admitted.append(len(backend.engine._requests))
+            return held.real_step()
 
-    def counting_step():  # type: ignore[no-untyped-def]
-        admitted.append(len(backend.engine._requests))
-        return real_step()
-
-    async def run() -> None:
         async with grpc.aio.insecure_channel(server.address) as channel:
             stub = wpb_grpc.WorkerStub(channel)
             busy = stub.Generate(request("busy", 400))
             await anext(busy.__aiter__())
-            backend.engine.step = held_step  # type: ignore[method-assign]
-            await wait_until_async(stepping.is_set, BOUND)
+            held.hold()
+            await wait_until_async(held.stepping.is_set, BOUND)
 
             async def client(n: int) -> int:
                 return len([r async for r in stub.Generate(request(f"r{n}", 2))])
@@ -139,18 +153,15 @@ def test_every_request_that_arrives_during_a_step_joins_the_next_one(
                 f"all {arrivals} submits waiting on the step thread",
             )
             backend.engine.step = counting_step  # type: ignore[method-assign]
-            release.set()
+            held.release.set()
             assert all(replies > 0 for replies in await asyncio.gather(*clients))
             # The step after the held one ran the busy request and every arrival.
             assert admitted[0] == 1 + arrivals
             busy.cancel()
             await wait_until_async(lambda: in_engine(backend) == [])
 
-    try:
-        asyncio.run(run())
-    finally:
-        release.set()
-        backend.engine.step = real_step  # type: ignore[method-assign]
+    with held_steps(backend) as held:
+        asyncio.run(run(held))
 
 
 def test_a_duplicate_id_on_connect_leaves_the_live_request_tracked(
