@@ -25,6 +25,8 @@ command -v iperf3 >/dev/null 2>&1 || apt_packages+=(iperf3)
 command -v promtool >/dev/null 2>&1 || apt_packages+=(prometheus)
 # The libfabric binding is a cffi extension compiled here; buf (protos lint) comes from npm.
 command -v cc >/dev/null 2>&1 || apt_packages+=(gcc libc6-dev)
+# The CPU decode-attention kernel is C++ compiled against torch (workers/engine/attention).
+command -v c++ >/dev/null 2>&1 || apt_packages+=(g++)
 "$python" -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
   || apt_packages+=("${python##*/}-dev")
 "$python" -c 'import ensurepip' 2>/dev/null || apt_packages+=("${python##*/}-venv")
@@ -81,6 +83,9 @@ pip_install --no-build-isolation -e '.[dev]'
 # The editable install builds the cffi extension in place with current setuptools; if another
 # setuptools left it elsewhere, compile it next to the sources (fails with one clear message).
 .venv/bin/python -c 'import workers.fabric._fabric_cffi' 2>/dev/null || .venv/bin/python workers/fabric/_build.py
+# The CPU decode-attention kernel, compiled against the torch just installed (~10 s; skipped
+# when neither its source nor torch changed).
+.venv/bin/python workers/engine/attention/_build_cpu.py >/dev/null
 # The build generated the gRPC stubs (setup.py runs protos/_build.py): check they import.
 .venv/bin/python -c 'import workers, orchestrator, workers.fabric._fabric_cffi, protos.pdserve.v1.generation_pb2_grpc, protos.pdserve.v1.worker_pb2_grpc' || { echo "error: install failed" >&2; exit 1; }
 log "done"

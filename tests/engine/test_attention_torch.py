@@ -8,8 +8,16 @@ import torch
 import torch.nn.functional as F
 
 from tests.engine.attention_cases import MixedCase, make_mixed_case, reference_attention
-from workers.engine.attention import create_attention_backend
+from workers.engine.attention import cpu_kernel, create_attention_backend
 from workers.engine.attention.torch_backend import TorchAttentionBackend
+
+# The three ways to attend decode tokens: the C++ kernel (default on CPU), the sparse sampled
+# matmul (float32 without the kernel), gathering pages for SDPA (everything else).
+DECODE_PATHS = {
+    "kernel": {"decode_kernel": True},
+    "sparse": {"decode_kernel": False, "sparse_decode": True},
+    "gather": {"decode_kernel": False, "sparse_decode": False},
+}
 
 CASES = {
     # (cached context lengths, new token counts) per sequence
@@ -20,14 +28,14 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("sparse_decode", [True, False], ids=["sparse", "gather"])
+@pytest.mark.parametrize("path", list(DECODE_PATHS))
 @pytest.mark.parametrize("name", list(CASES))
-def test_matches_dense_reference(name: str, sparse_decode: bool) -> None:
+def test_matches_dense_reference(name: str, path: str) -> None:
     context_lens, query_lens = CASES[name]
     case = make_mixed_case(context_lens, query_lens)
     scale = 32**-0.5
     before = case.kv_cache.clone()
-    backend = TorchAttentionBackend(case.kv_cache, 16, scale, sparse_decode=sparse_decode)
+    backend = TorchAttentionBackend(case.kv_cache, 16, scale, **DECODE_PATHS[path])
     backend.begin_step(case.batch)
     out = backend.forward(1, case.q, case.k, case.v, case.batch)
 
@@ -56,32 +64,33 @@ LONG_CASES = {
 
 
 @pytest.mark.parametrize("name", list(LONG_CASES))
-@pytest.mark.parametrize("group_bytes", [None, 1, 64 << 10, 1 << 30])
-def test_long_and_mixed_decode_matches_dense_reference(name: str, group_bytes: int | None) -> None:
-    """``group_bytes`` None: the sparse path (no gather); otherwise the gather path, where 1 puts
-    every decode sequence in its own group, 64 KiB (8 of this case's 8 KiB pages) splits the
-    longest buckets, 1 GiB never splits."""
+@pytest.mark.parametrize("group_bytes", ["kernel", "sparse", 1, 64 << 10, 1 << 30])
+def test_long_and_mixed_decode_matches_dense_reference(name: str, group_bytes: int | str) -> None:
+    """``group_bytes`` "kernel" / "sparse": those paths (no gather); otherwise the gather path,
+    where 1 puts every decode sequence in its own group, 64 KiB (8 of this case's 8 KiB pages)
+    splits the longest buckets, 1 GiB never splits."""
     context_lens, query_lens = LONG_CASES[name]
     case = make_mixed_case(context_lens, query_lens, num_pages=160)
     scale = 32**-0.5
-    if group_bytes is None:
-        backend = TorchAttentionBackend(case.kv_cache, 16, scale, sparse_decode=True)
+    if isinstance(group_bytes, str):
+        backend = TorchAttentionBackend(case.kv_cache, 16, scale, **DECODE_PATHS[group_bytes])
     else:
         backend = TorchAttentionBackend(
-            case.kv_cache, 16, scale, gather_group_bytes=group_bytes, sparse_decode=False
+            case.kv_cache, 16, scale, gather_group_bytes=group_bytes, **DECODE_PATHS["gather"]
         )
     backend.begin_step(case.batch)
     out = backend.forward(1, case.q, case.k, case.v, case.batch)
     torch.testing.assert_close(out.double(), reference_attention(case, scale), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("sparse_decode", [True, False], ids=["sparse", "gather"])
-def test_state_reused_across_layers_and_steps(sparse_decode: bool) -> None:
-    """The gather buffer and the sparse structure are reused by later layers and steps: a small
-    step after a large one, and layer 0 after layer 1, still read their own pages."""
+@pytest.mark.parametrize("path", list(DECODE_PATHS))
+def test_state_reused_across_layers_and_steps(path: str) -> None:
+    """The gather buffer, the sparse structure and the kernel's page rows are reused by later
+    layers and steps: a small step after a large one, and layer 0 after layer 1, still read
+    their own pages."""
     scale = 32**-0.5
     large = make_mixed_case([300, 120, 7], [1, 1, 1], num_pages=160, layer=1, seed=1)
-    backend = TorchAttentionBackend(large.kv_cache, 16, scale, sparse_decode=sparse_decode)
+    backend = TorchAttentionBackend(large.kv_cache, 16, scale, **DECODE_PATHS[path])
     out_large = backend.forward(1, large.q, large.k, large.v, large.batch)
     small = make_mixed_case([40, 3], [1, 1], num_pages=160, layer=0, seed=2)
     # Same cache tensor for both steps: copy the small case's layer 0 into the large cache.
@@ -110,18 +119,36 @@ def test_non_contiguous_cache_stores_through_indexing() -> None:
     torch.testing.assert_close(strided[0, pages, 1, :, offsets], case.v)
 
 
-def test_decode_path_choice() -> None:
-    """The sparse path is the default for a contiguous float32 CPU cache only."""
+def test_decode_path_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel is the default for a contiguous float32 or bfloat16 CPU cache (`make install`
+    builds it); without it the sparse path is, for float32 only."""
     cache = torch.zeros(2, 4, 2, 2, 16, 8)
-    assert TorchAttentionBackend(cache, 16, 1.0).sparse_decode
-    assert not TorchAttentionBackend(cache.to(torch.bfloat16), 16, 1.0).sparse_decode
+    assert cpu_kernel.paged_decode_attention() is not None, cpu_kernel.unavailable_reason()
+    for dtype in (torch.float32, torch.bfloat16):
+        backend = TorchAttentionBackend(cache.to(dtype), 16, 1.0)
+        assert backend.decode_kernel and not backend.sparse_decode
+    assert not TorchAttentionBackend(cache.to(torch.float16), 16, 1.0).decode_kernel
+    assert TorchAttentionBackend(cache, 16, 1.0, decode_kernel=False).sparse_decode
+    bf16 = TorchAttentionBackend(cache.to(torch.bfloat16), 16, 1.0, decode_kernel=False)
+    assert not bf16.sparse_decode
     strided = torch.zeros(4, 4, 2, 2, 16, 8)[::2]
-    assert not TorchAttentionBackend(strided, 16, 1.0, sparse_decode=True).sparse_decode
+    backend = TorchAttentionBackend(strided, 16, 1.0, sparse_decode=True)
+    assert not backend.decode_kernel and not backend.sparse_decode
+    with pytest.raises(ValueError, match="contiguous float32 or bfloat16 CPU cache"):
+        TorchAttentionBackend(strided, 16, 1.0, decode_kernel=True)
+    # Switched off for A/B runs: the backend falls back, and asking for it names the reason.
+    monkeypatch.setattr(cpu_kernel, "_loaded", None)
+    monkeypatch.setenv("PDSERVE_CPU_ATTENTION_KERNEL", "0")
+    assert TorchAttentionBackend(cache, 16, 1.0).sparse_decode
+    with pytest.raises(ValueError, match="PDSERVE_CPU_ATTENTION_KERNEL=0"):
+        TorchAttentionBackend(cache, 16, 1.0, decode_kernel=True)
+    monkeypatch.setattr(cpu_kernel, "_loaded", None)
 
 
-def test_bfloat16_cache() -> None:
-    case = make_mixed_case([0, 20, 9], [5, 1, 1], dtype=torch.bfloat16)
-    backend = TorchAttentionBackend(case.kv_cache, 16, 32**-0.5)
+@pytest.mark.parametrize("path", ["kernel", "gather"])
+def test_bfloat16_cache(path: str) -> None:
+    case = make_mixed_case([0, 20, 9, 40], [5, 1, 1, 1], dtype=torch.bfloat16)
+    backend = TorchAttentionBackend(case.kv_cache, 16, 32**-0.5, **DECODE_PATHS[path])
     out = backend.forward(1, case.q, case.k, case.v, case.batch)
     assert out.dtype == torch.bfloat16
     expected = reference_attention(case, 32**-0.5)
@@ -150,7 +177,7 @@ def test_sparse_softmax_shape_follows_the_length_spread(
     far apart: a segmented softmax (padding would multiply the work)."""
     case = make_mixed_case(context_lens, [1] * len(context_lens), num_pages=160)
     scale = 32**-0.5
-    backend = TorchAttentionBackend(case.kv_cache, 16, scale, sparse_decode=True)
+    backend = TorchAttentionBackend(case.kv_cache, 16, scale, **DECODE_PATHS["sparse"])
     backend.begin_step(case.batch)
     out = backend.forward(1, case.q, case.k, case.v, case.batch)
     torch.testing.assert_close(out.double(), reference_attention(case, scale), atol=1e-5, rtol=1e-5)
@@ -205,17 +232,18 @@ def latent_reference(case: MixedCase, scale: float) -> torch.Tensor:
     return torch.cat(outputs)
 
 
-@pytest.mark.parametrize("sparse_decode", [True, False], ids=["sparse", "gather"])
+@pytest.mark.parametrize("path", list(DECODE_PATHS))
 @pytest.mark.parametrize("name", list(LATENT_CASES))
-def test_latent_mode_matches_mqa_with_values_equal_to_keys(name: str, sparse_decode: bool) -> None:
+def test_latent_mode_matches_mqa_with_values_equal_to_keys(name: str, path: str) -> None:
     context_lens, query_lens = LATENT_CASES[name]
     case = latent_case(context_lens, query_lens)
     assert case.kv_cache.shape[2] == 1
     before = case.kv_cache.clone()
     backend = TorchAttentionBackend(
-        case.kv_cache, 16, LATENT_SCALE, gather_group_bytes=64 << 10, sparse_decode=sparse_decode
+        case.kv_cache, 16, LATENT_SCALE, gather_group_bytes=64 << 10, **DECODE_PATHS[path]
     )
-    assert backend.latent and backend.sparse_decode == sparse_decode
+    assert backend.latent
+    assert (backend.decode_kernel, backend.sparse_decode) == (path == "kernel", path == "sparse")
     backend.begin_step(case.batch)
     out = backend.forward(1, case.q, case.k, None, case.batch)
 
@@ -240,7 +268,7 @@ def test_latent_sparse_decode_reads_values_from_the_key_rows(
 ) -> None:
     """Every softmax shape of the sparse path, with the value rows being the key rows."""
     case = latent_case(context_lens, [1] * len(context_lens))
-    backend = TorchAttentionBackend(case.kv_cache, 16, LATENT_SCALE, sparse_decode=True)
+    backend = TorchAttentionBackend(case.kv_cache, 16, LATENT_SCALE, **DECODE_PATHS["sparse"])
     out = backend.forward(1, case.q, case.k, None, case.batch)
     torch.testing.assert_close(out, latent_reference(case, LATENT_SCALE), atol=1e-5, rtol=1e-5)
     sparse = backend._sparse

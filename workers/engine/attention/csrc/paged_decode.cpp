@@ -1,0 +1,377 @@
+// Decode attention on the CPU straight from the paged HND cache: one query token per sequence,
+// the sequence's keys and values read page by page where they lie (never gathered), an online
+// softmax per query head, float32 arithmetic for float32 and bfloat16 caches alike.
+//
+// Why a kernel of our own: torch has no paged decode attention for the CPU. The engine's torch
+// paths either gather pages and call SDPA (whose flash kernel runs a 1-3 row query at a few
+// GB/s) or use a sampled sparse matmul plus `embedding_bag` (float32 only, and it reads each
+// K/V row once per query head of a GQA group). Here a task is one (sequence, KV head): its query
+// heads share every K and V row while the page is in L1, and tasks run on torch's own
+// intra-op threads (at::parallel_for), so the engine's thread settings hold.
+//
+// Registered as torch.ops.pdserve.paged_decode_attention (out-variant, see the schema below).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// exp(x) for x <= 0 in a form the compiler vectorises (libm's expf is a call per element):
+// x = n ln2 + r with |r| <= ln2 / 2, e^r by Cephes' degree-6 polynomial, 2^n through the
+// exponent bits. Relative error about 1e-7, like expf's.
+#define PDSERVE_INLINE __attribute__((always_inline)) inline
+
+PDSERVE_INLINE float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);  // below this e^x underflows to 0 in float32 anyway
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// A cache row as float32: the row itself for a float32 cache, a widened copy for bfloat16.
+PDSERVE_INLINE const float* as_float(const float* row, int64_t, float*) { return row; }
+
+PDSERVE_INLINE const float* as_float(const c10::BFloat16* row, int64_t n, float* buffer) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(row);
+#pragma omp simd
+  for (int64_t i = 0; i < n; i++) {
+    const uint32_t wide = static_cast<uint32_t>(bits[i]) << 16;
+    float value;
+    std::memcpy(&value, &wide, sizeof value);
+    buffer[i] = value;
+  }
+  return buffer;
+}
+
+PDSERVE_INLINE void store(float* out, const float* acc, float inv, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; i++) out[i] = acc[i] * inv;
+}
+
+PDSERVE_INLINE void store(c10::BFloat16* out, const float* acc, float inv, int64_t n) {
+  for (int64_t i = 0; i < n; i++) out[i] = c10::BFloat16(acc[i] * inv);  // round to nearest even
+}
+
+// Sixteen float32 lanes as a GCC vector: AVX-512 registers in the avx512f clone, pairs of AVX2
+// ones or fours of SSE ones in the others.
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16_unaligned __attribute__((vector_size(64), aligned(4)));
+
+PDSERVE_INLINE v16 load16(const float* p) { return *reinterpret_cast<const v16_unaligned*>(p); }
+
+// x's lanes hold sums for a keys' blocks, y's for b more: the result holds both, each block
+// half as wide (its two halves added). Four rounds turn 16 vectors of 16 partial sums (one
+// vector per key) into one vector of 16 dot products, with 15 additions instead of 16 full
+// horizontal sums.
+PDSERVE_INLINE v16 fold1(v16 x, v16 y) {
+  return __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+         __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
+                                 31);
+}
+PDSERVE_INLINE v16 fold2(v16 x, v16 y) {
+  return __builtin_shufflevector(x, y, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+         __builtin_shufflevector(x, y, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
+                                 31);
+}
+PDSERVE_INLINE v16 fold3(v16 x, v16 y) {
+  return __builtin_shufflevector(x, y, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+         __builtin_shufflevector(x, y, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30,
+                                 31);
+}
+PDSERVE_INLINE v16 fold4(v16 x, v16 y) {
+  return __builtin_shufflevector(x, y, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28,
+                                 30) +
+         __builtin_shufflevector(x, y, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29,
+                                 31);
+}
+
+// out[t] = q . keys[t] for n <= 16 keys of kDim (a multiple of 16) floats each.
+template <int64_t kDim>
+PDSERVE_INLINE void dot16(const float* q, const float* keys, int64_t n, float* out) {
+  v16 partial[16];
+#pragma GCC unroll 16
+  for (int64_t t = 0; t < 16; t++) {
+    v16 sum = {};
+    if (t < n) {
+#pragma GCC unroll 16
+      for (int64_t c = 0; c < kDim; c += 16) sum += load16(q + c) * load16(keys + t * kDim + c);
+    }
+    partial[t] = sum;
+  }
+  v16 l1[8], l2[4], l3[2];
+  for (int i = 0; i < 8; i++) l1[i] = fold1(partial[2 * i], partial[2 * i + 1]);
+  for (int i = 0; i < 4; i++) l2[i] = fold2(l1[2 * i], l1[2 * i + 1]);
+  for (int i = 0; i < 2; i++) l3[i] = fold3(l2[2 * i], l2[2 * i + 1]);
+  const v16 dots = fold4(l3[0], l3[1]);
+  std::memcpy(out, &dots, n * sizeof(float));
+}
+
+template <typename T>
+PDSERVE_INLINE void prefetch_rows(const T* rows, int64_t elements) {
+  const char* bytes = reinterpret_cast<const char*>(rows);
+  for (int64_t offset = 0; offset < elements * int64_t(sizeof(T)); offset += 64) {
+    __builtin_prefetch(bytes + offset);
+  }
+}
+
+struct Shape {
+  int64_t planes, value_plane, kv_heads, page_size, head_dim, num_pages, query_heads;
+  int64_t table_stride;
+  int64_t q_seq_stride, q_head_stride;  // q may be a view (a slice of the fused projection)
+  int64_t head_blocks;  // a task is one sequence's KV heads, in this many blocks
+  float scale;
+};
+
+// One KV head's share of one page: n keys and values of D floats, the group of query heads that
+// share them, and their running softmax state (max, total, accumulators).
+template <int64_t kDim>
+PDSERVE_INLINE void attend_page(int64_t group, int64_t D, int64_t P, float scale,
+                                const float* __restrict queries, const float* __restrict keys,
+                                const float* __restrict values, int64_t n,
+                                float* __restrict scores, float* __restrict max_score,
+                                float* __restrict total, float* __restrict acc) {
+  // Scores of the page's keys for every query head of the group: each K row is read once.
+  for (int64_t g = 0; g < group; g++) {
+    if constexpr (kDim > 0 && kDim % 16 == 0) {
+      for (int64_t t0 = 0; t0 < n; t0 += 16) {
+        dot16<kDim>(queries + g * D, keys + t0 * D, std::min<int64_t>(16, n - t0),
+                    scores + g * P + t0);
+      }
+    } else {
+      for (int64_t t = 0; t < n; t++) {
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; d++) dot += queries[g * D + d] * keys[t * D + d];
+        scores[g * P + t] = dot;
+      }
+    }
+  }
+  // Online softmax: rescale what was accumulated when the running maximum grows.
+  for (int64_t g = 0; g < group; g++) {
+    float* __restrict sg = scores + g * P;
+    float page_max = max_score[g];
+#pragma omp simd
+    for (int64_t t = 0; t < n; t++) sg[t] *= scale;
+#pragma omp simd reduction(max : page_max)
+    for (int64_t t = 0; t < n; t++) page_max = std::max(page_max, sg[t]);
+    const float correction = exp_nonpositive(max_score[g] - page_max);
+    max_score[g] = page_max;
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; t++) {
+      const float e = exp_nonpositive(sg[t] - page_max);
+      sg[t] = e;
+      sum += e;
+    }
+    total[g] = total[g] * correction + sum;
+    float* __restrict a = acc + g * D;
+    if (correction != 1.0f) {
+#pragma omp simd
+      for (int64_t d = 0; d < D; d++) a[d] *= correction;
+    }
+    // Weighted V rows into the accumulator, kept in a local array (registers) for a known
+    // head dimension.
+    if constexpr (kDim > 0 && kDim % 16 == 0) {
+      v16 local[kDim / 16];
+#pragma GCC unroll 16
+      for (int64_t c = 0; c < kDim / 16; c++) local[c] = load16(a + c * 16);
+      for (int64_t t = 0; t < n; t++) {
+        const float weight = sg[t];
+#pragma GCC unroll 16
+        for (int64_t c = 0; c < kDim / 16; c++) local[c] += weight * load16(values + t * kDim + c * 16);
+      }
+#pragma GCC unroll 16
+      for (int64_t c = 0; c < kDim / 16; c++) std::memcpy(a + c * 16, &local[c], sizeof(v16));
+    } else {
+      for (int64_t t = 0; t < n; t++) {
+#pragma omp simd
+        for (int64_t d = 0; d < D; d++) a[d] += sg[t] * values[t * D + d];
+      }
+    }
+  }
+}
+
+// kDim: the head dimension when known at compile time (the vector loops then have a fixed trip
+// count and no remainder), 0 for any other, read from the shape.
+template <int64_t kDim, typename T>
+PDSERVE_INLINE void attend(const Shape& s, const T* cache, const T* q, T* out,
+                           const int64_t* table, const int64_t* lens, int64_t first,
+                           int64_t last) {
+  const int64_t group = s.query_heads / s.kv_heads, P = s.page_size;
+  const int64_t D = kDim > 0 ? kDim : s.head_dim;
+  const int64_t planes = s.planes, kv_heads = s.kv_heads, query_heads = s.query_heads;
+  const int64_t stride = s.table_stride;
+  const int64_t heads_per_task = kv_heads / s.head_blocks;
+  const int64_t head_rows = P * D, value_offset = s.value_plane * kv_heads * head_rows;
+  // Per thread: every query head's state, one group's page of scores, widened K / V rows.
+  std::vector<float> buffers(query_heads * (2 * D + 2) + group * P + 2 * P * D);
+  float* acc = buffers.data();
+  float* queries = acc + query_heads * D;
+  float* max_score = queries + query_heads * D;
+  float* total = max_score + query_heads;
+  float* scores = total + query_heads;
+  float* key_rows = scores + group * P;
+  float* value_rows = key_rows + P * D;
+  for (int64_t task = first; task < last; task++) {
+    const int64_t seq = task / s.head_blocks;
+    const int64_t head0 = task % s.head_blocks * heads_per_task;
+    const int64_t len = lens[seq];
+    // State of this task's query heads: [heads_per_task * group], from query head head0 * group.
+    const int64_t rows = heads_per_task * group, row0 = head0 * group;
+    for (int64_t r = 0; r < rows; r++) {
+      const T* row = q + seq * s.q_seq_stride + (row0 + r) * s.q_head_stride;
+      const float* widened = as_float(row, D, queries + r * D);
+      if (widened != queries + r * D) std::memcpy(queries + r * D, widened, D * sizeof(float));
+      max_score[r] = -std::numeric_limits<float>::max();
+      total[r] = 0.0f;
+    }
+    std::memset(acc, 0, rows * D * sizeof(float));
+    const int64_t pages = (len + P - 1) / P;
+    for (int64_t j = 0; j < pages; j++) {
+      const int64_t page = table[seq * stride + j];
+      const int64_t n = std::min(P, len - j * P);
+      const T* block = cache + (page * planes * kv_heads + head0) * head_rows;
+      // The next page is elsewhere in the pool: the hardware prefetchers do not follow the
+      // page table, so ask for its rows now and compute on this page meanwhile.
+      if (j + 1 < pages) {
+        const int64_t next = table[seq * stride + j + 1];
+        const T* next_block = cache + (next * planes * kv_heads + head0) * head_rows;
+        prefetch_rows(next_block, heads_per_task * head_rows);
+        if (value_offset != 0) prefetch_rows(next_block + value_offset, heads_per_task * head_rows);
+      }
+      for (int64_t h = 0; h < heads_per_task; h++) {
+        const float* keys = as_float(block + h * head_rows, n * D, key_rows);
+        const float* values = value_offset == 0
+                                  ? keys
+                                  : as_float(block + value_offset + h * head_rows, n * D,
+                                             value_rows);
+        const int64_t r = h * group;
+        attend_page<kDim>(group, D, P, s.scale, queries + r * D, keys, values, n, scores,
+                          max_score + r, total + r, acc + r * D);
+      }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+      store(out + (seq * query_heads + row0 + r) * D, acc + r * D, 1.0f / total[r], D);
+    }
+  }
+}
+
+// One copy per instruction set, picked when the library loads: the build runs anywhere, and
+// the vector loops above use the widest registers of the CPU they run on.
+#define PDSERVE_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+
+PDSERVE_CLONES void attend_f32(const Shape& s, const float* cache, const float* q, float* out,
+                               const int64_t* table, const int64_t* lens, int64_t first,
+                               int64_t last) {
+  switch (s.head_dim) {
+    case 64: return attend<64>(s, cache, q, out, table, lens, first, last);
+    case 128: return attend<128>(s, cache, q, out, table, lens, first, last);
+    default: return attend<0>(s, cache, q, out, table, lens, first, last);
+  }
+}
+
+PDSERVE_CLONES void attend_bf16(const Shape& s, const c10::BFloat16* cache,
+                                const c10::BFloat16* q, c10::BFloat16* out,
+                                const int64_t* table, const int64_t* lens, int64_t first,
+                                int64_t last) {
+  switch (s.head_dim) {
+    case 64: return attend<64>(s, cache, q, out, table, lens, first, last);
+    case 128: return attend<128>(s, cache, q, out, table, lens, first, last);
+    default: return attend<0>(s, cache, q, out, table, lens, first, last);
+  }
+}
+
+// out, q: [Bd, Hq, D]; cache: one layer, [pages, planes, Hk, P, D]; page_table: [Bd, >= pages of
+// the longest] int64, row i for query row i; seq_lens: [Bd] int64 (keys of each sequence,
+// counting the new token, whose K/V is already in the cache).
+void paged_decode_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& cache,
+                            const at::Tensor& page_table, const at::Tensor& seq_lens,
+                            int64_t value_plane, double scale) {
+  TORCH_CHECK(cache.dim() == 5 && q.dim() == 3 && out.sizes() == q.sizes(),
+              "paged_decode_attention: expected cache [pages, planes, Hk, P, D] and q, out "
+              "[Bd, Hq, D]");
+  TORCH_CHECK(cache.is_contiguous() && out.is_contiguous() && page_table.is_contiguous() &&
+                  seq_lens.is_contiguous() && q.stride(2) == 1,
+              "paged_decode_attention: cache, out, page_table and seq_lens must be contiguous, "
+              "and q's rows too");
+  TORCH_CHECK(q.scalar_type() == cache.scalar_type() && out.scalar_type() == cache.scalar_type(),
+              "paged_decode_attention: q, out and cache must share a dtype");
+  TORCH_CHECK(page_table.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
+              "paged_decode_attention: page_table and seq_lens must be int64");
+  const int64_t rows = q.size(0);
+  TORCH_CHECK(page_table.dim() == 2 && page_table.size(0) == rows && seq_lens.numel() == rows,
+              "paged_decode_attention: one page-table row and one length per query row");
+  // A task reads whole pages (all KV heads: one contiguous block per page) when there are
+  // sequences enough to keep every thread busy; with few, one KV head per task.
+  const int64_t kv_heads = cache.size(2);
+  const int64_t head_blocks = rows >= 4 * at::get_num_threads() ? 1 : kv_heads;
+  Shape s{cache.size(1), value_plane,        cache.size(2), cache.size(3), cache.size(4),
+          cache.size(0), q.size(1),          page_table.size(1), q.stride(0), q.stride(1),
+          head_blocks,
+          static_cast<float>(scale)};
+  TORCH_CHECK(q.size(2) == s.head_dim && s.query_heads % s.kv_heads == 0,
+              "paged_decode_attention: q's head_dim must match the cache's and its heads be a "
+              "multiple of the KV heads");
+  TORCH_CHECK(value_plane >= 0 && value_plane < s.planes, "paged_decode_attention: bad plane");
+  const int64_t* table = page_table.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  // Every page a task will read is checked here, before any thread starts: the tasks run
+  // without checks (an exception cannot leave an OpenMP region).
+  for (int64_t i = 0; i < rows; i++) {
+    const int64_t pages = (lens[i] + s.page_size - 1) / s.page_size;
+    TORCH_CHECK(lens[i] > 0 && pages <= s.table_stride, "paged_decode_attention: length ",
+                lens[i], " of row ", i, " does not fit its page-table row");
+    for (int64_t j = 0; j < pages; j++) {
+      const int64_t page = table[i * s.table_stride + j];
+      TORCH_CHECK(page >= 0 && page < s.num_pages, "paged_decode_attention: page ", page,
+                  " of row ", i, " is outside the cache's ", s.num_pages, " pages");
+    }
+  }
+  const int64_t tasks = rows * head_blocks;
+  if (cache.scalar_type() == at::kFloat) {
+    const float* c = cache.data_ptr<float>();
+    const float* qp = q.data_ptr<float>();
+    float* o = out.data_ptr<float>();
+    at::parallel_for(0, tasks, 1, [&](int64_t first, int64_t last) {
+      attend_f32(s, c, qp, o, table, lens, first, last);
+    });
+  } else if (cache.scalar_type() == at::kBFloat16) {
+    const c10::BFloat16* c = cache.data_ptr<c10::BFloat16>();
+    const c10::BFloat16* qp = q.data_ptr<c10::BFloat16>();
+    c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
+    at::parallel_for(0, tasks, 1, [&](int64_t first, int64_t last) {
+      attend_bf16(s, c, qp, o, table, lens, first, last);
+    });
+  } else {
+    TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16 only, got ",
+                cache.scalar_type());
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pdserve, m) {
+  m.def(
+      "paged_decode_attention(Tensor(a!) out, Tensor q, Tensor cache, Tensor page_table, "
+      "Tensor seq_lens, int value_plane, float scale) -> ()");
+  m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
+}
