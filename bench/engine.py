@@ -36,8 +36,9 @@ minus generating the first.
 
 ``--attention`` times only the torch attention backend's decode step (``begin_step`` plus one
 ``forward`` per layer, cache store included) on the ``small`` preset's shapes (6 layers, 8 query /
-4 KV heads, head_dim 64, 16-token pages, float32) for several batches and context lengths; pages
-are handed out in a scrambled order like a busy pool's.
+4 KV heads, head_dim 64, 16-token pages) for several batches and context lengths, one column per
+decode path (the C++ kernel, the sparse matmul and the page gather in float32; the kernel and the
+gather in bfloat16); pages are handed out in a scrambled order like a busy pool's.
 """
 
 from __future__ import annotations
@@ -377,6 +378,7 @@ def attention_step_seconds(
     num_kv_heads: int = 4,
     head_dim: int = 64,
     page_size: int = 16,
+    dtype: torch.dtype = torch.float32,
 ) -> float:
     """Best-of-``repeats`` seconds of one decode step's attention: ``begin_step`` and one
     ``forward`` per layer over sequences of ``seq_lens`` tokens (the last one new)."""
@@ -387,7 +389,7 @@ def attention_step_seconds(
     num_pages = sum(pages_per_seq) + 8
     cache = torch.randn(
         num_layers, num_pages, 2, num_kv_heads, page_size, head_dim, generator=generator
-    )
+    ).to(dtype)
     free = torch.randperm(num_pages, generator=generator).tolist()
     tables = [[free.pop() for _ in range(n)] for n in pages_per_seq]
     width = max(pages_per_seq)
@@ -405,9 +407,9 @@ def attention_step_seconds(
         query_lens_list=(1,) * batch_size,
         seq_lens_list=tuple(seq_lens),
     )
-    q = torch.randn(batch_size, num_heads, head_dim, generator=generator)
-    k = torch.randn(batch_size, num_kv_heads, head_dim, generator=generator)
-    v = torch.randn(batch_size, num_kv_heads, head_dim, generator=generator)
+    q = torch.randn(batch_size, num_heads, head_dim, generator=generator).to(dtype)
+    k = torch.randn(batch_size, num_kv_heads, head_dim, generator=generator).to(dtype)
+    v = torch.randn(batch_size, num_kv_heads, head_dim, generator=generator).to(dtype)
     backend = backend_class(cache, page_size, head_dim**-0.5)
 
     def step() -> float:
@@ -428,24 +430,41 @@ def attention_case_lens(batch: int, lengths: str) -> list[int]:
     return [int(lengths)] * batch
 
 
-def print_attention_table(
-    repeats: int, backend_class: Callable[[torch.Tensor, int, float], Any] | None = None
-) -> None:
-    if backend_class is None:
-        from workers.engine.attention.torch_backend import TorchAttentionBackend
+# The decode paths of the torch backend (see its module docstring), as columns of the table.
+ATTENTION_PATHS: tuple[tuple[str, torch.dtype, dict[str, bool]], ...] = (
+    ("kernel f32", torch.float32, {"decode_kernel": True}),
+    ("sparse f32", torch.float32, {"decode_kernel": False, "sparse_decode": True}),
+    ("gather f32", torch.float32, {"decode_kernel": False, "sparse_decode": False}),
+    ("kernel bf16", torch.bfloat16, {"decode_kernel": True}),
+    ("gather bf16", torch.bfloat16, {"decode_kernel": False}),
+)
 
-        backend_class = TorchAttentionBackend
+
+def print_attention_table(repeats: int) -> None:
+    from workers.engine.attention import cpu_kernel
+    from workers.engine.attention.torch_backend import TorchAttentionBackend
+
+    paths = [
+        p for p in ATTENTION_PATHS if "kernel" not in p[0] or cpu_kernel.paged_decode_attention()
+    ]
+    if len(paths) < len(ATTENTION_PATHS):
+        print(f"(no kernel columns: {cpu_kernel.unavailable_reason()})")
     print(
-        f"decode attention step (6 layers), torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads, best of {repeats} steps after a warm-up\n"
+        f"decode attention step (6 layers), ms, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, best of {repeats} steps after a warm-up; pages in "
+        "a scrambled order like a busy pool's\n"
     )
-    print(f"| {'case':<22} | {'ms/step':>8} |")
-    print(f"|{'-' * 24}|{'-' * 10}|")
+    print(f"| {'case':<22} |" + "".join(f" {name:>11} |" for name, _, _ in paths))
+    print(f"|{'-' * 24}|" + "".join(f"{'-' * 13}|" for _ in paths))
     for label, batch, lengths in ATTENTION_CASES:
-        seconds = attention_step_seconds(
-            backend_class, attention_case_lens(batch, lengths), repeats
-        )
-        print(f"| {label:<22} | {seconds * 1000:>8.2f} |", flush=True)
+        cells = []
+        for _, dtype, options in paths:
+            backend = partial(TorchAttentionBackend, **options)
+            seconds = attention_step_seconds(
+                backend, attention_case_lens(batch, lengths), repeats, dtype=dtype
+            )
+            cells.append(f" {seconds * 1000:>11.2f} |")
+        print(f"| {label:<22} |" + "".join(cells), flush=True)
 
 
 if __name__ == "__main__":
