@@ -5,9 +5,12 @@
 // Why a kernel of our own: torch has no paged decode attention for the CPU. The engine's torch
 // paths either gather pages and call SDPA (whose flash kernel runs a 1-3 row query at a few
 // GB/s) or use a sampled sparse matmul plus `embedding_bag` (float32 only, and it reads each
-// K/V row once per query head of a GQA group). Here a task is one (sequence, KV head): its query
-// heads share every K and V row while the page is in L1, and tasks run on torch's own
-// intra-op threads (at::parallel_for), so the engine's thread settings hold.
+// K/V row once per query head of a GQA group). Here a task is one sequence: each of its pages is
+// read as one contiguous block (every KV head, K then V), which the hardware prefetchers
+// stream, and a KV head's query heads share each K and V row while it is in L1. With fewer
+// sequences than 4 per thread a task is one (sequence, KV head) instead, so that every thread
+// has work. Tasks run on torch's own intra-op threads (at::parallel_for), so the engine's
+// thread settings hold.
 //
 // Registered as torch.ops.pdserve.paged_decode_attention (out-variant, see the schema below).
 
@@ -25,11 +28,13 @@
 
 namespace {
 
+// Helpers are forced inline: each instruction-set copy of the kernel (below) then compiles
+// them for its own registers.
+#define PDSERVE_INLINE __attribute__((always_inline)) inline
+
 // exp(x) for x <= 0 in a form the compiler vectorises (libm's expf is a call per element):
 // x = n ln2 + r with |r| <= ln2 / 2, e^r by Cephes' degree-6 polynomial, 2^n through the
 // exponent bits. Relative error about 1e-7, like expf's.
-#define PDSERVE_INLINE __attribute__((always_inline)) inline
-
 PDSERVE_INLINE float exp_nonpositive(float x) {
   x = std::max(x, -87.0f);  // below this e^x underflows to 0 in float32 anyway
   const float n = std::floor(x * 1.44269504088896341f + 0.5f);
@@ -78,10 +83,58 @@ typedef float v16_unaligned __attribute__((vector_size(64), aligned(4)));
 
 PDSERVE_INLINE v16 load16(const float* p) { return *reinterpret_cast<const v16_unaligned*>(p); }
 
-// x's lanes hold sums for a keys' blocks, y's for b more: the result holds both, each block
-// half as wide (its two halves added). Four rounds turn 16 vectors of 16 partial sums (one
-// vector per key) into one vector of 16 dot products, with 15 additions instead of 16 full
-// horizontal sums.
+// Sixteen bfloat16 values widened in registers: a bfloat16 is the high half of a float32.
+typedef uint16_t u16x16_unaligned __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+PDSERVE_INLINE v16 load16(const c10::BFloat16* p) {
+  const u32x16 wide =
+      __builtin_convertvector(*reinterpret_cast<const u16x16_unaligned*>(p), u32x16) << 16;
+  v16 out;
+  std::memcpy(&out, &wide, sizeof out);
+  return out;
+}
+
+typedef int32_t i16x16 __attribute__((vector_size(64)));
+
+// exp_nonpositive on 16 lanes (same steps; floor from truncation, which rounds toward zero).
+PDSERVE_INLINE v16 exp16_nonpositive(v16 x) {
+  const v16 floor_value = v16{} - 87.0f;
+  x = x < floor_value ? floor_value : x;
+  const v16 y = x * 1.44269504088896341f + 0.5f;
+  const i16x16 truncated = __builtin_convertvector(y, i16x16);
+  const i16x16 whole = truncated + (__builtin_convertvector(truncated, v16) > y);  // true = -1
+  const v16 n = __builtin_convertvector(whole, v16);
+  const v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  v16 p = v16{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const i16x16 bits = (whole + 127) << 23;
+  v16 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+PDSERVE_INLINE float lane_max(v16 x) {
+  float m = x[0];
+  for (int i = 1; i < 16; i++) m = std::max(m, x[i]);
+  return m;
+}
+
+PDSERVE_INLINE float lane_sum(v16 x) {
+  float sum = 0.0f;
+  for (int i = 0; i < 16; i++) sum += x[i];
+  return sum;
+}
+
+// Folds: x and y each hold equal blocks of partial sums, one block per key; the result holds
+// x's keys then y's, each block half as wide (its two halves added). Four rounds (fold1 ..
+// fold4) turn 16 vectors of 16 partial sums, one vector per key, into one vector of 16 dot
+// products: 15 folds instead of 16 full horizontal sums.
 PDSERVE_INLINE v16 fold1(v16 x, v16 y) {
   return __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
          __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
@@ -104,9 +157,10 @@ PDSERVE_INLINE v16 fold4(v16 x, v16 y) {
                                  31);
 }
 
-// out[t] = q . keys[t] for n <= 16 keys of kDim (a multiple of 16) floats each.
-template <int64_t kDim>
-PDSERVE_INLINE void dot16(const float* q, const float* keys, int64_t n, float* out) {
+// Lane t = q . keys[t] for n <= 16 keys of kDim (a multiple of 16) values each; lanes from n
+// on are 0.
+template <int64_t kDim, typename T>
+PDSERVE_INLINE v16 dot16(const float* q, const T* keys, int64_t n) {
   v16 partial[16];
 #pragma GCC unroll 16
   for (int64_t t = 0; t < 16; t++) {
@@ -121,8 +175,7 @@ PDSERVE_INLINE void dot16(const float* q, const float* keys, int64_t n, float* o
   for (int i = 0; i < 8; i++) l1[i] = fold1(partial[2 * i], partial[2 * i + 1]);
   for (int i = 0; i < 4; i++) l2[i] = fold2(l1[2 * i], l1[2 * i + 1]);
   for (int i = 0; i < 2; i++) l3[i] = fold3(l2[2 * i], l2[2 * i + 1]);
-  const v16 dots = fold4(l3[0], l3[1]);
-  std::memcpy(out, &dots, n * sizeof(float));
+  return fold4(l3[0], l3[1]);
 }
 
 template <typename T>
@@ -141,47 +194,58 @@ struct Shape {
   float scale;
 };
 
-// One KV head's share of one page: n keys and values of D floats, the group of query heads that
-// share them, and their running softmax state (max, total, accumulators).
-template <int64_t kDim>
-PDSERVE_INLINE void attend_page(int64_t group, int64_t D, int64_t P, float scale,
-                                const float* __restrict queries, const float* __restrict keys,
-                                const float* __restrict values, int64_t n,
+// One KV head's share of one page: n keys and values of D values each (float32, or bfloat16 on
+// the compiled head sizes, widened as they are loaded), the group of query heads that share
+// them, and their running softmax state (max, total, accumulators).
+template <int64_t kDim, typename T>
+PDSERVE_INLINE void attend_page(int64_t group, int64_t D, int64_t score_stride, float scale,
+                                const float* __restrict queries, const T* __restrict keys,
+                                const T* __restrict values, int64_t n,
                                 float* __restrict scores, float* __restrict max_score,
                                 float* __restrict total, float* __restrict acc) {
-  // Scores of the page's keys for every query head of the group: each K row is read once.
   for (int64_t g = 0; g < group; g++) {
+    // Each query head's scores of the page's keys (every K row is read once per page: the
+    // group's heads find it in L1), then the online softmax: the weights go to `sg`, and what
+    // was accumulated is rescaled when the running maximum grows.
+    float* __restrict sg = scores + g * score_stride;
+    float page_max = max_score[g];
+    float sum = 0.0f;
     if constexpr (kDim > 0 && kDim % 16 == 0) {
+      // 16-key blocks in vector registers; lanes past n are masked out of max and sum.
+      const v16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+      v16 block_max = v16{} + page_max;
       for (int64_t t0 = 0; t0 < n; t0 += 16) {
-        dot16<kDim>(queries + g * D, keys + t0 * D, std::min<int64_t>(16, n - t0),
-                    scores + g * P + t0);
+        const v16 dots = dot16<kDim>(queries + g * D, keys + t0 * kDim, std::min<int64_t>(16, n - t0)) * scale;
+        const v16 valid_dots = lane < static_cast<float>(n - t0) ? dots : block_max;
+        block_max = valid_dots > block_max ? valid_dots : block_max;
+        std::memcpy(sg + t0, &dots, sizeof dots);
       }
+      page_max = lane_max(block_max);
+      v16 sums = {};
+      for (int64_t t0 = 0; t0 < n; t0 += 16) {
+        const v16 e = exp16_nonpositive(load16(sg + t0) - page_max);
+        const v16 weights = lane < static_cast<float>(n - t0) ? e : v16{};
+        sums += weights;
+        std::memcpy(sg + t0, &weights, sizeof weights);
+      }
+      sum = lane_sum(sums);
     } else {
       for (int64_t t = 0; t < n; t++) {
         float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
         for (int64_t d = 0; d < D; d++) dot += queries[g * D + d] * keys[t * D + d];
-        scores[g * P + t] = dot;
+        sg[t] = dot * scale;
+        page_max = std::max(page_max, sg[t]);
+      }
+#pragma omp simd reduction(+ : sum)
+      for (int64_t t = 0; t < n; t++) {
+        const float e = exp_nonpositive(sg[t] - page_max);
+        sg[t] = e;
+        sum += e;
       }
     }
-  }
-  // Online softmax: rescale what was accumulated when the running maximum grows.
-  for (int64_t g = 0; g < group; g++) {
-    float* __restrict sg = scores + g * P;
-    float page_max = max_score[g];
-#pragma omp simd
-    for (int64_t t = 0; t < n; t++) sg[t] *= scale;
-#pragma omp simd reduction(max : page_max)
-    for (int64_t t = 0; t < n; t++) page_max = std::max(page_max, sg[t]);
     const float correction = exp_nonpositive(max_score[g] - page_max);
     max_score[g] = page_max;
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < n; t++) {
-      const float e = exp_nonpositive(sg[t] - page_max);
-      sg[t] = e;
-      sum += e;
-    }
     total[g] = total[g] * correction + sum;
     float* __restrict a = acc + g * D;
     if (correction != 1.0f) {
@@ -223,13 +287,14 @@ PDSERVE_INLINE void attend(const Shape& s, const T* cache, const T* q, T* out,
   const int64_t heads_per_task = kv_heads / s.head_blocks;
   const int64_t head_rows = P * D, value_offset = s.value_plane * kv_heads * head_rows;
   // Per thread: every query head's state, one group's page of scores, widened K / V rows.
-  std::vector<float> buffers(query_heads * (2 * D + 2) + group * P + 2 * P * D);
+  const int64_t score_stride = (P + 15) / 16 * 16;  // whole 16-lane blocks
+  std::vector<float> buffers(query_heads * (2 * D + 2) + group * score_stride + 2 * P * D);
   float* acc = buffers.data();
   float* queries = acc + query_heads * D;
   float* max_score = queries + query_heads * D;
   float* total = max_score + query_heads;
   float* scores = total + query_heads;
-  float* key_rows = scores + group * P;
+  float* key_rows = scores + group * score_stride;
   float* value_rows = key_rows + P * D;
   for (int64_t task = first; task < last; task++) {
     const int64_t seq = task / s.head_blocks;
@@ -259,14 +324,20 @@ PDSERVE_INLINE void attend(const Shape& s, const T* cache, const T* q, T* out,
         if (value_offset != 0) prefetch_rows(next_block + value_offset, heads_per_task * head_rows);
       }
       for (int64_t h = 0; h < heads_per_task; h++) {
-        const float* keys = as_float(block + h * head_rows, n * D, key_rows);
-        const float* values = value_offset == 0
-                                  ? keys
-                                  : as_float(block + value_offset + h * head_rows, n * D,
-                                             value_rows);
+        const T* keys = block + h * head_rows;
+        const T* values = block + value_offset + h * head_rows;
         const int64_t r = h * group;
-        attend_page<kDim>(group, D, P, s.scale, queries + r * D, keys, values, n, scores,
-                          max_score + r, total + r, acc + r * D);
+        if constexpr (kDim > 0 && kDim % 16 == 0) {
+          attend_page<kDim>(group, D, score_stride, s.scale, queries + r * D, keys, values, n,
+                            scores, max_score + r, total + r, acc + r * D);
+        } else {
+          // Other head sizes: plain loops over float32 rows (a bfloat16 page widened first).
+          const float* key_floats = as_float(keys, n * D, key_rows);
+          const float* value_floats =
+              value_offset == 0 ? key_floats : as_float(values, n * D, value_rows);
+          attend_page<kDim>(group, D, score_stride, s.scale, queries + r * D, key_floats,
+                            value_floats, n, scores, max_score + r, total + r, acc + r * D);
+        }
       }
     }
     for (int64_t r = 0; r < rows; r++) {
@@ -277,7 +348,11 @@ PDSERVE_INLINE void attend(const Shape& s, const T* cache, const T* q, T* out,
 
 // One copy per instruction set, picked when the library loads: the build runs anywhere, and
 // the vector loops above use the widest registers of the CPU they run on.
+#if defined(__x86_64__)
 #define PDSERVE_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define PDSERVE_CLONES  // other architectures: one copy for the build's own target
+#endif
 
 PDSERVE_CLONES void attend_f32(const Shape& s, const float* cache, const float* q, float* out,
                                const int64_t* table, const int64_t* lens, int64_t first,
