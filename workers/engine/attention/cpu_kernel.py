@@ -8,12 +8,15 @@ decode tokens with its pure-PyTorch paths. `unavailable_reason()` says why it is
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 LIBRARY = Path(__file__).resolve().parent / "_paged_decode_cpu.so"
 
@@ -31,7 +34,12 @@ def _load() -> tuple[PagedDecode | None, str]:
         return None, "switched off by PDSERVE_CPU_ATTENTION_KERNEL=0"
     if not LIBRARY.is_file():
         return None, f"{LIBRARY.name} is not built (run `make install`)"
-    torch.ops.load_library(str(LIBRARY))
+    try:
+        torch.ops.load_library(str(LIBRARY))
+    except OSError as error:  # e.g. built against another torch: the pure-PyTorch paths still run
+        reason = f"{LIBRARY.name} does not load ({error}); rebuild it with `make install`"
+        logger.warning("CPU decode-attention kernel off: %s", reason)
+        return None, reason
     op: PagedDecode = torch.ops.pdserve.paged_decode_attention
     return op, ""
 

@@ -1,4 +1,5 @@
-"""Pure-PyTorch attention over the paged HND cache (CPU and any device; the reference backend).
+"""PyTorch attention over the paged HND cache (CPU and any device; the reference backend), with
+a C++ decode kernel of our own for CPU caches.
 
 Per step (`begin_step`) the batch is split once into
 - *decode* sequences (one new token). Three ways to attend them:
@@ -17,8 +18,8 @@ Per step (`begin_step`) the batch is split once into
     The softmax is one dense call when every row has as many entries: equal lengths, or
     lengths close enough (`_PADDED_SOFTMAX_SLACK`) that shorter rows are padded with a masked
     repeat of their first key; otherwise a segmented softmax over rows of their own lengths;
-  - *gather* (other devices and dtypes, or without the kernel): sequences sorted by length are cut into groups of
-    similar length and bounded size; per layer each group's pages are gathered with one
+  - *gather* (other devices and dtypes, or without the kernel): sequences sorted by length are
+    cut into groups of similar length and bounded size; per layer each group's pages are gathered with one
     ``index_select`` into a reused buffer and attended by one 4-D
     ``scaled_dot_product_attention`` call (the fused flash kernel). Keys past a sequence's length
     are masked only in groups whose lengths differ;
@@ -178,16 +179,17 @@ class TorchAttentionBackend(AttentionBackend):
             and kv_cache.dtype in (torch.float32, torch.bfloat16)
             and kv_cache.is_contiguous()
         )
-        self._kernel = cpu_kernel.paged_decode_attention() if kernel_fits else None
-        if decode_kernel and self._kernel is None:
-            reason = (
-                cpu_kernel.unavailable_reason()
-                if kernel_fits
-                else ("it takes a contiguous float32 or bfloat16 CPU cache")
+        wanted = kernel_fits and decode_kernel is not False
+        self._kernel = cpu_kernel.paged_decode_attention() if wanted else None
+        if decode_kernel and not kernel_fits:
+            raise ValueError(
+                "the CPU decode-attention kernel takes a contiguous float32 or bfloat16 CPU cache"
             )
-            raise ValueError(f"the CPU decode-attention kernel cannot run here: {reason}")
-        if decode_kernel is False:
-            self._kernel = None
+        if decode_kernel and self._kernel is None:
+            raise ValueError(
+                "the CPU decode-attention kernel cannot run here: "
+                + cpu_kernel.unavailable_reason()
+            )
         self.decode_kernel = self._kernel is not None
         if sparse_decode is None:
             sparse_decode = kv_cache.device.type == "cpu" and kv_cache.dtype == torch.float32

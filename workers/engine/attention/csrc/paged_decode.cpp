@@ -98,9 +98,11 @@ PDSERVE_INLINE v16 load16(const c10::BFloat16* p) {
 typedef int32_t i16x16 __attribute__((vector_size(64)));
 
 // exp_nonpositive on 16 lanes (same steps; floor from truncation, which rounds toward zero).
+// Lanes above 0 (masked-out ones hold anything) are clamped to 0 so no conversion overflows.
 PDSERVE_INLINE v16 exp16_nonpositive(v16 x) {
   const v16 floor_value = v16{} - 87.0f;
   x = x < floor_value ? floor_value : x;
+  x = x > 0.0f ? v16{} : x;
   const v16 y = x * 1.44269504088896341f + 0.5f;
   const i16x16 truncated = __builtin_convertvector(y, i16x16);
   const i16x16 whole = truncated + (__builtin_convertvector(truncated, v16) > y);  // true = -1
@@ -215,7 +217,8 @@ PDSERVE_INLINE void attend_page(int64_t group, int64_t D, int64_t score_stride, 
       const v16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
       v16 block_max = v16{} + page_max;
       for (int64_t t0 = 0; t0 < n; t0 += 16) {
-        const v16 dots = dot16<kDim>(queries + g * D, keys + t0 * kDim, std::min<int64_t>(16, n - t0)) * scale;
+        const int64_t valid = std::min<int64_t>(16, n - t0);
+        const v16 dots = dot16<kDim>(queries + g * D, keys + t0 * kDim, valid) * scale;
         const v16 valid_dots = lane < static_cast<float>(n - t0) ? dots : block_max;
         block_max = valid_dots > block_max ? valid_dots : block_max;
         std::memcpy(sg + t0, &dots, sizeof dots);
@@ -252,8 +255,7 @@ PDSERVE_INLINE void attend_page(int64_t group, int64_t D, int64_t score_stride, 
 #pragma omp simd
       for (int64_t d = 0; d < D; d++) a[d] *= correction;
     }
-    // Weighted V rows into the accumulator, kept in a local array (registers) for a known
-    // head dimension.
+    // Weighted V rows into the accumulator, held in vector registers for a compiled head size.
     if constexpr (kDim > 0 && kDim % 16 == 0) {
       v16 local[kDim / 16];
 #pragma GCC unroll 16
@@ -261,7 +263,9 @@ PDSERVE_INLINE void attend_page(int64_t group, int64_t D, int64_t score_stride, 
       for (int64_t t = 0; t < n; t++) {
         const float weight = sg[t];
 #pragma GCC unroll 16
-        for (int64_t c = 0; c < kDim / 16; c++) local[c] += weight * load16(values + t * kDim + c * 16);
+        for (int64_t c = 0; c < kDim / 16; c++) {
+          local[c] += weight * load16(values + t * kDim + c * 16);
+        }
       }
 #pragma GCC unroll 16
       for (int64_t c = 0; c < kDim / 16; c++) std::memcpy(a + c * 16, &local[c], sizeof(v16));
