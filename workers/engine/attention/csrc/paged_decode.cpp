@@ -358,9 +358,11 @@ PDSERVE_INLINE void attend(const Shape& s, const T* cache, const T* q, T* out,
 #define PDSERVE_CLONES  // other architectures: one copy for the build's own target
 #endif
 
-PDSERVE_CLONES void attend_f32(const Shape& s, const float* cache, const float* q, float* out,
-                               const int64_t* table, const int64_t* lens, int64_t first,
-                               int64_t last) {
+// The compiled head sizes, else the generic loops.
+template <typename T>
+PDSERVE_INLINE void attend_any_dim(const Shape& s, const T* cache, const T* q, T* out,
+                                   const int64_t* table, const int64_t* lens, int64_t first,
+                                   int64_t last) {
   switch (s.head_dim) {
     case 64: return attend<64>(s, cache, q, out, table, lens, first, last);
     case 128: return attend<128>(s, cache, q, out, table, lens, first, last);
@@ -368,15 +370,30 @@ PDSERVE_CLONES void attend_f32(const Shape& s, const float* cache, const float* 
   }
 }
 
+// target_clones takes plain functions, not templates: one per cache dtype.
+PDSERVE_CLONES void attend_f32(const Shape& s, const float* cache, const float* q, float* out,
+                               const int64_t* table, const int64_t* lens, int64_t first,
+                               int64_t last) {
+  attend_any_dim(s, cache, q, out, table, lens, first, last);
+}
+
 PDSERVE_CLONES void attend_bf16(const Shape& s, const c10::BFloat16* cache,
                                 const c10::BFloat16* q, c10::BFloat16* out,
                                 const int64_t* table, const int64_t* lens, int64_t first,
                                 int64_t last) {
-  switch (s.head_dim) {
-    case 64: return attend<64>(s, cache, q, out, table, lens, first, last);
-    case 128: return attend<128>(s, cache, q, out, table, lens, first, last);
-    default: return attend<0>(s, cache, q, out, table, lens, first, last);
-  }
+  attend_any_dim(s, cache, q, out, table, lens, first, last);
+}
+
+// The tasks over torch's intra-op threads.
+template <typename T, typename Attend>
+void run(const Shape& s, int64_t tasks, const at::Tensor& cache, const at::Tensor& q,
+         const at::Tensor& out, const int64_t* table, const int64_t* lens, Attend attend) {
+  const T* c = cache.data_ptr<T>();
+  const T* qp = q.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  at::parallel_for(0, tasks, 1, [&](int64_t first, int64_t last) {
+    attend(s, c, qp, o, table, lens, first, last);
+  });
 }
 
 // out, q: [Bd, Hq, D]; cache: one layer, [pages, planes, Hk, P, D]; page_table: [Bd, >= pages of
@@ -427,19 +444,9 @@ void paged_decode_attention(const at::Tensor& out, const at::Tensor& q, const at
   }
   const int64_t tasks = rows * head_blocks;
   if (cache.scalar_type() == at::kFloat) {
-    const float* c = cache.data_ptr<float>();
-    const float* qp = q.data_ptr<float>();
-    float* o = out.data_ptr<float>();
-    at::parallel_for(0, tasks, 1, [&](int64_t first, int64_t last) {
-      attend_f32(s, c, qp, o, table, lens, first, last);
-    });
+    run<float>(s, tasks, cache, q, out, table, lens, attend_f32);
   } else if (cache.scalar_type() == at::kBFloat16) {
-    const c10::BFloat16* c = cache.data_ptr<c10::BFloat16>();
-    const c10::BFloat16* qp = q.data_ptr<c10::BFloat16>();
-    c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
-    at::parallel_for(0, tasks, 1, [&](int64_t first, int64_t last) {
-      attend_bf16(s, c, qp, o, table, lens, first, last);
-    });
+    run<c10::BFloat16>(s, tasks, cache, q, out, table, lens, attend_bf16);
   } else {
     TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16 only, got ",
                 cache.scalar_type());
