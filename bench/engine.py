@@ -44,6 +44,7 @@ gather in bfloat16); pages are handed out in a scrambled order like a busy pool'
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import os
 import sys
@@ -379,11 +380,14 @@ def attention_step_seconds(
     head_dim: int = 64,
     page_size: int = 16,
     dtype: torch.dtype = torch.float32,
+    query_lens: list[int] | None = None,
 ) -> float:
-    """Best-of-``repeats`` seconds of one decode step's attention: ``begin_step`` and one
-    ``forward`` per layer over sequences of ``seq_lens`` tokens (the last one new)."""
+    """Best-of-``repeats`` seconds of one step's attention: ``begin_step`` and one ``forward``
+    per layer over sequences of ``seq_lens`` tokens, the last ``query_lens`` of each new (1
+    each, a decode step, unless given)."""
     from workers.engine.attention.base import AttentionBatch
 
+    new = query_lens or [1] * len(seq_lens)
     generator = torch.Generator().manual_seed(0)
     pages_per_seq = [-(-n // page_size) for n in seq_lens]
     num_pages = sum(pages_per_seq) + 8
@@ -393,23 +397,24 @@ def attention_step_seconds(
     free = torch.randperm(num_pages, generator=generator).tolist()
     tables = [[free.pop() for _ in range(n)] for n in pages_per_seq]
     width = max(pages_per_seq)
-    batch_size = len(seq_lens)
     slots = [
-        t[(n - 1) // page_size] * page_size + (n - 1) % page_size
-        for t, n in zip(tables, seq_lens, strict=True)
+        t[position // page_size] * page_size + position % page_size
+        for t, n, q in zip(tables, seq_lens, new, strict=True)
+        for position in range(n - q, n)
     ]
+    num_tokens = len(slots)
     batch = AttentionBatch(
-        query_start_loc=torch.arange(batch_size + 1),
+        query_start_loc=torch.tensor([0, *itertools.accumulate(new)]),
         seq_lens=torch.tensor(seq_lens),
-        context_lens=torch.tensor([n - 1 for n in seq_lens]),
+        context_lens=torch.tensor([n - q for n, q in zip(seq_lens, new, strict=True)]),
         page_table=torch.tensor([t + [-1] * (width - len(t)) for t in tables]),
         slot_mapping=torch.tensor(slots),
-        query_lens_list=(1,) * batch_size,
+        query_lens_list=tuple(new),
         seq_lens_list=tuple(seq_lens),
     )
-    q = torch.randn(batch_size, num_heads, head_dim, generator=generator).to(dtype)
-    k = torch.randn(batch_size, num_kv_heads, head_dim, generator=generator).to(dtype)
-    v = torch.randn(batch_size, num_kv_heads, head_dim, generator=generator).to(dtype)
+    q = torch.randn(num_tokens, num_heads, head_dim, generator=generator).to(dtype)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=generator).to(dtype)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=generator).to(dtype)
     backend = backend_class(cache, page_size, head_dim**-0.5)
 
     def step() -> float:
@@ -440,28 +445,71 @@ ATTENTION_PATHS: tuple[tuple[str, torch.dtype, dict[str, bool]], ...] = (
 )
 
 
+# Prefill steps: (label, [(cached context, new tokens) per sequence]).
+PREFILL_ATTENTION_CASES: tuple[tuple[str, list[tuple[int, int]]], ...] = (
+    ("1 prompt x 512", [(0, 512)]),
+    ("3 prompts x 256", [(0, 256)] * 3),
+    ("1 prompt x 1800", [(0, 1800)]),
+    ("256 after 1024 cached", [(1024, 256)]),
+)
+
+# Chunk tokens: the prefill kernel or one SDPA call per sequence.
+PREFILL_ATTENTION_PATHS: tuple[tuple[str, torch.dtype, dict[str, bool]], ...] = (
+    ("kernel f32", torch.float32, {"prefill_kernel": True}),
+    ("sdpa f32", torch.float32, {"prefill_kernel": False}),
+    ("kernel bf16", torch.bfloat16, {"prefill_kernel": True}),
+    ("sdpa bf16", torch.bfloat16, {"prefill_kernel": False}),
+)
+
+
 def print_attention_table(repeats: int) -> None:
     from workers.engine.attention import cpu_kernel
     from workers.engine.attention.torch_backend import TorchAttentionBackend
 
-    paths = [
-        p for p in ATTENTION_PATHS if "kernel" not in p[0] or cpu_kernel.paged_decode_attention()
-    ]
-    if len(paths) < len(ATTENTION_PATHS):
+    if cpu_kernel.paged_decode_attention() is None:
         print(f"(no kernel columns: {cpu_kernel.unavailable_reason()})")
-    print(
-        f"decode attention step (6 layers), ms, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads, best of {repeats} steps after a warm-up; pages in "
-        "a scrambled order like a busy pool's\n"
+    header = (
+        f"attention step (6 layers), ms, torch {torch.__version__}, {torch.get_num_threads()} "
+        f"threads, best of {repeats} steps after a warm-up; pages in a scrambled order like a "
+        "busy pool's"
     )
+    rows: list[tuple[str, list[int], list[int] | None]] = [
+        (label, attention_case_lens(batch, lengths), None)
+        for label, batch, lengths in ATTENTION_CASES
+    ]
+    _attention_table(f"decode {header}", ATTENTION_PATHS, rows, repeats, TorchAttentionBackend)
+    rows = [
+        (label, [c + n for c, n in seqs], [n for _, n in seqs])
+        for label, seqs in PREFILL_ATTENTION_CASES
+    ]
+    _attention_table(
+        f"\nprefill {header}", PREFILL_ATTENTION_PATHS, rows, repeats, TorchAttentionBackend
+    )
+
+
+def _attention_table(
+    title: str,
+    paths: tuple[tuple[str, torch.dtype, dict[str, bool]], ...],
+    rows: list[tuple[str, list[int], list[int] | None]],
+    repeats: int,
+    backend_class: Callable[..., Any],
+) -> None:
+    from workers.engine.attention import cpu_kernel
+
+    if cpu_kernel.paged_decode_attention() is None:
+        paths = tuple(p for p in paths if "kernel" not in p[0])
+    print(f"{title}\n")
     print(f"| {'case':<22} |" + "".join(f" {name:>11} |" for name, _, _ in paths))
     print(f"|{'-' * 24}|" + "".join(f"{'-' * 13}|" for _ in paths))
-    for label, batch, lengths in ATTENTION_CASES:
+    for label, seq_lens, query_lens in rows:
         cells = []
         for _, dtype, options in paths:
-            backend = partial(TorchAttentionBackend, **options)
             seconds = attention_step_seconds(
-                backend, attention_case_lens(batch, lengths), repeats, dtype=dtype
+                partial(backend_class, **options),
+                seq_lens,
+                repeats,
+                dtype=dtype,
+                query_lens=query_lens,
             )
             cells.append(f" {seconds * 1000:>11.2f} |")
         print(f"| {label:<22} |" + "".join(cells), flush=True)

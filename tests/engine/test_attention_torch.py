@@ -12,11 +12,12 @@ from workers.engine.attention import cpu_kernel, create_attention_backend
 from workers.engine.attention.torch_backend import TorchAttentionBackend
 
 # The three ways to attend decode tokens: the C++ kernel (default on CPU), the sparse sampled
-# matmul (float32 without the kernel), gathering pages for SDPA (everything else).
+# matmul (float32 without the kernel), gathering pages for SDPA (everything else). Chunk tokens
+# go to the C++ prefill kernel with the first (the CPU default), to SDPA with the others.
 DECODE_PATHS = {
-    "kernel": {"decode_kernel": True},
-    "sparse": {"decode_kernel": False, "sparse_decode": True},
-    "gather": {"decode_kernel": False, "sparse_decode": False},
+    "kernel": {"decode_kernel": True, "prefill_kernel": True},
+    "sparse": {"decode_kernel": False, "sparse_decode": True, "prefill_kernel": False},
+    "gather": {"decode_kernel": False, "sparse_decode": False, "prefill_kernel": False},
 }
 
 CASES = {
@@ -143,6 +144,37 @@ def test_decode_path_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="PDSERVE_CPU_ATTENTION_KERNEL=0"):
         TorchAttentionBackend(cache, 16, 1.0, decode_kernel=True)
     monkeypatch.setattr(cpu_kernel, "_loaded", None)
+
+
+def test_prefill_path_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prefill kernel is the default for a contiguous float32 or bfloat16 CPU cache whose
+    head size is a multiple of 16; chunks go to SDPA otherwise."""
+    cache = torch.zeros(2, 4, 2, 2, 16, 16)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert TorchAttentionBackend(cache.to(dtype), 16, 1.0).prefill_kernel
+    assert not TorchAttentionBackend(cache.half(), 16, 1.0).prefill_kernel
+    assert not TorchAttentionBackend(cache, 16, 1.0, prefill_kernel=False).prefill_kernel
+    narrow = torch.zeros(2, 4, 2, 2, 16, 8)
+    assert not TorchAttentionBackend(narrow, 16, 1.0).prefill_kernel
+    with pytest.raises(ValueError, match="multiple of 16"):
+        TorchAttentionBackend(narrow, 16, 1.0, prefill_kernel=True)
+    monkeypatch.setattr(cpu_kernel, "_loaded", None)
+    monkeypatch.setenv("PDSERVE_CPU_ATTENTION_KERNEL", "0")
+    assert not TorchAttentionBackend(cache, 16, 1.0).prefill_kernel
+    with pytest.raises(ValueError, match="PDSERVE_CPU_ATTENTION_KERNEL=0"):
+        TorchAttentionBackend(cache, 16, 1.0, prefill_kernel=True)
+    monkeypatch.setattr(cpu_kernel, "_loaded", None)
+
+
+def test_kernels_take_queries_of_another_dtype_than_the_cache() -> None:
+    """float32 activations over a bfloat16 cache: the kernels attend in the cache's dtype and the
+    output comes back in the queries' (decode rows and chunk rows of one step)."""
+    case = make_mixed_case([0, 20, 9, 40], [5, 1, 3, 1], dtype=torch.bfloat16)
+    backend = TorchAttentionBackend(case.kv_cache, 16, 32**-0.5, **DECODE_PATHS["kernel"])
+    out = backend.forward(1, case.q.float(), case.k.float(), case.v.float(), case.batch)
+    assert out.dtype == torch.float32
+    expected = reference_attention(case, 32**-0.5)
+    torch.testing.assert_close(out.double(), expected, atol=3e-2, rtol=3e-2)
 
 
 @pytest.mark.parametrize("path", ["kernel", "gather"])

@@ -1,11 +1,12 @@
-"""Build of the CPU decode-attention kernel (`csrc/paged_decode.cpp`) into
-`workers/engine/attention/_paged_decode_cpu.so`, a torch operator library
-(``torch.ops.pdserve.paged_decode_attention``; loaded by `cpu_kernel`).
+"""Build of the CPU attention kernels (`csrc/paged_decode.cpp`, `csrc/paged_prefill.cpp`) into
+`workers/engine/attention/_attention_cpu.so`, one torch operator library
+(``torch.ops.pdserve.paged_decode_attention`` and ``paged_prefill_attention``; loaded by
+`cpu_kernel`).
 
 Compiled against the torch in this interpreter (its headers and libraries), with OpenMP so that
 the kernel's ``at::parallel_for`` runs on torch's own intra-op threads: the library needs
 ``libgomp.so.1``, which torch has already loaded by then, so both share one thread pool. One
-build serves any x86-64 CPU: the kernel carries AVX-512, AVX2 and baseline copies and picks one
+build serves any x86-64 CPU: the kernels carry AVX-512, AVX2 and baseline copies and picks one
 when it loads.
 
     python workers/engine/attention/_build_cpu.py     # what scripts/install.sh runs
@@ -24,15 +25,18 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SOURCE = HERE / "csrc" / "paged_decode.cpp"
-LIBRARY = HERE / "_paged_decode_cpu.so"
-STAMP = HERE / "_paged_decode_cpu.stamp"
+SOURCES = (HERE / "csrc" / "paged_decode.cpp", HERE / "csrc" / "paged_prefill.cpp")
+HEADERS = (HERE / "csrc" / "vec.h",)
+LIBRARY = HERE / "_attention_cpu.so"
+STAMP = HERE / "_attention_cpu.stamp"
 
 
 def _fingerprint() -> str:
     import torch
 
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = hashlib.sha256()
+    for path in (*SOURCES, *HEADERS):
+        digest.update(path.read_bytes())
     digest.update(torch.__version__.encode())
     return digest.hexdigest()
 
@@ -62,7 +66,7 @@ def command(output: Path) -> list[str]:
         "-fno-math-errno",
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         *includes,
-        str(SOURCE),
+        *(str(path) for path in SOURCES),
         *libraries,
         "-lc10",
         "-ltorch_cpu",

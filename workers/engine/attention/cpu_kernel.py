@@ -1,9 +1,10 @@
-"""The CPU decode-attention kernel (`csrc/paged_decode.cpp`), loaded once per process.
+"""The CPU attention kernels (`csrc/paged_decode.cpp`, `csrc/paged_prefill.cpp`), loaded once per
+process from one library.
 
-`paged_decode_attention()` returns the operator, or None when the library was not built (see
-`_build_cpu.py`; ``make install`` builds it) or is switched off with
-``PDSERVE_CPU_ATTENTION_KERNEL=0`` (for A/B measurements); the torch backend then attends
-decode tokens with its pure-PyTorch paths. `unavailable_reason()` says why it is missing.
+`paged_decode_attention()` and `paged_prefill_attention()` return the operators, or None when the
+library was not built (see `_build_cpu.py`; ``make install`` builds it) or is switched off with
+``PDSERVE_CPU_ATTENTION_KERNEL=0`` (for A/B measurements); the torch backend then attends with
+its pure-PyTorch paths. `unavailable_reason()` says why they are missing.
 """
 
 from __future__ import annotations
@@ -13,47 +14,77 @@ import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-LIBRARY = Path(__file__).resolve().parent / "_paged_decode_cpu.so"
+LIBRARY = Path(__file__).resolve().parent / "_attention_cpu.so"
 
 # (out, q, cache, page_table, seq_lens, value_plane, scale) -> None; writes out.
 PagedDecode = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float], None
 ]
+# (out, q, cache, page_table, query_starts, query_lens, seq_lens, value_plane, scale) -> None;
+# writes the named rows of out.
+PagedPrefill = Callable[
+    [
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        int,
+        float,
+    ],
+    None,
+]
+
+
+class _Loaded(NamedTuple):
+    decode: PagedDecode | None
+    prefill: PagedPrefill | None
+    reason: str  # why they are None ("" when loaded)
+
 
 _lock = threading.Lock()
-_loaded: tuple[PagedDecode | None, str] | None = None
+_loaded: _Loaded | None = None
 
 
-def _load() -> tuple[PagedDecode | None, str]:
+def _load() -> _Loaded:
     if os.environ.get("PDSERVE_CPU_ATTENTION_KERNEL", "1") == "0":
-        return None, "switched off by PDSERVE_CPU_ATTENTION_KERNEL=0"
+        return _Loaded(None, None, "switched off by PDSERVE_CPU_ATTENTION_KERNEL=0")
     if not LIBRARY.is_file():
-        return None, f"{LIBRARY.name} is not built (run `make install`)"
+        return _Loaded(None, None, f"{LIBRARY.name} is not built (run `make install`)")
     try:
         torch.ops.load_library(str(LIBRARY))
     except OSError as error:  # e.g. built against another torch: the pure-PyTorch paths still run
         reason = f"{LIBRARY.name} does not load ({error}); rebuild it with `make install`"
-        logger.warning("CPU decode-attention kernel off: %s", reason)
-        return None, reason
-    op: PagedDecode = torch.ops.pdserve.paged_decode_attention
-    return op, ""
+        logger.warning("CPU attention kernels off: %s", reason)
+        return _Loaded(None, None, reason)
+    ops = torch.ops.pdserve
+    return _Loaded(ops.paged_decode_attention, ops.paged_prefill_attention, "")
 
 
-def paged_decode_attention() -> PagedDecode | None:
+def _get() -> _Loaded:
     global _loaded
     with _lock:
         if _loaded is None:
             _loaded = _load()
-        return _loaded[0]
+        return _loaded
+
+
+def paged_decode_attention() -> PagedDecode | None:
+    return _get().decode
+
+
+def paged_prefill_attention() -> PagedPrefill | None:
+    return _get().prefill
 
 
 def unavailable_reason() -> str:
-    """Why `paged_decode_attention()` is None ("" when it is not)."""
-    paged_decode_attention()
-    assert _loaded is not None
-    return _loaded[1]
+    """Why the kernels are None ("" when they are not)."""
+    return _get().reason
