@@ -6,8 +6,8 @@
 Compiled against the torch in this interpreter (its headers and libraries), with OpenMP so that
 the kernel's ``at::parallel_for`` runs on torch's own intra-op threads: the library needs
 ``libgomp.so.1``, which torch has already loaded by then, so both share one thread pool. One
-build serves any x86-64 CPU: the kernels carry AVX-512, AVX2 and baseline copies and picks one
-when it loads.
+build serves any x86-64 CPU: the kernels carry AVX-512, AVX2 and baseline copies and pick one
+when they load.
 
     python workers/engine/attention/_build_cpu.py     # what scripts/install.sh runs
 

@@ -197,10 +197,9 @@ class TorchAttentionBackend(AttentionBackend):
         it for a contiguous float32 or bfloat16 CPU cache when the kernel is built; True where
         it cannot run raises. ``prefill_kernel``: the same for chunk tokens (the prefill kernel
         also needs a head size that is a multiple of 16); without it, SDPA. Without the decode
-        kernel, ``sparse_decode``: read decode K/V straight from the
-        cache (`_decode_sparse`) instead of gathering pages; None picks it for a contiguous
-        float32 CPU cache, where it was measured faster than gathering; it needs a contiguous
-        cache.
+        kernel, ``sparse_decode``: read decode K/V straight from the cache (`_decode_sparse`)
+        instead of gathering pages; None picks it for a contiguous float32 CPU cache, where it
+        was measured faster than gathering; it needs a contiguous cache.
 
         The cache's plane axis (``kv_cache.shape[2]``) picks the mode: 2 (K and V) or 1 (latent
         mode, see the module docstring)."""
@@ -280,19 +279,26 @@ class TorchAttentionBackend(AttentionBackend):
         self, batch: AttentionBatch, seqs: list[int], starts: list[int]
     ) -> _KernelChunks:
         device = self.kv_cache.device
-        table = batch.page_table.to(device, torch.long)
-        lens = batch.seq_lens.to(device, torch.long)
-        if len(seqs) != batch.num_seqs:
-            index = torch.tensor(seqs, dtype=torch.long, device=device)
-            table, lens = table.index_select(0, index), lens.index_select(0, index)
+        table, lens = self._kernel_rows(batch, seqs)
         return _KernelChunks(
-            page_table=table.contiguous(),
+            page_table=table,
             query_starts=torch.tensor([starts[i] for i in seqs], dtype=torch.long, device=device),
             query_lens=torch.tensor(
                 [batch.query_lens_list[i] for i in seqs], dtype=torch.long, device=device
             ),
-            seq_lens=lens.contiguous(),
+            seq_lens=lens,
         )
+
+    def _kernel_rows(
+        self, batch: AttentionBatch, seqs: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Page-table rows and lengths of ``seqs`` for the kernels (int64, contiguous)."""
+        table = batch.page_table.to(self.kv_cache.device, torch.long)
+        lens = batch.seq_lens.to(self.kv_cache.device, torch.long)
+        if len(seqs) != batch.num_seqs:
+            index = torch.tensor(seqs, dtype=torch.long, device=table.device)
+            table, lens = table.index_select(0, index), lens.index_select(0, index)
+        return table.contiguous(), lens.contiguous()
 
     def _decode_plan(
         self, batch: AttentionBatch, seqs: list[int], starts: list[int]
@@ -348,16 +354,12 @@ class TorchAttentionBackend(AttentionBackend):
     def _kernel_decode_plan(
         self, batch: AttentionBatch, seqs: list[int], starts: list[int]
     ) -> _DecodePlan:
-        table = batch.page_table.to(self.kv_cache.device, torch.long)
-        lens = batch.seq_lens.to(self.kv_cache.device, torch.long)
-        if len(seqs) != batch.num_seqs:
-            index = torch.tensor(seqs, dtype=torch.long, device=table.device)
-            table, lens = table.index_select(0, index), lens.index_select(0, index)
+        table, lens = self._kernel_rows(batch, seqs)
         return _DecodePlan(
             row_index=self._row_index(seqs, starts),
             groups=(),
-            kernel_pages=table.contiguous(),
-            kernel_lens=lens.contiguous(),
+            kernel_pages=table,
+            kernel_lens=lens,
         )
 
     def _sparse_decode_plan(self, seqs: list[int], starts: list[int]) -> _DecodePlan:
