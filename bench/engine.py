@@ -34,11 +34,13 @@ and a resident vLLM engine take turns, A B A B, on every measurement, and the ta
 best dtype against vLLM's best. vLLM's decode time is measured as HF's is: generating every token
 minus generating the first.
 
-``--attention`` times only the torch attention backend's decode step (``begin_step`` plus one
+``--attention`` times only the torch attention backend's steps (``begin_step`` plus one
 ``forward`` per layer, cache store included) on the ``small`` preset's shapes (6 layers, 8 query /
-4 KV heads, head_dim 64, 16-token pages) for several batches and context lengths, one column per
-decode path (the C++ kernel, the sparse matmul and the page gather in float32; the kernel and the
-gather in bfloat16); pages are handed out in a scrambled order like a busy pool's.
+4 KV heads, head_dim 64, 16-token pages), pages handed out in a scrambled order like a busy
+pool's. Two tables: decode steps for several batches and context lengths, one column per decode
+path (the C++ kernel, the sparse matmul and the page gather in float32; the kernel and the
+gather in bfloat16); and prefill steps (prompts of 256-1800 tokens, a chunk after cached
+context), the C++ prefill kernel against SDPA in both dtypes.
 """
 
 from __future__ import annotations
@@ -178,7 +180,9 @@ def main() -> int:
         "--prompt-len", type=int, default=DECODE_PROMPT_LEN, help="decode prompts' length"
     )
     parser.add_argument(
-        "--attention", action="store_true", help="time the torch decode attention step only"
+        "--attention",
+        action="store_true",
+        help="time the torch attention backend's decode and prefill steps only",
     )
     parser.add_argument(
         "--hf-static",
@@ -464,7 +468,6 @@ PREFILL_ATTENTION_PATHS: tuple[tuple[str, torch.dtype, dict[str, bool]], ...] = 
 
 def print_attention_table(repeats: int) -> None:
     from workers.engine.attention import cpu_kernel
-    from workers.engine.attention.torch_backend import TorchAttentionBackend
 
     if cpu_kernel.paged_decode_attention() is None:
         print(f"(no kernel columns: {cpu_kernel.unavailable_reason()})")
@@ -477,14 +480,12 @@ def print_attention_table(repeats: int) -> None:
         (label, attention_case_lens(batch, lengths), None)
         for label, batch, lengths in ATTENTION_CASES
     ]
-    _attention_table(f"decode {header}", ATTENTION_PATHS, rows, repeats, TorchAttentionBackend)
+    _attention_table(f"decode {header}", ATTENTION_PATHS, rows, repeats)
     rows = [
         (label, [c + n for c, n in seqs], [n for _, n in seqs])
         for label, seqs in PREFILL_ATTENTION_CASES
     ]
-    _attention_table(
-        f"\nprefill {header}", PREFILL_ATTENTION_PATHS, rows, repeats, TorchAttentionBackend
-    )
+    _attention_table(f"\nprefill {header}", PREFILL_ATTENTION_PATHS, rows, repeats)
 
 
 def _attention_table(
@@ -492,9 +493,11 @@ def _attention_table(
     paths: tuple[tuple[str, torch.dtype, dict[str, bool]], ...],
     rows: list[tuple[str, list[int], list[int] | None]],
     repeats: int,
-    backend_class: Callable[..., Any],
 ) -> None:
     from workers.engine.attention import cpu_kernel
+    from workers.engine.attention.torch_backend import TorchAttentionBackend
+
+    backend: Callable[..., Any] = TorchAttentionBackend  # options are keyword arguments
 
     if cpu_kernel.paged_decode_attention() is None:
         paths = tuple(p for p in paths if "kernel" not in p[0])
@@ -505,7 +508,7 @@ def _attention_table(
         cells = []
         for _, dtype, options in paths:
             seconds = attention_step_seconds(
-                partial(backend_class, **options),
+                partial(backend, **options),
                 seq_lens,
                 repeats,
                 dtype=dtype,
