@@ -9,11 +9,13 @@
 // a chunk after cached context had to gather its pages and build a mask first. Here a task is
 // (sequence, KV head, block of kQueryBlock new tokens); its rows are the block's tokens times the
 // KV head's query heads (token-major, so positions never decrease along the rows). Keys come in
-// tiles of 16: a tile's K rows are transposed once into [D][16] float32, then each register
-// block of kRows rows gets its 16 scores as vectors from D broadcast FMAs (no horizontal sums),
-// an online softmax runs on those vectors, and the weighted V rows go into the rows'
-// accumulators with one V load per kRows FMAs. A causal block late in a long prompt costs many
-// times an early one, so tasks are handed out heaviest first from a shared counter.
+// blocks of kBlock: a block's K rows are transposed once into [D][kBlock] float32 (bfloat16 V
+// rows are widened once too), then each register block of kRows rows gets its scores as
+// vectors of 16 from D broadcast FMAs (no horizontal sums), over only the 16-key tiles those
+// rows can see; one online-softmax update per row and key block (one max, one rescale), and the
+// weighted V rows go into the rows' accumulators with one V load per kRows FMAs. A causal block
+// late in a long prompt costs many times an early one, so tasks are handed out heaviest first
+// from a shared counter.
 //
 // Registered as torch.ops.pdserve.paged_prefill_attention (out-variant, see the schema below).
 
