@@ -121,8 +121,10 @@ def test_non_contiguous_cache_stores_through_indexing() -> None:
 
 
 def test_decode_path_choice(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The kernel is the default for a contiguous float32 or bfloat16 CPU cache (`make install`
-    builds it); without it the sparse path is, for float32 only."""
+    """The kernel is the default for a contiguous float32 or bfloat16 CPU cache on a CPU where it
+    is preferred (AVX-512; `make install` builds it); without it the sparse path is, for float32
+    only."""
+    monkeypatch.setattr(cpu_kernel, "preferred", lambda: True)
     cache = torch.zeros(2, 4, 2, 2, 16, 8)
     assert cpu_kernel.paged_decode_attention() is not None, cpu_kernel.unavailable_reason()
     for dtype in (torch.float32, torch.bfloat16):
@@ -148,7 +150,8 @@ def test_decode_path_choice(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_prefill_path_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     """The prefill kernel is the default for a contiguous float32 or bfloat16 CPU cache whose
-    head size is a multiple of 16; chunks go to SDPA otherwise."""
+    head size is a multiple of 16, on a CPU where it is preferred; chunks go to SDPA otherwise."""
+    monkeypatch.setattr(cpu_kernel, "preferred", lambda: True)
     cache = torch.zeros(2, 4, 2, 2, 16, 16)
     for dtype in (torch.float32, torch.bfloat16):
         assert TorchAttentionBackend(cache.to(dtype), 16, 1.0).prefill_kernel
@@ -164,6 +167,21 @@ def test_prefill_path_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="PDSERVE_CPU_ATTENTION_KERNEL=0"):
         TorchAttentionBackend(cache, 16, 1.0, prefill_kernel=True)
     monkeypatch.setattr(cpu_kernel, "_loaded", None)
+
+
+def test_kernels_are_not_the_default_where_not_preferred(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU without AVX-512 the torch paths attend unless a kernel is asked for."""
+    monkeypatch.setattr(cpu_kernel, "preferred", lambda: False)
+    cache = torch.zeros(2, 4, 2, 2, 16, 16)
+    backend = TorchAttentionBackend(cache, 16, 1.0)
+    assert not backend.decode_kernel and not backend.prefill_kernel and backend.sparse_decode
+    asked = TorchAttentionBackend(cache, 16, 1.0, decode_kernel=True, prefill_kernel=True)
+    assert asked.decode_kernel and asked.prefill_kernel
+
+
+def test_preferred_follows_the_cpu() -> None:
+    expected = torch.backends.cpu.get_cpu_capability() == "AVX512"
+    assert cpu_kernel.preferred() is expected
 
 
 def test_kernels_take_queries_of_another_dtype_than_the_cache() -> None:

@@ -3,7 +3,8 @@ C++ decode and prefill kernels of our own for CPU caches.
 
 Per step (`begin_step`) the batch is split once into
 - *decode* sequences (one new token). Three ways to attend them:
-  - *kernel* (the default for a contiguous float32 or bfloat16 CPU cache, when built): our C++
+  - *kernel* (the default for a contiguous float32 or bfloat16 CPU cache on an AVX-512 CPU,
+    when built; `cpu_kernel.preferred`): our C++
     operator (`cpu_kernel`, source in `csrc/paged_decode.cpp`) reads each sequence's pages
     where they lie, all of a page's KV heads in one pass, with an online softmax per query
     head, on torch's intra-op threads. Measured on a 2-vCPU AMD EPYC (SmolLM2-135M shapes,
@@ -26,7 +27,7 @@ Per step (`begin_step`) the batch is split once into
 - *chunk* sequences (several new tokens: prefill chunks, a whole prompt, a verify step's
   drafts). Two ways:
   - *kernel* (the default for a contiguous float32 or bfloat16 CPU cache with a head size that
-    is a multiple of 16, when built): our C++ operator (`csrc/paged_prefill.cpp`) attends every
+    is a multiple of 16 on an AVX-512 CPU, when built): our C++ operator (`csrc/paged_prefill.cpp`) attends every
     chunk sequence of the step in one call, causally, reading the sequence's keys and values
     from the cache where they lie (the new tokens' K/V are stored first). Measured on the same
     VM (`bench/engine.py --attention`, prompts of 256-1800 tokens and 256 after 1024 cached):
@@ -194,7 +195,8 @@ class TorchAttentionBackend(AttentionBackend):
         prefill_kernel: bool | None = None,
     ) -> None:
         """``decode_kernel``: attend decode tokens with the C++ kernel (`cpu_kernel`); None picks
-        it for a contiguous float32 or bfloat16 CPU cache when the kernel is built; True where
+        it for a contiguous float32 or bfloat16 CPU cache on an AVX-512 CPU when the kernel is
+        built (`cpu_kernel.preferred`); True where
         it cannot run raises. ``prefill_kernel``: the same for chunk tokens (the prefill kernel
         also needs a head size that is a multiple of 16); without it, SDPA. Without the decode
         kernel, ``sparse_decode``: read decode K/V straight from the cache (`_decode_sparse`)
@@ -217,12 +219,14 @@ class TorchAttentionBackend(AttentionBackend):
             and kv_cache.dtype in (torch.float32, torch.bfloat16)
             and kv_cache.is_contiguous()
         )
-        wanted = kernel_fits and decode_kernel is not False
+        # None: the kernels where they were measured faster (`cpu_kernel.preferred`).
+        preferred = cpu_kernel.preferred()
+        wanted = kernel_fits and (decode_kernel or (decode_kernel is None and preferred))
         self._kernel = cpu_kernel.paged_decode_attention() if wanted else None
         _check_kernel_request(decode_kernel, "decode", kernel_fits, self._kernel)
         self.decode_kernel = self._kernel is not None
         prefill_fits = kernel_fits and kv_cache.shape[-1] % 16 == 0
-        wanted = prefill_fits and prefill_kernel is not False
+        wanted = prefill_fits and (prefill_kernel or (prefill_kernel is None and preferred))
         self._prefill_kernel = cpu_kernel.paged_prefill_attention() if wanted else None
         _check_kernel_request(prefill_kernel, "prefill", prefill_fits, self._prefill_kernel)
         self.prefill_kernel = self._prefill_kernel is not None
