@@ -72,6 +72,10 @@ SHAPES = {
     "gqa4-d48-p16": (8, 2, 48, 16),  # no compiled head size: the generic loops
     "gqa2-d64-p8": (4, 2, 64, 8),  # pages shorter than one 16-key block
     "gqa2-d64-p32": (4, 2, 64, 32),  # two 16-key blocks per page
+    # groups past one pass's registers (4 heads at 64, 2 at 128): passes of 4 + 4, 4 + 1, 2 + 1
+    "gqa8-d64-p16": (16, 2, 64, 16),
+    "gqa5-d64-p16": (10, 2, 64, 16),
+    "gqa3-d128-p16": (6, 2, 128, 16),
 }
 
 
@@ -93,12 +97,15 @@ def test_matches_float64_attention(kernel: cpu_kernel.PagedDecode, shape: str, b
     )
 
 
-def test_bfloat16_reads_and_writes_bfloat16(kernel: cpu_kernel.PagedDecode) -> None:
+@pytest.mark.parametrize("head_dim", [64, 128, 48])
+def test_bfloat16_reads_and_writes_bfloat16(kernel: cpu_kernel.PagedDecode, head_dim: int) -> None:
+    """The compiled head sizes split each 32 bfloat16 values into even and odd lanes; the output
+    must come back in the row's own order."""
     q, cache, table, lens = make_case(
         [5, 200, 64, 129],
         query_heads=9,
         kv_heads=3,
-        head_dim=64,
+        head_dim=head_dim,
         page_size=16,
         dtype=torch.bfloat16,
     )
@@ -110,9 +117,10 @@ def test_bfloat16_reads_and_writes_bfloat16(kernel: cpu_kernel.PagedDecode) -> N
     torch.testing.assert_close(out.double(), expected, atol=1e-2, rtol=1e-2)
 
 
-def test_latent_cache_uses_keys_as_values(kernel: cpu_kernel.PagedDecode) -> None:
+@pytest.mark.parametrize("head_dim", [96, 64])
+def test_latent_cache_uses_keys_as_values(kernel: cpu_kernel.PagedDecode, head_dim: int) -> None:
     q, cache, table, lens = make_case(
-        [3, 70, 31], query_heads=8, kv_heads=1, head_dim=96, page_size=16, planes=1
+        [3, 70, 31], query_heads=8, kv_heads=1, head_dim=head_dim, page_size=16, planes=1
     )
     out = torch.empty_like(q)
     kernel(out, q, cache, table, lens, 0, 0.1)
