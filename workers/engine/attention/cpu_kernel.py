@@ -7,8 +7,9 @@ library was not built (see `_build_cpu.py`; ``make install`` builds it) or is sw
 its pure-PyTorch paths. `unavailable_reason()` says why they are missing.
 
 `preferred()`: whether the backend should pick them by default. Only on AVX-512 CPUs: their
-AVX2 copies (forced on the AVX-512 VM, SmolLM2's shapes) ran decode 2.5x slower than the sparse
-path and prefill 9-25x slower than SDPA (16-lane vectors in 16 AVX2 registers spill).
+AVX2 copies (forced on the AVX-512 VM, `bench/engine.py --attention`) ran decode 1.2-2.3x slower
+than the PyTorch paths and prefill 9-25x slower than SDPA (16-lane vectors in 16 AVX2 registers
+spill).
 """
 
 from __future__ import annotations

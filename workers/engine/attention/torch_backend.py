@@ -6,10 +6,10 @@ Per step (`begin_step`) the batch is split once into
   - *kernel* (the default for a contiguous float32 or bfloat16 CPU cache on an AVX-512 CPU,
     when built; `cpu_kernel.preferred`): our C++
     operator (`cpu_kernel`, source in `csrc/paged_decode.cpp`) reads each sequence's pages
-    where they lie, all of a page's KV heads in one pass, with an online softmax per query
-    head, on torch's intra-op threads. Measured on a 2-vCPU AMD EPYC (SmolLM2-135M shapes,
-    30 layers, 280-token contexts): 39 vs 61-68 ms a step for the sparse path at batch 64 in
-    float32, and 10 vs 17-23 ms for the gather path at batch 16 in bfloat16;
+    where they lie, each K/V row once for all query heads of its KV head, with an online
+    softmax per query head, on torch's intra-op threads. Measured on a 2-vCPU AMD EPYC
+    (`bench/engine.py --attention`, contexts of 48-1200 tokens): 0.44-0.60x the time of the
+    sparse path in float32 and 0.25-0.33x that of the gather path in bfloat16;
   - *sparse* (float32 CPU caches without the kernel): nothing is gathered. Scores are a
     sampled matmul (``torch.sparse.sampled_addmm``) of the queries with the cache's K rows
     listed in a per-step CSR pattern, and the output is a weighted sum of the cache's V rows

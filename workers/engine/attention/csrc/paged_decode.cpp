@@ -60,6 +60,11 @@ PDSERVE_INLINE v16 fold4(v16 x, v16 y) {
                                  31);
 }
 
+// Query heads in one pass over a KV head's rows, at most (head size 64; 2 at 128).
+constexpr int64_t kPassHeads = 4;
+// A pass's parked score folds: its heads x 8 key pairs x 16 lanes.
+constexpr int64_t kFoldFloats = kPassHeads * 8 * 16;
+
 struct Shape {
   int64_t planes, value_plane, kv_heads, page_size, head_dim, num_pages, query_heads;
   int64_t table_stride;
@@ -116,8 +121,9 @@ PDSERVE_INLINE void from_lanes(const float* acc, float inv, int64_t D, c10::BFlo
 }
 
 // Into L2 (prefetcht1), not L1: a request into L1 holds one of L1's few miss buffers until its
-// line arrives, and the page's own loads then queue behind the prefetches. Measured on a Zen 4
-// VM (SmolLM2's shapes, batch 64): 1.2x (float32) and 1.5x (bfloat16) the speed of prefetcht0.
+// line arrives, and the page's own loads then queue behind the prefetches. Measured on the
+// 2-vCPU AMD EPYC VM (AVX-512; SmolLM2's shapes, batch 64): 1.2x (float32) and 1.5x (bfloat16)
+// the speed of prefetcht0.
 template <typename T>
 PDSERVE_INLINE void prefetch_row(const T* row, int64_t elements) {
   const char* bytes = reinterpret_cast<const char*>(row);
@@ -163,7 +169,9 @@ PDSERVE_INLINE void attend_rows(int64_t score_stride, float scale,
         if (t < n) {
           v16 k[kVectors];
 #pragma GCC unroll 8
-          for (int64_t c = 0; c < kVectors; c += 2) load32(keys + t * kDim + c * 16, k[c], k[c + 1]);
+          for (int64_t c = 0; c < kVectors; c += 2) {
+            load32(keys + t * kDim + c * 16, k[c], k[c + 1]);
+          }
 #pragma GCC unroll 4
           for (int64_t g = 0; g < kHeads; g++) {
             v16 sum = qv[g][0] * k[0];
@@ -216,7 +224,9 @@ PDSERVE_INLINE void attend_rows(int64_t score_stride, float scale,
 #pragma GCC unroll 4
   for (int64_t g = 0; g < kHeads; g++) {
 #pragma GCC unroll 8
-    for (int64_t c = 0; c < kVectors; c++) a[g][c] = load16(acc + g * kDim + c * 16) * correction[g];
+    for (int64_t c = 0; c < kVectors; c++) {
+      a[g][c] = load16(acc + g * kDim + c * 16) * correction[g];
+    }
   }
   for (int64_t t = 0; t < n; t++) {
     if (next_keys != nullptr) {
@@ -236,30 +246,49 @@ PDSERVE_INLINE void attend_rows(int64_t score_stride, float scale,
 #pragma GCC unroll 4
   for (int64_t g = 0; g < kHeads; g++) {
 #pragma GCC unroll 8
-    for (int64_t c = 0; c < kVectors; c++) std::memcpy(acc + g * kDim + c * 16, &a[g][c], sizeof(v16));
+    for (int64_t c = 0; c < kVectors; c++) {
+      std::memcpy(acc + g * kDim + c * 16, &a[g][c], sizeof(v16));
+    }
   }
 }
 
 // A KV head's whole group, in passes of at most kMaxHeads query heads: as many as keep the
-// accumulators in registers (16 vectors).
+// accumulators in registers (16 vectors; kMaxHeads <= kPassHeads).
 template <int64_t kDim, typename T>
 PDSERVE_INLINE void attend_group(int64_t group, int64_t score_stride, float scale,
                                  const float* queries, const T* keys, const T* values, int64_t n,
                                  const T* next_keys, const T* next_values, float* scores,
                                  float* folds, float* max_score, float* total, float* acc) {
-  constexpr int64_t kMaxHeads = 256 / kDim;
+  constexpr int64_t kMaxHeads = std::min<int64_t>(kPassHeads, 256 / kDim);
   for (int64_t g0 = 0; g0 < group; g0 += kMaxHeads) {
-    const int64_t heads = std::min(kMaxHeads, group - g0);
     // Only the first pass prefetches: the rows are the same for every pass.
     const T* nk = g0 == 0 ? next_keys : nullptr;
     const T* nv = g0 == 0 ? next_values : nullptr;
     const float* q = queries + g0 * kDim;
     float *m = max_score + g0, *tot = total + g0, *a = acc + g0 * kDim;
-    switch (heads) {
-      case 1: attend_rows<kDim, 1>(score_stride, scale, q, keys, values, n, nk, nv, scores, folds, m, tot, a); break;
-      case 2: attend_rows<kDim, 2>(score_stride, scale, q, keys, values, n, nk, nv, scores, folds, m, tot, a); break;
-      case 3: if constexpr (kMaxHeads >= 3) attend_rows<kDim, 3>(score_stride, scale, q, keys, values, n, nk, nv, scores, folds, m, tot, a); break;
-      default: if constexpr (kMaxHeads >= 4) attend_rows<kDim, 4>(score_stride, scale, q, keys, values, n, nk, nv, scores, folds, m, tot, a); break;
+    // No lambda here: it would be a function of its own, compiled for the baseline ISA unless
+    // inlined into this clone.
+    switch (std::min(kMaxHeads, group - g0)) {
+      case 1:
+        attend_rows<kDim, 1>(score_stride, scale, q, keys, values, n, nk, nv, scores, folds, m,
+                             tot, a);
+        break;
+      case 2:
+        attend_rows<kDim, 2>(score_stride, scale, q, keys, values, n, nk, nv, scores, folds, m,
+                             tot, a);
+        break;
+      case 3:
+        if constexpr (kMaxHeads >= 3) {
+          attend_rows<kDim, 3>(score_stride, scale, q, keys, values, n, nk, nv, scores, folds, m,
+                               tot, a);
+        }
+        break;
+      default:
+        if constexpr (kMaxHeads >= 4) {
+          attend_rows<kDim, 4>(score_stride, scale, q, keys, values, n, nk, nv, scores, folds, m,
+                               tot, a);
+        }
+        break;
     }
   }
 }
@@ -314,7 +343,7 @@ PDSERVE_INLINE void attend(const Shape& s, const T* cache, const T* q, T* out,
   // Per thread: every query head's state, one group's page of scores, the score folds, widened
   // K / V rows (other head sizes).
   const int64_t score_stride = (P + 15) / 16 * 16;  // whole 16-lane blocks
-  std::vector<float> buffers(query_heads * (2 * D + 2) + group * score_stride + 4 * 8 * 16 +
+  std::vector<float> buffers(query_heads * (2 * D + 2) + group * score_stride + kFoldFloats +
                              2 * P * D);
   float* acc = buffers.data();
   float* queries = acc + query_heads * D;
@@ -322,7 +351,7 @@ PDSERVE_INLINE void attend(const Shape& s, const T* cache, const T* q, T* out,
   float* total = max_score + query_heads;
   float* scores = total + query_heads;
   float* folds = scores + group * score_stride;
-  float* key_rows = folds + 4 * 8 * 16;
+  float* key_rows = folds + kFoldFloats;
   float* value_rows = key_rows + P * D;
   // Where task `task`'s page j starts (its first KV head's K rows).
   auto block_of = [&](int64_t task, int64_t j) {
