@@ -4,9 +4,8 @@ C++ decode and prefill kernels of our own for CPU caches.
 Per step (`begin_step`) the batch is split once into
 - *decode* sequences (one new token). Three ways to attend them:
   - *kernel* (the default for a contiguous float32 or bfloat16 CPU cache on an AVX-512 CPU,
-    when built; `cpu_kernel.preferred`): our C++
-    operator (`cpu_kernel`, source in `csrc/paged_decode.cpp`) reads each sequence's pages
-    where they lie, each K/V row once for all query heads of its KV head, with an online
+    when built; `cpu_kernel.preferred`): our C++ operator (`cpu_kernel`, source in
+    `csrc/paged_decode.cpp`) reads each sequence's pages where they lie, each K/V row once for all query heads of its KV head, with an online
     softmax per query head, on torch's intra-op threads. Measured on a 2-vCPU AMD EPYC
     (`bench/engine.py --attention`, contexts of 48-1200 tokens): 0.44-0.60x the time of the
     sparse path in float32 and 0.25-0.33x that of the gather path in bfloat16;
@@ -27,8 +26,8 @@ Per step (`begin_step`) the batch is split once into
 - *chunk* sequences (several new tokens: prefill chunks, a whole prompt, a verify step's
   drafts). Two ways:
   - *kernel* (the default for a contiguous float32 or bfloat16 CPU cache with a head size that
-    is a multiple of 16 on an AVX-512 CPU, when built): our C++ operator (`csrc/paged_prefill.cpp`) attends every
-    chunk sequence of the step in one call, causally, reading the sequence's keys and values
+    is a multiple of 16 on an AVX-512 CPU, when built): our C++ operator
+    (`csrc/paged_prefill.cpp`) attends every chunk sequence of the step in one call, causally, reading the sequence's keys and values
     from the cache where they lie (the new tokens' K/V are stored first). Measured on the same
     VM (`bench/engine.py --attention`, prompts of 256-1800 tokens and 256 after 1024 cached):
     0.43-0.82x the time of SDPA below;
@@ -196,8 +195,7 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> None:
         """``decode_kernel``: attend decode tokens with the C++ kernel (`cpu_kernel`); None picks
         it for a contiguous float32 or bfloat16 CPU cache on an AVX-512 CPU when the kernel is
-        built (`cpu_kernel.preferred`); True where
-        it cannot run raises. ``prefill_kernel``: the same for chunk tokens (the prefill kernel
+        built (`cpu_kernel.preferred`); True where it cannot run raises. ``prefill_kernel``: the same for chunk tokens (the prefill kernel
         also needs a head size that is a multiple of 16); without it, SDPA. Without the decode
         kernel, ``sparse_decode``: read decode K/V straight from the cache (`_decode_sparse`)
         instead of gathering pages; None picks it for a contiguous float32 CPU cache, where it
