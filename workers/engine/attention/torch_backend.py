@@ -5,10 +5,11 @@ Per step (`begin_step`) the batch is split once into
 - *decode* sequences (one new token). Three ways to attend them:
   - *kernel* (the default for a contiguous float32 or bfloat16 CPU cache on an AVX-512 CPU,
     when built; `cpu_kernel.preferred`): our C++ operator (`cpu_kernel`, source in
-    `csrc/paged_decode.cpp`) reads each sequence's pages where they lie, each K/V row once for all query heads of its KV head, with an online
-    softmax per query head, on torch's intra-op threads. Measured on a 2-vCPU AMD EPYC
-    (`bench/engine.py --attention`, contexts of 48-1200 tokens): 0.44-0.60x the time of the
-    sparse path in float32 and 0.25-0.33x that of the gather path in bfloat16;
+    `csrc/paged_decode.cpp`) reads each sequence's pages where they lie, each K/V row once for
+    all query heads of its KV head, with an online softmax per query head, on torch's intra-op
+    threads. Measured on a 2-vCPU AMD EPYC (`bench/engine.py --attention`, contexts of 48-1200
+    tokens): 0.44-0.60x the time of the sparse path in float32 and 0.25-0.33x that of the
+    gather path in bfloat16;
   - *sparse* (float32 CPU caches without the kernel): nothing is gathered. Scores are a
     sampled matmul (``torch.sparse.sampled_addmm``) of the queries with the cache's K rows
     listed in a per-step CSR pattern, and the output is a weighted sum of the cache's V rows
@@ -27,10 +28,10 @@ Per step (`begin_step`) the batch is split once into
   drafts). Two ways:
   - *kernel* (the default for a contiguous float32 or bfloat16 CPU cache with a head size that
     is a multiple of 16 on an AVX-512 CPU, when built): our C++ operator
-    (`csrc/paged_prefill.cpp`) attends every chunk sequence of the step in one call, causally, reading the sequence's keys and values
-    from the cache where they lie (the new tokens' K/V are stored first). Measured on the same
-    VM (`bench/engine.py --attention`, prompts of 256-1800 tokens and 256 after 1024 cached):
-    0.43-0.82x the time of SDPA below;
+    (`csrc/paged_prefill.cpp`) attends every chunk sequence of the step in one call,
+    causally, reading the sequence's keys and values from the cache where they lie (the new
+    tokens' K/V are stored first). Measured on the same VM (`bench/engine.py --attention`,
+    prompts of 256-1800 tokens and 256 after 1024 cached): 0.43-0.82x the time of SDPA below;
   - *SDPA*: one ``scaled_dot_product_attention`` call each, causal with the cached context as
     prefix. A chunk without cached context attends over its own new K/V directly, without
     touching the cache.
