@@ -20,8 +20,8 @@ Per step (`begin_step`) the batch is split once into
     lengths close enough (`_PADDED_SOFTMAX_SLACK`) that shorter rows are padded with a masked
     repeat of their first key; otherwise a segmented softmax over rows of their own lengths;
   - *gather* (other devices and dtypes, or without the kernel): sequences sorted by length are
-    cut into groups of similar length and bounded size; per layer each group's pages are gathered with one
-    ``index_select`` into a reused buffer and attended by one 4-D
+    cut into groups of similar length and bounded size; per layer each group's pages are
+    gathered with one ``index_select`` into a reused buffer and attended by one 4-D
     ``scaled_dot_product_attention`` call (the fused flash kernel). Keys past a sequence's length
     are masked only in groups whose lengths differ;
 - *chunk* sequences (several new tokens: prefill chunks, a whole prompt, a verify step's
