@@ -4,7 +4,7 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pdserve-installed
-INSTALL_INPUTS := pyproject.toml setup.py scripts/install.sh $(wildcard workers/fabric/_build.py workers/fabric/csrc/* workers/engine/attention/_build_cpu.py workers/engine/attention/csrc/*)
+INSTALL_INPUTS := pyproject.toml setup.py scripts/install.sh $(wildcard workers/fabric/_build.py workers/fabric/csrc/* workers/engine/attention/_build_cpu.py workers/engine/attention/csrc/* workers/engine/fused/csrc/*)
 PROTO_SRCS := $(wildcard protos/pdserve/v1/*.proto)
 PROTO_STUBS := $(PROTO_SRCS:.proto=_pb2.py)
 export RAY_USAGE_STATS_ENABLED := 0

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.engine import fused
 from workers.engine.attention.base import AttentionBackend, AttentionBatch
 from workers.engine.cpu_gemm import linear
 from workers.engine.layer_progress import LayerProgress
@@ -73,8 +74,9 @@ class Attention(nn.Module):
             q = rotary.rotate(self.q_norm(q_and_k[:, : self.num_heads]))
             k = rotary.rotate(self.k_norm(q_and_k[:, self.num_heads :]))
         else:
-            # q and k are adjacent in the fused projection: rotate them in one go.
-            rotated = rotary.rotate(q_and_k)
+            # q and k are adjacent in the fused projection: rotate them in one go (in place:
+            # the projection's output is this step's own).
+            rotated = rotary.rotate(q_and_k, in_place=True)
             q, k = rotated[:, : self.num_heads], rotated[:, self.num_heads :]
         out = backend.forward(layer, q, k, v, batch)
         projected = linear(out.reshape(num_tokens, self.q_size), self.o_proj_weight)
@@ -99,11 +101,15 @@ class MLP(nn.Module):
         self.down_proj_weight = _empty(config.hidden_size, config.intermediate_size, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.gate_up_proj_weight).split(self.intermediate_size, dim=-1)
-        # gate and up are strided halves of one GEMM output: `silu(gate) * up` runs the strided
-        # elementwise path twice, while multiplying into silu's fresh contiguous output halves
-        # the cost (same bits; ~0.7 ms of a 512-token layer on CPU).
-        out = linear(F.silu(gate).mul_(up), self.down_proj_weight)
+        gate_up = linear(x, self.gate_up_proj_weight)
+        act = fused.silu_mul(gate_up)
+        if act is None:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            # gate and up are strided halves of one GEMM output: `silu(gate) * up` runs the
+            # strided elementwise path twice, while multiplying into silu's fresh contiguous
+            # output halves the cost (same bits; ~0.7 ms of a 512-token layer on CPU).
+            act = F.silu(gate).mul_(up)
+        out = linear(act, self.down_proj_weight)
         if self.reduce is not None:
             self.reduce(out)
         return out
@@ -150,5 +156,5 @@ class DecoderLayer(nn.Module):
         # which no rank passes before every rank wrote its heads): the messenger may ship it.
         if progress is not None:
             progress.mark_layer_done(layer)
-        hidden = hidden + attn_out
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        hidden, normed = self.post_attention_layernorm.add_forward(attn_out, hidden)
+        return hidden + self.mlp(normed)

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from workers.engine import fused
 from workers.engine.errors import UnsupportedCheckpointError
 from workers.engine.model_config import ModelConfig
 
@@ -121,8 +122,11 @@ class RotaryTables:
     cos: torch.Tensor
     sin_signed: torch.Tensor
 
-    def rotate(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, head_dim] -> rotated copy."""
+    def rotate(self, x: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+        """x [T, heads, head_dim] -> rotated copy; with ``in_place``, x itself rotated where
+        the fused CPU op applies (a copy elsewhere: use the result either way)."""
+        if in_place and fused.rotate_(x, self.cos, self.sin_signed) is not None:
+            return x
         return x * self.cos + x.roll(x.shape[-1] // 2, dims=-1) * self.sin_signed
 
 

@@ -1,7 +1,9 @@
-"""Build of the CPU attention kernels (`csrc/paged_decode.cpp`, `csrc/paged_prefill.cpp`) into
-`workers/engine/attention/_attention_cpu.so`, one torch operator library
-(``torch.ops.pdserve.paged_decode_attention`` and ``paged_prefill_attention``; loaded by
-`cpu_kernel`).
+"""Build of the engine's CPU kernels into `workers/engine/attention/_attention_cpu.so`, one torch
+operator library: the attention kernels (`csrc/paged_decode.cpp`, `csrc/paged_prefill.cpp`:
+``torch.ops.pdserve.paged_decode_attention`` and ``paged_prefill_attention``, loaded by
+`cpu_kernel`) and the decoder layer's fused element-wise steps
+(`workers/engine/fused/csrc/elementwise.cpp`: ``rms_norm``, ``add_rms_norm``, ``silu_mul``,
+``rotate_``, loaded by `workers.engine.fused`).
 
 Compiled against the torch in this interpreter (its headers and libraries), with OpenMP so that
 the kernel's ``at::parallel_for`` runs on torch's own intra-op threads: the library needs
@@ -25,7 +27,11 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SOURCES = (HERE / "csrc" / "paged_decode.cpp", HERE / "csrc" / "paged_prefill.cpp")
+SOURCES = (
+    HERE / "csrc" / "paged_decode.cpp",
+    HERE / "csrc" / "paged_prefill.cpp",
+    HERE.parent / "fused" / "csrc" / "elementwise.cpp",
+)
 HEADERS = (HERE / "csrc" / "vec.h",)
 LIBRARY = HERE / "_attention_cpu.so"
 STAMP = HERE / "_attention_cpu.stamp"
