@@ -83,8 +83,9 @@ pip_install --no-build-isolation -e '.[dev]'
 # The editable install builds the cffi extension in place with current setuptools; if another
 # setuptools left it elsewhere, compile it next to the sources (fails with one clear message).
 .venv/bin/python -c 'import workers.fabric._fabric_cffi' 2>/dev/null || .venv/bin/python workers/fabric/_build.py
-# The CPU decode-attention kernel, compiled against the torch just installed (~10 s; skipped
-# when neither its source nor torch changed).
+# The engine's CPU kernels (attention, fused element-wise steps), compiled against the torch just
+# installed (about a minute, announced on stderr; skipped when neither their sources nor torch
+# changed).
 .venv/bin/python workers/engine/attention/_build_cpu.py >/dev/null
 # The build generated the gRPC stubs (setup.py runs protos/_build.py): check they import.
 .venv/bin/python -c 'import workers, orchestrator, workers.fabric._fabric_cffi, protos.pdserve.v1.generation_pb2_grpc, protos.pdserve.v1.worker_pb2_grpc' || { echo "error: install failed" >&2; exit 1; }

@@ -13,7 +13,7 @@ when they load.
 
     python workers/engine/attention/_build_cpu.py     # what scripts/install.sh runs
 
-Takes ~10 s; rebuilds only when the source or the torch version changed (a stamp next to the
+Takes about a minute on two cores; rebuilds only when the source or the torch version changed (a stamp next to the
 library records both).
 """
 
@@ -94,6 +94,7 @@ def build(force: bool = False) -> Path:
     # Written next to the target and renamed into place: a process loading the library never
     # sees a half-written file.
     partial = LIBRARY.with_suffix(f".{os.getpid()}.tmp")
+    print("compiling the engine's CPU kernels (about a minute)...", file=sys.stderr, flush=True)
     try:
         result = subprocess.run(command(partial), capture_output=True, text=True, check=False)
         if result.returncode != 0:
