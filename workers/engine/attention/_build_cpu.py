@@ -13,8 +13,8 @@ when they load.
 
     python workers/engine/attention/_build_cpu.py     # what scripts/install.sh runs
 
-Takes about a minute on two cores; rebuilds only when the source or the torch version changed (a stamp next to the
-library records both).
+Takes about a minute on two cores; rebuilds only when a source or the torch version changed (a
+stamp next to the library records both).
 """
 
 from __future__ import annotations

@@ -34,6 +34,8 @@ _ops: Any = None  # torch.ops.pdserve once loaded, SimpleNamespace() when unusab
 
 def _load() -> Any:
     global _ops
+    if _ops is not None:  # every op call asks: no lock once settled
+        return _ops
     with _lock:
         if _ops is None:
             _ops = SimpleNamespace()
