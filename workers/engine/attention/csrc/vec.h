@@ -81,6 +81,18 @@ PDSERVE_INLINE v16 load16(const c10::BFloat16* p) {
 
 typedef int32_t i16x16 __attribute__((vector_size(64)));
 
+// e^r for |r| <= ln2 / 2 on 16 lanes, by Cephes' degree-6 polynomial (the vector exps' shared
+// part; they reduce x = n ln2 + r and scale by 2^n themselves).
+PDSERVE_INLINE v16 exp_reduced16(v16 r) {
+  v16 p = v16{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  return p * r * r + r + 1.0f;
+}
+
 // exp_nonpositive on 16 lanes (same steps; floor from truncation, which rounds toward zero).
 // Lanes above 0 (masked-out ones hold anything) are clamped to 0 so no conversion overflows.
 PDSERVE_INLINE v16 exp16_nonpositive(v16 x) {
@@ -91,14 +103,7 @@ PDSERVE_INLINE v16 exp16_nonpositive(v16 x) {
   const i16x16 truncated = __builtin_convertvector(y, i16x16);
   const i16x16 whole = truncated + (__builtin_convertvector(truncated, v16) > y);  // true = -1
   const v16 n = __builtin_convertvector(whole, v16);
-  const v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  v16 p = v16{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+  const v16 p = exp_reduced16(x - n * 0.693359375f + n * 2.12194440e-4f);
   const i16x16 bits = (whole + 127) << 23;
   v16 scale;
   std::memcpy(&scale, &bits, sizeof scale);

@@ -9,8 +9,8 @@
 //
 // Results equal PyTorch's step by step: where HF's modelling code rounds to the activation
 // dtype between two operations, so does this code (bfloat16 by round-to-nearest-even, as
-// c10::BFloat16 does), and no multiply-add is contracted into an FMA (the pragma below), so a
-// float32 product is rounded before it is added, as in PyTorch's separate kernels. What can
+// c10::BFloat16 does), and RoPE's multiply-adds are not contracted into FMAs (its function's
+// attribute), so a float32 product is rounded before it is added, as in PyTorch's kernels. What can
 // differ: the order of the float32 sum of squares in RMSNorm, and the exp inside silu
 // (a polynomial here, Sleef's there); both move a result by at most a unit in the last place of
 // float32, which bfloat16 rounding hides almost always.
@@ -28,36 +28,18 @@
 #include <cstring>
 #include <type_traits>
 
+#include "../../attention/csrc/vec.h"  // the CPU kernels' shared vector helpers
+
 namespace {
 
-#define FUSED_INLINE __attribute__((always_inline)) inline
-#if defined(__x86_64__)
-#define FUSED_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define FUSED_CLONES
-#endif
+using namespace pdserve_cpu;
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16_unaligned __attribute__((vector_size(64), aligned(4)));
-typedef uint16_t u16x16_unaligned __attribute__((vector_size(32), aligned(2)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
 
-FUSED_INLINE v16 load(const float* p) { return *reinterpret_cast<const v16_unaligned*>(p); }
-
-FUSED_INLINE v16 load(const c10::BFloat16* p) {
-  const u32x16 wide =
-      __builtin_convertvector(*reinterpret_cast<const u16x16_unaligned*>(p), u32x16) << 16;
-  v16 out;
-  std::memcpy(&out, &wide, sizeof out);
-  return out;
-}
-
-FUSED_INLINE void store(float* p, v16 x) { *reinterpret_cast<v16_unaligned*>(p) = x; }
+PDSERVE_INLINE void store(float* p, v16 x) { *reinterpret_cast<v16_unaligned*>(p) = x; }
 
 // Round to nearest even, as c10::BFloat16's constructor does (NaN stays a quiet NaN).
-FUSED_INLINE void store(c10::BFloat16* p, v16 x) {
+PDSERVE_INLINE void store(c10::BFloat16* p, v16 x) {
   u32x16 bits;
   std::memcpy(&bits, &x, sizeof bits);
   const u32x16 rounded = (bits + (((bits >> 16) & 1u) + 0x7fffu)) >> 16;
@@ -67,9 +49,9 @@ FUSED_INLINE void store(c10::BFloat16* p, v16 x) {
 
 // x as the activation dtype would hold it: a no-op for float32, a round trip for bfloat16 (the
 // rounding HF's code does between two bfloat16 operations).
-FUSED_INLINE v16 rounded(v16 x, const float*) { return x; }
+PDSERVE_INLINE v16 rounded(v16 x, const float*) { return x; }
 
-FUSED_INLINE v16 rounded(v16 x, const c10::BFloat16*) {
+PDSERVE_INLINE v16 rounded(v16 x, const c10::BFloat16*) {
   u32x16 bits;
   std::memcpy(&bits, &x, sizeof bits);
   const u32x16 even = ((bits + (((bits >> 16) & 1u) + 0x7fffu)) >> 16) << 16;
@@ -80,12 +62,12 @@ FUSED_INLINE v16 rounded(v16 x, const c10::BFloat16*) {
 }
 
 // Scalar tails (widths that are not a multiple of 16).
-FUSED_INLINE float load(const float* p, int64_t i) { return p[i]; }
-FUSED_INLINE float load(const c10::BFloat16* p, int64_t i) { return static_cast<float>(p[i]); }
-FUSED_INLINE void store(float* p, int64_t i, float x) { p[i] = x; }
-FUSED_INLINE void store(c10::BFloat16* p, int64_t i, float x) { p[i] = c10::BFloat16(x); }
-FUSED_INLINE float rounded(float x, const float*) { return x; }
-FUSED_INLINE float rounded(float x, const c10::BFloat16*) {
+PDSERVE_INLINE float load(const float* p, int64_t i) { return p[i]; }
+PDSERVE_INLINE float load(const c10::BFloat16* p, int64_t i) { return static_cast<float>(p[i]); }
+PDSERVE_INLINE void store(float* p, int64_t i, float x) { p[i] = x; }
+PDSERVE_INLINE void store(c10::BFloat16* p, int64_t i, float x) { p[i] = c10::BFloat16(x); }
+PDSERVE_INLINE float rounded(float x, const float*) { return x; }
+PDSERVE_INLINE float rounded(float x, const c10::BFloat16*) {
   return static_cast<float>(c10::BFloat16(x));
 }
 
@@ -95,20 +77,13 @@ FUSED_INLINE float rounded(float x, const c10::BFloat16*) {
 // +inf, as expf's (silu(g) is then -0, as torch's); below -86 it is e^-86, which 1 + e^x cannot
 // tell from 0. The product goes through 2 * 2^(n-1), so that n = 128 (x just below ln(FLT_MAX))
 // does not overflow the scale.
-FUSED_INLINE v16 exp16(v16 x) {
+PDSERVE_INLINE v16 exp16(v16 x) {
   const v16 lo = v16{} - 86.0f, hi = v16{} + 88.72283935546875f;
   const v16 clamped = x < lo ? lo : (x > hi ? hi : x);
   const v16 shifted = clamped * 1.44269504088896341f + 12582912.0f;
   const v16 n = shifted - 12582912.0f;
-  const v16 r = clamped - n * 0.693359375f + n * 2.12194440e-4f;
-  v16 p = v16{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  i32x16 bits;
+  const v16 p = exp_reduced16(clamped - n * 0.693359375f + n * 2.12194440e-4f);
+  i16x16 bits;
   std::memcpy(&bits, &shifted, sizeof bits);
   bits = (bits + 126) << 23;  // 2^(n-1); 1.5 * 2^23's own bits shift out
   v16 scale;
@@ -117,7 +92,7 @@ FUSED_INLINE v16 exp16(v16 x) {
   return x > hi ? v16{} + __builtin_huge_valf() : result;
 }
 
-FUSED_INLINE float exp1(float x) {
+PDSERVE_INLINE float exp1(float x) {
   v16 v = v16{} + x;
   return exp16(v)[0];
 }
@@ -131,15 +106,15 @@ int64_t grain(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int6
 // out = weight * T(sum * rsqrt(mean(sum^2) + eps)) for bfloat16 (HF's order: normalise in
 // float32, cast, then the weight), float32: (sum * rsqrt(...)) * weight.
 template <typename T>
-FUSED_INLINE void norm_row(const T* x, const T* residual, T* sum_out, T* out, const T* weight,
-                           int64_t H, float eps, float* scratch) {
+PDSERVE_INLINE void norm_row(const T* x, const T* residual, T* sum_out, T* out,
+                             const T* weight, int64_t H, float eps, float* scratch) {
   v16 squares = {};
   float tail_squares = 0.0f;
   int64_t i = 0;
   for (; i + 16 <= H; i += 16) {
-    v16 v = load(x + i);
+    v16 v = load16(x + i);
     if (residual != nullptr) {
-      v = rounded(v + load(residual + i), x);
+      v = rounded(v + load16(residual + i), x);
       store(sum_out + i, v);
     }
     store(scratch + i, v);
@@ -158,7 +133,7 @@ FUSED_INLINE void norm_row(const T* x, const T* residual, T* sum_out, T* out, co
   for (int lane = 0; lane < 16; lane++) total += squares[lane];
   const float inv = 1.0f / std::sqrt(total / static_cast<float>(H) + eps);
   for (i = 0; i + 16 <= H; i += 16) {
-    store(out + i, rounded(load(scratch + i) * inv, x) * load(weight + i));
+    store(out + i, rounded(load16(scratch + i) * inv, x) * load16(weight + i));
   }
   for (; i < H; i++) store(out, i, rounded(scratch[i] * inv, x) * load(weight, i));
 }
@@ -166,9 +141,9 @@ FUSED_INLINE void norm_row(const T* x, const T* residual, T* sum_out, T* out, co
 // Rows [begin, end). The instruction-set copies are of this function, not of the lambda that
 // at::parallel_for runs (a lambda inside a target_clones function is compiled for the baseline).
 template <typename T>
-FUSED_CLONES void norm_rows(const T* x, int64_t x_stride, const T* residual, int64_t r_stride,
-                            T* sum_out, T* out, const T* weight, int64_t begin, int64_t end,
-                            int64_t H, float eps) {
+PDSERVE_CLONES void norm_rows(const T* x, int64_t x_stride, const T* residual,
+                              int64_t r_stride, T* sum_out, T* out, const T* weight,
+                              int64_t begin, int64_t end, int64_t H, float eps) {
   float* scratch = static_cast<float*>(__builtin_alloca(H * sizeof(float)));
   for (int64_t r = begin; r < end; r++) {
     norm_row(x + r * x_stride, residual == nullptr ? nullptr : residual + r * r_stride,
@@ -236,23 +211,21 @@ void add_rms_norm(const at::Tensor& sum, const at::Tensor& out, const at::Tensor
 
 // out = T(silu(gate)) * up, silu(g) = g / (1 + e^-g) as torch computes it.
 template <typename T>
-FUSED_CLONES void silu_mul_rows(const T* gate_up, int64_t stride, T* out, int64_t begin,
-                                int64_t end, int64_t I) {
-  {
-    for (int64_t r = begin; r < end; r++) {
-      const T* gate = gate_up + r * stride;
-      const T* up = gate + I;
-      T* o = out + r * I;
-      int64_t i = 0;
-      for (; i + 16 <= I; i += 16) {
-        const v16 g = load(gate + i);
-        const v16 silu = rounded(g / (1.0f + exp16(v16{} - g)), gate);
-        store(o + i, silu * load(up + i));
-      }
-      for (; i < I; i++) {
-        const float g = load(gate, i);
-        store(o, i, rounded(g / (1.0f + exp1(-g)), gate) * load(up, i));
-      }
+PDSERVE_CLONES void silu_mul_rows(const T* gate_up, int64_t stride, T* out, int64_t begin,
+                                  int64_t end, int64_t I) {
+  for (int64_t r = begin; r < end; r++) {
+    const T* gate = gate_up + r * stride;
+    const T* up = gate + I;
+    T* o = out + r * I;
+    int64_t i = 0;
+    for (; i + 16 <= I; i += 16) {
+      const v16 g = load16(gate + i);
+      const v16 silu = rounded(g / (1.0f + exp16(v16{} - g)), gate);
+      store(o + i, silu * load16(up + i));
+    }
+    for (; i < I; i++) {
+      const float g = load(gate, i);
+      store(o, i, rounded(g / (1.0f + exp1(-g)), gate) * load(up, i));
     }
   }
 }
@@ -286,29 +259,27 @@ void silu_mul(const at::Tensor& out, const at::Tensor& gate_up) {
 // x[t, h] = T(x * cos[t]) + T(roll(x, D/2) * sin_signed[t]), in place: with a = x[:D/2] and
 // b = x[D/2:], the first half becomes a cos + b sin_signed, the second b cos + a sin_signed.
 template <typename T>
-FUSED_CLONES __attribute__((optimize("fp-contract=off"))) void rotate_rows(T* x, int64_t t_stride, int64_t h_stride, const T* cos,
-                              const T* sin, int64_t begin, int64_t end, int64_t heads,
-                              int64_t D) {
+PDSERVE_CLONES __attribute__((optimize("fp-contract=off"))) void rotate_rows(
+    T* x, int64_t t_stride, int64_t h_stride, const T* cos, const T* sin, int64_t begin,
+    int64_t end, int64_t heads, int64_t D) {
   const int64_t half = D / 2;
-  {
-    for (int64_t t = begin; t < end; t++) {
-      const T* c = cos + t * D;
-      const T* s = sin + t * D;
-      for (int64_t h = 0; h < heads; h++) {
-        T* row = x + t * t_stride + h * h_stride;
-        int64_t i = 0;
-        for (; i + 16 <= half; i += 16) {
-          const v16 a = load(row + i), b = load(row + half + i);
-          store(row + i, rounded(a * load(c + i), row) + rounded(b * load(s + i), row));
-          store(row + half + i,
-                rounded(b * load(c + half + i), row) + rounded(a * load(s + half + i), row));
-        }
-        for (; i < half; i++) {
-          const float a = load(row, i), b = load(row, half + i);
-          store(row, i, rounded(a * load(c, i), row) + rounded(b * load(s, i), row));
-          store(row, half + i,
-                rounded(b * load(c, half + i), row) + rounded(a * load(s, half + i), row));
-        }
+  for (int64_t t = begin; t < end; t++) {
+    const T* c = cos + t * D;
+    const T* s = sin + t * D;
+    for (int64_t h = 0; h < heads; h++) {
+      T* row = x + t * t_stride + h * h_stride;
+      int64_t i = 0;
+      for (; i + 16 <= half; i += 16) {
+        const v16 a = load16(row + i), b = load16(row + half + i);
+        store(row + i, rounded(a * load16(c + i), row) + rounded(b * load16(s + i), row));
+        store(row + half + i,
+              rounded(b * load16(c + half + i), row) + rounded(a * load16(s + half + i), row));
+      }
+      for (; i < half; i++) {
+        const float a = load(row, i), b = load(row, half + i);
+        store(row, i, rounded(a * load(c, i), row) + rounded(b * load(s, i), row));
+        store(row, half + i,
+              rounded(b * load(c, half + i), row) + rounded(a * load(s, half + i), row));
       }
     }
   }
