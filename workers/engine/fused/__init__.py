@@ -38,13 +38,16 @@ def _load() -> Any:
         return _ops
     with _lock:
         if _ops is None:
-            _ops = SimpleNamespace()
+            # Settled once, in one assignment: a thread reading `_ops` unlocked never sees a
+            # half-made decision.
+            loaded: Any = SimpleNamespace()
             if os.environ.get(ENV_SWITCH, "1") != "0" and preferred() and LIBRARY.is_file():
                 try:
                     torch.ops.load_library(str(LIBRARY))
-                    _ops = torch.ops.pdserve
+                    loaded = torch.ops.pdserve
                 except OSError:  # a stale build: the attention loader says so once
                     pass
+            _ops = loaded
         return _ops
 
 
