@@ -31,6 +31,12 @@ deployment: ~60 tok/s with MTP, ~38 without). The size of the split side is repr
 mixed side stays under 50 only without MTP (the reference does not say whether its mixed
 deployment drafted).
 
+Read as the reference words it ("struggled to *consistently* exceed 50"; fixed before the runs:
+a deployment consistently exceeds X when the slowest tenth of its requests decode faster than
+X), the verdict is the same: 1P:3D with expert parallelism keeps p10 > 90, mixed with MTP
+keeps p10 > 50 too. Each request sees about the same rate of prefill chunks over its tens of
+seconds of decode, so the spread over requests is narrow (p10 ~0.95x the mean).
+
 Not reproduced either, and not asserted: at the same hardware *and* the same total load
 (4M at 1.5 QPS against 1P:3D at 1.5 QPS) mixed decodes faster per request here (137 vs
 112 tok/s), because its fourth node decodes too and a roofline step that mixes a chunk with
@@ -122,6 +128,8 @@ def test_mtp_at_one_qps_per_decode_node_keeps_the_direction_and_misses_the_size(
     # Not > 90 against < 50 as in the reference (see the module docstring); pinned loosely.
     assert 60 < split.tokens_per_s_per_request < 90
     assert 50 < mixed.tokens_per_s_per_request < split.tokens_per_s_per_request
+    # Nor read as consistency: the mixed nodes' slowest tenth still decodes above 50.
+    assert 50 < mixed.tokens_per_s_per_request_p10 < mixed.tokens_per_s_per_request
 
 
 def test_an_expert_parallel_decode_group_with_mtp_reproduces_the_size(
@@ -131,6 +139,7 @@ def test_an_expert_parallel_decode_group_with_mtp_reproduces_the_size(
     plain_split, plain_mixed = one_qps
     tp_split, mixed = one_qps_mtp
     assert split.tokens_per_s_per_request > 90  # the reference's 1P:3D
+    assert split.tokens_per_s_per_request_p10 > 90  # consistently: its slowest tenth too
     assert split.tokens_per_s_per_request > 1.8 * mixed.tokens_per_s_per_request
     assert split.tokens_per_s_per_request > 1.5 * tp_split.tokens_per_s_per_request
     assert plain_mixed.tokens_per_s_per_request < 50 < mixed.tokens_per_s_per_request

@@ -230,3 +230,16 @@ def test_simulated_percentiles_are_the_load_generators() -> None:
     assert (summary.itl_p50, summary.itl_p99) == (measured["p50"], measured["p99"])
     assert summary.itl_p99 == pytest.approx(9.91e-3)
     assert summary.ttft_p99 == distribution(ttfts)["p99"]
+
+
+def test_the_slowest_tenth_of_requests_is_reported_beside_the_mean_speed() -> None:
+    # Eight requests decode at 100 tok/s, two stalled ones at 20: the mean (84) hides them,
+    # the 10th percentile over requests does not.
+    def record(i: int, tpot: float) -> RequestRecord:
+        return RequestRecord(i, float(i), i, i, i + 0.1, i + 0.1 + 10 * tpot, 8, 11)
+
+    records = tuple(record(i, 0.05 if i in (3, 7) else 0.01) for i in range(10))
+    summary = summarize(SimResult(Layout(num_mixed=1), records, (), (1.0,)))
+    assert summary.tokens_per_s_per_request == pytest.approx(84.0)
+    assert summary.tokens_per_s_per_request_p10 == pytest.approx(20.0)
+    assert "(p10   20.0)" in summary.row()
