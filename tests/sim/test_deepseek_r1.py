@@ -35,7 +35,7 @@ Read as the reference words it ("struggled to *consistently* exceed 50"; fixed b
 a deployment consistently exceeds X when the slowest tenth of its requests decode faster than
 X), the verdict is the same: 1P:3D with expert parallelism keeps p10 > 90, mixed with MTP
 keeps p10 > 50 too. Each request sees about the same rate of prefill chunks over its tens of
-seconds of decode, so the spread over requests is narrow (p10 ~0.95x the mean).
+seconds of decode, so the spread over requests is narrow (p10 0.91-0.96x the mean).
 
 Not reproduced either, and not asserted: at the same hardware *and* the same total load
 (4M at 1.5 QPS against 1P:3D at 1.5 QPS) mixed decodes faster per request here (137 vs
