@@ -4,7 +4,10 @@
 // lie (the new tokens' K/V are stored before attention runs), float32 arithmetic for float32 and
 // bfloat16 caches alike, except that on CPUs with AVX512_BF16 a bfloat16 cache's scores come
 // from bfloat16 dot-product instructions (exact products, float32 sums: 18% off the kernel's
-// time at SmolLM2's shapes, 512 and 1800 tokens).
+// time at SmolLM2's shapes, 512 and 1800 tokens), and so do its weighted sums of values, over
+// the softmax weights rounded to bfloat16 as PyTorch's CPU flash attention rounds them for
+// bfloat16 (another 15% off; each weight's rounding moves an output by at most 2^-8 of that
+// key's weighted |V|, and about 40% of outputs differ in their last bit from the float32 sums').
 //
 // Why a kernel of our own: torch's SDPA flash kernel for the CPU reaches ~72 GFLOP/s on SmolLM2's
 // 64-wide heads on a 2-vCPU AVX-512 VM, a third of what the projections' GEMMs reach there, and
@@ -152,6 +155,55 @@ PDSERVE_INLINE void add_values(float* __restrict acc, int64_t D, int64_t c0,
   }
 }
 
+#if defined(__x86_64__)
+// The AVX512_BF16 form of add_values for a bfloat16 cache: the block's V rows taken two keys at
+// a time ([pairs][D] 32-bit lanes holding V[2p][d] and V[2p + 1][d]) and the rows' softmax
+// weights rounded to bfloat16 pairs ([kRows][kBlock / 2]), so one vdpbf16ps adds two keys'
+// weighted values to 16 accumulators: half the instructions of the float32 FMAs, and no
+// widening of V. kChunks vectors of 16 from value column c0, as add_values.
+template <int64_t kChunks>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma"), noinline)) void
+add_values_bf16_dot(float* __restrict acc, int64_t D, int64_t c0,
+                    const uint32_t* __restrict weight_pairs,
+                    const uint32_t* __restrict value_pairs, int64_t pairs) {
+  __m512 a[kRows][kChunks];
+  for (int64_t i = 0; i < kRows; i++) {
+    for (int64_t c = 0; c < kChunks; c++) a[i][c] = _mm512_loadu_ps(acc + i * D + c0 + c * 16);
+  }
+  for (int64_t p = 0; p < pairs; p++) {
+    __m512bh v[kChunks];
+    for (int64_t c = 0; c < kChunks; c++) {
+      v[c] = (__m512bh)_mm512_loadu_si512(value_pairs + p * D + c0 + c * 16);
+    }
+    for (int64_t i = 0; i < kRows; i++) {
+      const __m512bh w =
+          (__m512bh)_mm512_set1_epi32(static_cast<int>(weight_pairs[i * (kBlock / 2) + p]));
+      for (int64_t c = 0; c < kChunks; c++) a[i][c] = _mm512_dpbf16_ps(a[i][c], w, v[c]);
+    }
+  }
+  for (int64_t i = 0; i < kRows; i++) {
+    for (int64_t c = 0; c < kChunks; c++) _mm512_storeu_ps(acc + i * D + c0 + c * 16, a[i][c]);
+  }
+}
+
+// The register block's weights ([kRows][kBlock] float32, the first `tiles` vectors of 16 of each
+// row written) as bfloat16 pairs, rounded to nearest even: key 2p's in a lane's low half, key
+// 2p + 1's in its high half.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma"), noinline)) void
+weights_to_bf16_pairs(const float* __restrict weights, int64_t tiles,
+                      uint32_t* __restrict weight_pairs) {
+  for (int64_t i = 0; i < kRows; i++) {
+    const float* w = weights + i * kBlock;
+    uint32_t* out = weight_pairs + i * (kBlock / 2);
+    for (int64_t j = 0; j < tiles; j += 2) {
+      const __m512 low = _mm512_loadu_ps(w + 16 * j);
+      const __m512 high = j + 1 < tiles ? _mm512_loadu_ps(w + 16 * (j + 1)) : _mm512_setzero_ps();
+      _mm512_storeu_si512(out + 8 * j, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+    }
+  }
+}
+#endif
+
 // kDim: the head dimension when known at compile time, 0 for any other multiple of 16. kDot:
 // scores by block_scores_bf16_dot (bfloat16 caches on CPUs with AVX512_BF16).
 template <int64_t kDim, bool kDot, typename T>
@@ -172,7 +224,8 @@ PDSERVE_INLINE void attend(const Shape& s, const T* cache, const T* q, T* out,
   float* keys_t = total + padded;  // [D][kBlock]
   float* weights = keys_t + D * kBlock;  // [kRows][kBlock]
   float* key_row = weights + kRows * kBlock;
-  float* value_rows = key_row + D;  // [kBlock][D]
+  // [kBlock][D] float32 V rows; with kDot, [kBlock / 2][D] pairs of bfloat16 ones instead.
+  float* value_rows = key_row + D;
   auto position = [&](int64_t r) { return context + task.first + std::min(r, rows - 1) / group; };
   for (int64_t r = 0; r < padded; r++) {
     const int64_t last = std::min(r, rows - 1);
@@ -211,11 +264,21 @@ PDSERVE_INLINE void attend(const Shape& s, const T* cache, const T* q, T* out,
           const float* k = as_float(k_row, D, key_row);
           for (int64_t d = 0; d < D; d++) keys_t[d * kBlock + t] = k[d];
         }
-        values[t] = as_float(k_row + value_offset, D, value_rows + t * D);
+        if constexpr (kDot) {
+          const uint16_t* v = reinterpret_cast<const uint16_t*>(k_row + value_offset);
+          uint16_t* halves = reinterpret_cast<uint16_t*>(value_rows) + (t / 2) * 2 * D + t % 2;
+          for (int64_t d = 0; d < D; d++) halves[2 * d] = v[d];
+        } else {
+          values[t] = as_float(k_row + value_offset, D, value_rows + t * D);
+        }
       } else {
         values[t] = values[0];
         // Zero bits are 0.0 as a float32 and as a pair of bfloat16 alike.
         for (int64_t d = 0; d < D; d++) keys_t[d * kBlock + t] = 0.0f;
+        if constexpr (kDot) {
+          uint16_t* halves = reinterpret_cast<uint16_t*>(value_rows) + (t / 2) * 2 * D + t % 2;
+          for (int64_t d = 0; d < D; d++) halves[2 * d] = 0;
+        }
       }
     }
     for (int64_t r0 = 0; r0 < padded; r0 += kRows) {
@@ -278,7 +341,23 @@ PDSERVE_INLINE void attend(const Shape& s, const T* cache, const T* q, T* out,
         }
       }
       float* a = acc + r0 * D;
-      if (D % 32 == 0) {
+      if constexpr (kDot) {
+#if defined(__x86_64__)
+        uint32_t weight_pairs[kRows * kBlock / 2];
+        weights_to_bf16_pairs(weights, tiles, weight_pairs);
+        const uint32_t* vp = reinterpret_cast<const uint32_t*>(value_rows);
+        const int64_t pairs = (seen + 1) / 2;  // an odd last key pairs with a zero weight
+        if (D % 64 == 0) {
+          for (int64_t c0 = 0; c0 < D; c0 += 64) {
+            add_values_bf16_dot<4>(a, D, c0, weight_pairs, vp, pairs);
+          }
+        } else {
+          for (int64_t c0 = 0; c0 < D; c0 += 16) {
+            add_values_bf16_dot<1>(a, D, c0, weight_pairs, vp, pairs);
+          }
+        }
+#endif
+      } else if (D % 32 == 0) {
         for (int64_t c0 = 0; c0 < D; c0 += 32) add_values<2>(a, D, c0, weights, values, seen);
       } else {
         for (int64_t c0 = 0; c0 < D; c0 += 16) add_values<1>(a, D, c0, weights, values, seen);
