@@ -272,12 +272,13 @@ PDSERVE_INLINE void attend(const Shape& s, const T* cache, const T* q, T* out,
           values[t] = as_float(k_row + value_offset, D, value_rows + t * D);
         }
       } else {
-        values[t] = values[0];
         // Zero bits are 0.0 as a float32 and as a pair of bfloat16 alike.
         for (int64_t d = 0; d < D; d++) keys_t[d * kBlock + t] = 0.0f;
         if constexpr (kDot) {
           uint16_t* halves = reinterpret_cast<uint16_t*>(value_rows) + (t / 2) * 2 * D + t % 2;
           for (int64_t d = 0; d < D; d++) halves[2 * d] = 0;
+        } else {
+          values[t] = values[0];
         }
       }
     }
