@@ -40,6 +40,9 @@
 
 #if defined(__x86_64__)
 #include <immintrin.h>
+// The instruction set of the functions that use vdpbf16ps (bfloat16 caches on CPUs with
+// AVX512_BF16, checked at run time before any is called).
+#define PDSERVE_BF16_DOT target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
 #endif
 
 namespace {
@@ -107,7 +110,7 @@ PDSERVE_INLINE void block_scores(const float* __restrict queries, int64_t D,
 // multiplies by the softmax scale. Not inlined (its target differs from its callers' templates;
 // one call covers 4 rows by 64 keys).
 template <int64_t kT>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma"), noinline)) void
+__attribute__((PDSERVE_BF16_DOT, noinline)) void
 block_scores_bf16_dot(const uint32_t* __restrict queries, int64_t D,
                       const uint32_t* __restrict key_pairs, v16 (&scores)[kRows][kTiles]) {
   __m512 acc[kRows][kT];
@@ -162,7 +165,7 @@ PDSERVE_INLINE void add_values(float* __restrict acc, int64_t D, int64_t c0,
 // weighted values to 16 accumulators: half the instructions of the float32 FMAs, and no
 // widening of V. kChunks vectors of 16 from value column c0, as add_values.
 template <int64_t kChunks>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma"), noinline)) void
+__attribute__((PDSERVE_BF16_DOT, noinline)) void
 add_values_bf16_dot(float* __restrict acc, int64_t D, int64_t c0,
                     const uint32_t* __restrict weight_pairs,
                     const uint32_t* __restrict value_pairs, int64_t pairs) {
@@ -189,7 +192,7 @@ add_values_bf16_dot(float* __restrict acc, int64_t D, int64_t c0,
 // The register block's weights ([kRows][kBlock] float32, the first `tiles` vectors of 16 of each
 // row written) as bfloat16 pairs, rounded to nearest even: key 2p's in a lane's low half, key
 // 2p + 1's in its high half.
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma"), noinline)) void
+__attribute__((PDSERVE_BF16_DOT, noinline)) void
 weights_to_bf16_pairs(const float* __restrict weights, int64_t tiles,
                       uint32_t* __restrict weight_pairs) {
   for (int64_t i = 0; i < kRows; i++) {
@@ -395,7 +398,7 @@ PDSERVE_CLONES void attend_bf16(const Shape& s, const c10::BFloat16* cache,
 }
 
 #if defined(__x86_64__)
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma"))) void
+__attribute__((PDSERVE_BF16_DOT)) void
 attend_bf16_dot(const Shape& s, const c10::BFloat16* cache, const c10::BFloat16* q,
                 c10::BFloat16* out, const Sequences& seqs, const Task& task, float* buffer) {
   attend_any_dim<true>(s, cache, q, out, seqs, task, buffer);
