@@ -62,6 +62,11 @@ def echo(line: str = "") -> None:
     _write(line, sys.stdout)
 
 
+def warn(line: str) -> None:
+    """Print ``line`` to stderr (a caveat on a command's result) without breaking a bar."""
+    _write(line, sys.stderr)
+
+
 def resolve_level(level: int | str | None, default: int | str = logging.INFO) -> int:
     """``level``, else ``$PDSERVE_LOG_LEVEL``, else ``default``; a name (``debug``) or a number.
     An unknown name in the environment falls back to ``default`` rather than failing a worker."""

@@ -325,10 +325,10 @@ def _simulate(args: argparse.Namespace) -> int:
 
 def _run_simulate(args: argparse.Namespace) -> int:
     from orchestrator.sim.cost import create_cost_model
-    from orchestrator.sim.metrics import prompt_work, summarize
+    from orchestrator.sim.metrics import prompt_work, summarize, unsettled
     from orchestrator.sim.simulator import simulate
     from orchestrator.sim.workload import Workload
-    from workers.log import echo, progress
+    from workers.log import echo, progress, warn
 
     cost = create_cost_model(args.cost)
     workload, slo, limits, options = _inputs(args)
@@ -346,6 +346,14 @@ def _run_simulate(args: argparse.Namespace) -> int:
         echo(f"{layout.label:<20} {per_node:5.2f} req/s per decoding instance | {summary.row()}")
         if shares_prefixes:  # what prefix caching saved (or would have)
             echo(f"{'':<20} {prompt_work(result, args.warmup).row()}")
+        short = unsettled(result, args.warmup)
+        if short:
+            warn(
+                f"{layout.label}: not steady state: the {short[0]:.0f} s of arrivals left out "
+                f"(--warmup {args.warmup}) are shorter than a measured request's mean "
+                f"{short[1]:.0f} s in the cluster, which was still filling up; raise "
+                "--num-requests"
+            )
     return 0
 
 

@@ -77,6 +77,17 @@ def measured(records: tuple[RequestRecord, ...], warmup: float) -> list[RequestR
     return ordered[cut : len(ordered) - cut] or ordered
 
 
+def unsettled(result: SimResult, warmup: float) -> tuple[float, float] | None:
+    """(seconds of arrivals left out at the start, the measured requests' mean time in the
+    cluster) when the first is the shorter: a cluster fills up over about one such time, so
+    the measured requests then arrived into one still filling up, and their figures are not
+    steady state's (smaller batches, faster decode). None when the run had settled."""
+    records = measured(result.records, warmup)
+    head = min(r.arrival_time for r in records) - min(r.arrival_time for r in result.records)
+    stay = float(np.mean([r.e2e for r in records]))
+    return (head, stay) if head < stay else None
+
+
 def summarize(result: SimResult, slo: SLO | None = None, warmup: float = 0.0) -> Summary:
     records = measured(result.records, warmup)
     ttft = np.array([r.ttft for r in records])

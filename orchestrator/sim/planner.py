@@ -25,13 +25,16 @@ from dataclasses import dataclass, field
 from orchestrator.config.cluster import MAX_GROUP_RATIO
 from orchestrator.sim.cost import CostModel
 from orchestrator.sim.instances import EngineLimits
-from orchestrator.sim.metrics import SLO, Summary, summarize
+from orchestrator.sim.metrics import SLO, Summary, summarize, unsettled
 from orchestrator.sim.options import ServingOptions
 from orchestrator.sim.simulator import Layout, UnservableError, simulate
 from orchestrator.sim.workload import Arrivals
 from workers.log import progress
 
 logger = logging.getLogger(__name__)
+
+
+SETTLE_RUNS = 4  # runs of one layout at one rate, each longer, until the cluster fills up
 
 
 @dataclass(frozen=True)
@@ -113,13 +116,25 @@ def layouts(cost: CostModel, spec: PlanSpec) -> Iterator[Layout]:
 
 
 def evaluate(cost: CostModel, layout: Layout, spec: PlanSpec, rate: float) -> Summary | None:
-    """Summary at ``rate``; None when the layout cannot hold a request of the workload."""
-    workload = spec.workload.at_rate(rate, spec.min_duration_s)
-    try:
-        result = simulate(cost, layout, workload, spec.limits, spec.options)
-    except UnservableError:
-        return None
-    return summarize(result, spec.slo, spec.warmup)
+    """Summary at ``rate``; None when the layout cannot hold a request of the workload.
+
+    A run too short for the cluster to fill up (`metrics.unsettled`) flatters the layout: one
+    that meets the SLOs anyway is run again over enough arrivals for the share left out at the
+    start to outlast a request's time in the cluster twice (up to `SETTLE_RUNS` runs). One
+    that misses them stands, as a cluster filling up further only does worse."""
+    duration = spec.min_duration_s
+    for _ in range(SETTLE_RUNS):
+        workload = spec.workload.at_rate(rate, duration)
+        try:
+            result = simulate(cost, layout, workload, spec.limits, spec.options)
+        except UnservableError:
+            return None
+        summary = summarize(result, spec.slo, spec.warmup)
+        short = unsettled(result, spec.warmup) if spec.warmup > 0 else None
+        if short is None or summary.slo_attainment < spec.attainment:
+            break
+        duration = max(2 * duration, 2 * short[1] / spec.warmup)
+    return summary
 
 
 def max_goodput(cost: CostModel, layout: Layout, spec: PlanSpec) -> Candidate:

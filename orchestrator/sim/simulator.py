@@ -185,7 +185,12 @@ class Simulator:
         options: ServingOptions | None = None,
     ) -> None:
         sizes = (layout.tp_mixed,) if layout.is_mixed else (layout.tp_prefill, layout.tp_decode)
-        unsupported = sorted({tp for tp in sizes if not cost.supports_tp(tp)})
+        # Decoders of an expert-parallel domain hold only their share of the experts: a TP
+        # size too small for the whole model may hold theirs.
+        decode_cost = cost.spread_experts(layout.ep_decode) if layout.ep_decode > 1 else cost
+        holders = (cost,) if layout.is_mixed else (cost, decode_cost)
+        pairs = zip(holders, sizes, strict=True)
+        unsupported = sorted({tp for model, tp in pairs if not model.supports_tp(tp)})
         if unsupported:
             raise UnsupportedLayoutError(
                 f"{layout.label}: {cost.name} does not run at TP "
@@ -217,7 +222,6 @@ class Simulator:
                 PrefillInstance(cost, layout.tp_prefill, self.prefill_limits, options)
                 for _ in range(layout.num_prefill)
             ]
-            decode_cost = cost.spread_experts(layout.ep_decode)
             self.decodes = [
                 DecodeInstance(decode_cost, layout.tp_decode, self.limits, options)
                 for _ in range(layout.num_decode)

@@ -23,6 +23,20 @@ def test_simulate_prints_one_line_per_layout(capsys: pytest.CaptureFixture[str])
     assert "1P(tp4):1D(tp4)" in out and "2M(tp4)" in out and "tok/s/req" in out
 
 
+def test_simulate_says_when_a_run_ends_before_the_cluster_fills_up(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Answers of 1024 tokens keep a request ~20 s in the cluster: 40 requests at 2 req/s leave
+    # out its first 2 s of arrivals, 800 requests its first 40 s.
+    argv = ["simulate", "--cost", "roofline:llama-3-70b:h100", "--layout", "1x4:1x4",
+            "--rate", "2", "--prompt", "fixed:1000", "--output", "fixed:1024"]  # fmt: skip
+    assert main([*argv, "--num-requests", "40"]) == 0
+    err = capsys.readouterr().err
+    assert "1P(tp4):1D(tp4): not steady state" in err and "raise --num-requests" in err
+    assert main([*argv, "--num-requests", "800"]) == 0
+    assert "not steady state" not in capsys.readouterr().err
+
+
 def test_plan_prints_a_table_and_emits_a_loadable_config(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

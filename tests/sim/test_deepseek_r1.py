@@ -1,47 +1,46 @@
 """The roofline DeepSeek-R1 preset against the reference deployment's result (docs/design.md §1):
-mixed serving stayed under ~50 tok/s per request; 1 prefill : 3 decode nodes gave > 90 tok/s
-per request at ~1 QPS per decode node, for ~100 ms more TTFT.
+mixed serving "struggled to consistently exceed ~50 tok/s per request" because of prefill
+interruptions of hundreds of milliseconds; 1 prefill : 3 decode nodes gave > 90 tok/s per
+request at ~1 QPS per decode node, for ~100 ms more TTFT.
 
 Workload (ours; the reference does not give one): Poisson arrivals, prompts uniform in
-4096-8192 tokens, outputs uniform in 1024-2048, 300 requests, seed 0; nodes of 8 H200 at TP 8,
-8 x 400 Gb/s NICs, the default 2048-token step budget; the first and last 20% of arrivals
+4096-8192 tokens, outputs uniform in 1024-2048, seed 0, 300 s of arrivals; nodes of 8 H200 at
+TP 8, 8 x 400 Gb/s NICs, the default 2048-token step budget; the first and last 20% of arrivals
 left out of the averages. Mixed runs on 4 nodes, as many as 1P:3D, at the same rate per node.
+The 60 s left out at the start outlast a request's 15-55 s in the cluster, so the measured
+requests see steady state (each run checks it); runs of 300 requests, as before, measured the
+mixed nodes while they were still filling up, ~4-8 tok/s too fast (bench/history/RESULTS-notebook.md).
 
-What the model reproduces with its a-priori efficiency factors (bench/history/RESULTS-notebook.md has the
-table): the direction everywhere (disaggregated decode is faster per request, with a flat
-ITL where mixed steps stall on prefill chunks, for a higher TTFT) and the size at 0.5 QPS
-per decode node (> 90 vs the mixed baseline below it). At 1 QPS per decode node with these
-output lengths the roofline decoder's batch grows to ~35 and both fall to ~35-45 tok/s:
-the reference's > 90 there is *not* reproduced (it would need ~2x faster decode steps than
-this roofline gives, e.g. MTP / speculative decoding, which it does not model).
+What the model reproduces with its a-priori efficiency factors (the notebook has the tables):
+the direction everywhere (disaggregated decode is faster per request, with a flat ITL where
+mixed steps stall on prefill chunks, for a higher TTFT) and the size at 0.5 QPS per decode
+node (> 90 vs the mixed baseline below it). At 1 QPS per decode node the roofline decoder's
+batch grows to ~35 and both fall to ~30-40 tok/s: the reference's > 90 there is *not*
+reproduced without drafts.
 
-With MTP (k = 1, acceptance 0.85, the low end of the 85-90% DeepSeek reports for R1's
-first draft; fixed before the run) at 1 QPS per decode node: 1P:3D rises to ~72 tok/s and
-mixed to ~60 (bench/RESULTS.md, "Reference shape"). The direction holds; the size still does
-not (> 90 against < 50): a decode step of ~15 sequences with a draft each reads ~60% of the
-node's routed experts, ~70% of the step's time, which expert parallelism across nodes, not
-modelled, would spread.
+With MTP (k = 1, acceptance 0.85, the low end of the 85-90% DeepSeek reports for R1's first
+draft; fixed before the run) at 1 QPS per decode node: 1P:3D rises to ~72 tok/s and mixed to
+~55. Drafts gain more than the 1.85 tokens a step they emit: at a fixed arrival rate, faster
+decode also leaves fewer sequences in each step. A decode step of ~15 sequences with a draft
+each still reads ~60% of the node's routed experts, ~70% of the step's time.
 
 With the decode group as one expert-parallel domain (`1x8:3x8:ep3`: the three decoders
 spread one copy of the routed experts over their 24 GPUs, dispatch and combine priced from
 the NIC preset, which matches DeepEP's published latencies within 15%; nothing else changed)
-and MTP as above: 1P:3D decodes at ~130 tok/s per request, > 90 as in the reference, ~2.2x
-the mixed nodes (which keep every expert per node, as the reference's data-parallel mixed
-deployment: ~60 tok/s with MTP, ~38 without). The size of the split side is reproduced; the
-mixed side stays under 50 only without MTP (the reference does not say whether its mixed
-deployment drafted).
+and MTP as above: 1P:3D decodes at ~130 tok/s per request, > 90 as in the reference, ~2.4x
+the mixed nodes (which keep every expert per node, as the reference's mixed deployment).
 
-Read as the reference words it ("struggled to *consistently* exceed 50"; fixed before the runs:
-a deployment consistently exceeds X when the slowest tenth of its requests decode faster than
-X), the verdict is the same: 1P:3D with expert parallelism keeps p10 > 90, mixed with MTP
-keeps p10 > 50 too. Each request sees about the same rate of prefill chunks over its tens of
-seconds of decode, so the spread over requests is narrow (p10 0.91-0.96x the mean).
+"Consistently above X" (fixed before the runs: the slowest tenth of requests decode faster
+than X): 1P:3D with expert parallelism keeps p10 > 90. The mixed nodes' slowest tenth sits at
+the reference's 50 with the 2048-token budget (p10 50-52, ITL p99 ~70 ms), and below it with
+whole-prompt steps (p10 ~46), whose ~190 ms interruptions are the "hundreds of milliseconds"
+the reference describes; the mean stays above 50 (~55 and ~50).
 
 Not reproduced either, and not asserted: at the same hardware *and* the same total load
-(4M at 1.5 QPS against 1P:3D at 1.5 QPS) mixed decodes faster per request here (137 vs
-112 tok/s), because its fourth node decodes too and a roofline step that mixes a chunk with
-decodes reads the weights once for both. The comparison these tests make is at the same
-load per decoding node, which is how the reference states its result.
+(4M at 1.5 QPS against 1P:3D at 1.5 QPS) mixed decodes faster per request here, because its
+fourth node decodes too and a roofline step that mixes a chunk with decodes reads the weights
+once for both. The comparison these tests make is at the same load per decoding node, which is
+how the reference states its result.
 """
 
 from __future__ import annotations
@@ -49,7 +48,8 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.sim.cost import create_cost_model
-from orchestrator.sim.metrics import Summary, summarize
+from orchestrator.sim.instances import EngineLimits
+from orchestrator.sim.metrics import Summary, summarize, unsettled
 from orchestrator.sim.options import ServingOptions
 from orchestrator.sim.simulator import Layout, simulate
 from orchestrator.sim.speculative import SpecDecoding
@@ -61,18 +61,28 @@ MIXED = Layout(num_mixed=4, tp_mixed=8)
 
 
 MTP = ServingOptions(SpecDecoding((0.85,), "mtp"))
+WHOLE_PROMPTS = EngineLimits(max_num_batched_tokens=8192)  # no prompt split over steps
+DURATION_S = 300.0  # seconds of arrivals
+WARMUP = 0.2
 
 
-def _run(layout: Layout, per_node: float, options: ServingOptions | None = None) -> Summary:
+def _run(
+    layout: Layout,
+    per_node: float,
+    options: ServingOptions | None = None,
+    limits: EngineLimits | None = None,
+) -> Summary:
     cost = create_cost_model("roofline:deepseek-r1:h200:8x400g")
-    nodes = layout.num_decode or layout.num_mixed
+    rate = per_node * (layout.num_decode or layout.num_mixed)
     workload = Workload(
-        per_node * nodes,
-        300,
+        rate,
+        round(rate * DURATION_S),
         LengthDist.parse("uniform:4096-8192"),
         LengthDist.parse("uniform:1024-2048"),
     )
-    return summarize(simulate(cost, layout, workload, options=options), warmup=0.2)
+    result = simulate(cost, layout, workload, limits, options=options)
+    assert unsettled(result, WARMUP) is None  # the measured requests saw steady state
+    return summarize(result, warmup=WARMUP)
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +117,7 @@ def test_one_qps_per_decode_node_keeps_the_direction_not_the_size(
     # Not > 90 as in the reference (see the module docstring); pinned loosely so that a
     # change of the model that moves it shows up here.
     assert 30 < split.tokens_per_s_per_request < 60
-    assert split.ttft_mean > mixed.ttft_mean
+    assert split.ttft_p50 > mixed.ttft_p50
 
 
 @pytest.fixture(scope="module")
@@ -119,17 +129,31 @@ def test_mtp_at_one_qps_per_decode_node_keeps_the_direction_and_misses_the_size(
     one_qps: tuple[Summary, Summary], one_qps_mtp: tuple[Summary, Summary]
 ) -> None:
     split, mixed = one_qps_mtp
-    # Drafts speed up both, by less than the 1.85 tokens a step they emit.
+    # Drafts speed up both, by more than the 1.85 tokens a step they emit: at the same arrival
+    # rate, faster decode also leaves fewer sequences in each step (see the module docstring).
     for drafted, plain in zip(one_qps_mtp, one_qps, strict=True):
-        assert 1.2 * plain.tokens_per_s_per_request < drafted.tokens_per_s_per_request
-        assert drafted.tokens_per_s_per_request < 1.85 * plain.tokens_per_s_per_request
+        assert 1.5 * plain.tokens_per_s_per_request < drafted.tokens_per_s_per_request
+        assert drafted.tokens_per_s_per_request < 2.5 * plain.tokens_per_s_per_request
     assert split.tokens_per_s_per_request > mixed.tokens_per_s_per_request
     assert mixed.itl_p99 > 2 * split.itl_p99  # mixed steps still stall on prefill chunks
     # Not > 90 against < 50 as in the reference (see the module docstring); pinned loosely.
     assert 60 < split.tokens_per_s_per_request < 90
     assert 50 < mixed.tokens_per_s_per_request < split.tokens_per_s_per_request
-    # Nor read as consistency: the mixed nodes' slowest tenth still decodes above 50.
-    assert 50 < mixed.tokens_per_s_per_request_p10 < mixed.tokens_per_s_per_request
+    # Read as consistency, the mixed nodes' slowest tenth sits at the reference's 50.
+    assert 45 < mixed.tokens_per_s_per_request_p10 < 55
+
+
+def test_whole_prompt_steps_keep_the_mixed_nodes_slowest_tenth_below_50(
+    one_qps_mtp: tuple[Summary, Summary],
+) -> None:
+    _, chunked = one_qps_mtp
+    mixed = _run(MIXED, 1.0, MTP, WHOLE_PROMPTS)
+    # The reference's "prefill interruptions of hundreds of milliseconds": a prompt's whole
+    # prefill in one step, where the 2048-token budget splits it into ~70 ms stalls.
+    assert mixed.itl_p99 > 0.15 > chunked.itl_p99
+    # It does not consistently exceed 50: its slowest tenth decodes slower.
+    assert mixed.tokens_per_s_per_request_p10 < 50
+    assert mixed.tokens_per_s_per_request < chunked.tokens_per_s_per_request
 
 
 def test_an_expert_parallel_decode_group_with_mtp_reproduces_the_size(

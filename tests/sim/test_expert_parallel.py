@@ -15,7 +15,7 @@ from orchestrator.sim.cost import StepShape, create_cost_model
 from orchestrator.sim.metrics import SLO
 from orchestrator.sim.planner import PlanSpec, layouts
 from orchestrator.sim.roofline import RooflineCostModel
-from orchestrator.sim.simulator import Layout
+from orchestrator.sim.simulator import Layout, Simulator, UnsupportedLayoutError
 from orchestrator.sim.workload import LengthDist, Workload
 from tests.sim.toy import affine
 
@@ -79,6 +79,19 @@ def test_the_layout_names_its_domain_and_refuses_one_it_cannot_form() -> None:
     for bad in ("1x8:3x8:ep2", "1x8:3x8:epx", "4x8:ep4", "1x8:3x8:ep0"):
         with pytest.raises(ValueError):
             parse_layout(bad)
+
+
+def test_a_domain_s_decoders_may_run_at_a_tp_too_small_for_every_expert() -> None:
+    # Data-parallel decoders: 24 ranks of one GPU each, the experts spread over all 24.
+    cost = _r1()
+    ranks = parse_layout("5x8:24x1:ep24")
+    assert ranks.label == "5P(tp8):24D(tp1,ep24)" and ranks.num_gpus == 64
+    assert not cost.supports_tp(1) and cost.spread_experts(24).supports_tp(1)
+    Simulator(cost, ranks)  # each rank holds its 24th of the experts
+    with pytest.raises(UnsupportedLayoutError, match="TP 1"):
+        Simulator(cost, parse_layout("5x8:24x1"))  # each rank holding every expert
+    with pytest.raises(UnsupportedLayoutError, match="TP 1"):
+        Simulator(cost, parse_layout("5x1:24x1:ep24"))  # prefill ranks hold every expert
 
 
 def _plan_spec(expert_parallel: bool, budget: int = 24) -> PlanSpec:

@@ -14,6 +14,7 @@ import yaml
 from orchestrator.cli.main import main
 from orchestrator.config.cluster import ClusterConfig, ConfigError
 from orchestrator.loadgen.validate import limits_of
+from orchestrator.sim import planner
 from orchestrator.sim.cost import create_cost_model
 from orchestrator.sim.emit import (
     PAGE_SIZE,
@@ -24,7 +25,7 @@ from orchestrator.sim.emit import (
 )
 from orchestrator.sim.instances import EngineLimits
 from orchestrator.sim.metrics import SLO
-from orchestrator.sim.planner import PlanSpec, format_table, layouts, plan
+from orchestrator.sim.planner import PlanSpec, evaluate, format_table, layouts, plan
 from orchestrator.sim.simulator import Layout
 from orchestrator.sim.workload import LengthDist, Workload
 from tests.ops.helm_chart import CHART, NAMESPACE, RELEASE, cluster_yaml
@@ -46,6 +47,34 @@ def _spec(prompt: str, output: str, slo: SLO, budget: int = 4) -> PlanSpec:
         bisect_steps=5,
         min_duration_s=4.0,
     )
+
+
+def test_a_rate_is_judged_once_the_cluster_has_filled_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Answers of 1024 tokens keep a request ~20 s in the cluster; 2 s of arrivals (a tenth of
+    # them left out) measure requests that arrived into a nearly empty one.
+    cost = create_cost_model("roofline:llama-3-70b:h100")
+    workload = Workload(1.0, 40, LengthDist.parse("fixed:1000"), LengthDist.parse("fixed:1024"))
+    spec = PlanSpec(workload, SLO(2.0, 0.05), 8, tp_choices=(4,), min_duration_s=2.0)
+    mixed = Layout(num_mixed=2, tp_mixed=4)
+    sizes: list[int] = []
+    simulate = planner.simulate
+
+    def counted(*args: Any) -> Any:
+        sizes.append(args[2].num_requests)
+        return simulate(*args)
+
+    monkeypatch.setattr(planner, "simulate", counted)
+    settled = evaluate(cost, mixed, spec, 20.0)
+    assert settled is not None and settled.slo_attainment < spec.attainment
+    assert len(sizes) > 1 and sizes == sorted(sizes)  # run again, longer, until it filled up
+    # A run that misses the SLOs stands without a longer one: it could only do worse.
+    sizes.clear()
+    overloaded = evaluate(cost, mixed, spec, 200.0)
+    assert overloaded is not None and overloaded.slo_attainment < spec.attainment
+    assert len(sizes) == 1
+    monkeypatch.setattr(planner, "SETTLE_RUNS", 1)  # the short run alone flatters the layout
+    short = evaluate(cost, mixed, spec, 20.0)
+    assert short is not None and short.slo_attainment >= spec.attainment
 
 
 def test_layouts_stay_within_the_budget_and_supported_tp() -> None:
