@@ -9,7 +9,7 @@ TP 8, 8 x 400 Gb/s NICs, the default 2048-token step budget; the first and last 
 left out of the averages. Mixed runs on 4 nodes, as many as 1P:3D, at the same rate per node.
 The 60 s left out at the start outlast a request's 15-55 s in the cluster, so the measured
 requests see steady state (each run checks it); runs of 300 requests, as before, measured the
-mixed nodes while they were still filling up, ~4-8 tok/s too fast (bench/history/RESULTS-notebook.md).
+mixed nodes while they were still filling up, 3-8 tok/s too fast (bench/history/RESULTS-notebook.md).
 
 What the model reproduces with its a-priori efficiency factors (the notebook has the tables):
 the direction everywhere (disaggregated decode is faster per request, with a flat ITL where
@@ -20,8 +20,8 @@ reproduced without drafts.
 
 With MTP (k = 1, acceptance 0.85, the low end of the 85-90% DeepSeek reports for R1's first
 draft; fixed before the run) at 1 QPS per decode node: 1P:3D rises to ~72 tok/s and mixed to
-~55. Drafts gain more than the 1.85 tokens a step they emit: at a fixed arrival rate, faster
-decode also leaves fewer sequences in each step. A decode step of ~15 sequences with a draft
+~55. Drafts gain a little more than the 1.85 tokens a step they emit: at a fixed arrival
+rate, faster decode also leaves fewer sequences in each step. A decode step of ~15 sequences with a draft
 each still reads ~60% of the node's routed experts, ~70% of the step's time.
 
 With the decode group as one expert-parallel domain (`1x8:3x8:ep3`: the three decoders
@@ -129,8 +129,8 @@ def test_mtp_at_one_qps_per_decode_node_keeps_the_direction_and_misses_the_size(
     one_qps: tuple[Summary, Summary], one_qps_mtp: tuple[Summary, Summary]
 ) -> None:
     split, mixed = one_qps_mtp
-    # Drafts speed up both, by more than the 1.85 tokens a step they emit: at the same arrival
-    # rate, faster decode also leaves fewer sequences in each step (see the module docstring).
+    # Drafts speed up both, by about the 1.85 tokens a step they emit (1.9x here): at the same
+    # arrival rate, faster decode also leaves fewer sequences in each step (module docstring).
     for drafted, plain in zip(one_qps_mtp, one_qps, strict=True):
         assert 1.5 * plain.tokens_per_s_per_request < drafted.tokens_per_s_per_request
         assert drafted.tokens_per_s_per_request < 2.5 * plain.tokens_per_s_per_request
