@@ -81,7 +81,7 @@ def test_the_layout_names_its_domain_and_refuses_one_it_cannot_form() -> None:
             parse_layout(bad)
 
 
-def test_a_domain_s_decoders_may_run_at_a_tp_too_small_for_every_expert() -> None:
+def test_decoders_of_a_domain_may_run_at_a_tp_too_small_for_every_expert() -> None:
     # Data-parallel decoders: 24 ranks of one GPU each, the experts spread over all 24.
     cost = _r1()
     ranks = parse_layout("5x8:24x1:ep24")
