@@ -348,11 +348,11 @@ def _run_simulate(args: argparse.Namespace) -> int:
             echo(f"{'':<20} {prompt_work(result, args.warmup).row()}")
         short = unsettled(result, args.warmup)
         if short:
+            more = "--num-requests" if isinstance(workload, Workload) else "the conversations"
             warn(
                 f"{layout.label}: not steady state: the {short[0]:.0f} s of arrivals left out "
                 f"(--warmup {args.warmup}) are shorter than a measured request's mean "
-                f"{short[1]:.0f} s in the cluster, which was still filling up; raise "
-                "--num-requests"
+                f"{short[1]:.0f} s in the cluster, which was still filling up; raise {more}"
             )
     return 0
 
