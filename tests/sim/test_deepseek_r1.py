@@ -9,7 +9,7 @@ TP 8, 8 x 400 Gb/s NICs, the default 2048-token step budget; the first and last 
 left out of the averages. Mixed runs on 4 nodes, as many as 1P:3D, at the same rate per node.
 The 60 s left out at the start outlast a request's 15-55 s in the cluster, so the measured
 requests see steady state (each run checks it); runs of 300 requests, as before, measured the
-mixed nodes while they were still filling up, 3-8 tok/s too fast (bench/history/RESULTS-notebook.md).
+mixed nodes while they were still filling up, 3-9 tok/s too fast (bench/history/RESULTS-notebook.md).
 
 What the model reproduces with its a-priori efficiency factors (the notebook has the tables):
 the direction everywhere (disaggregated decode is faster per request, with a flat ITL where
