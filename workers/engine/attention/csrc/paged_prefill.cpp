@@ -229,6 +229,10 @@ PDSERVE_INLINE void attend(const Shape& s, const T* cache, const T* q, T* out,
   float* key_row = weights + kRows * kBlock;
   // [kBlock][D] float32 V rows; with kDot, [kBlock / 2][D] pairs of bfloat16 ones instead.
   float* value_rows = key_row + D;
+  // With kDot, key t's bfloat16 V values: every other half of pair t / 2's lanes.
+  auto value_halves = [&](int64_t t) {
+    return reinterpret_cast<uint16_t*>(value_rows) + (t / 2) * 2 * D + t % 2;
+  };
   auto position = [&](int64_t r) { return context + task.first + std::min(r, rows - 1) / group; };
   for (int64_t r = 0; r < padded; r++) {
     const int64_t last = std::min(r, rows - 1);
@@ -269,7 +273,7 @@ PDSERVE_INLINE void attend(const Shape& s, const T* cache, const T* q, T* out,
         }
         if constexpr (kDot) {
           const uint16_t* v = reinterpret_cast<const uint16_t*>(k_row + value_offset);
-          uint16_t* halves = reinterpret_cast<uint16_t*>(value_rows) + (t / 2) * 2 * D + t % 2;
+          uint16_t* halves = value_halves(t);
           for (int64_t d = 0; d < D; d++) halves[2 * d] = v[d];
         } else {
           values[t] = as_float(k_row + value_offset, D, value_rows + t * D);
@@ -278,7 +282,7 @@ PDSERVE_INLINE void attend(const Shape& s, const T* cache, const T* q, T* out,
         // Zero bits are 0.0 as a float32 and as a pair of bfloat16 alike.
         for (int64_t d = 0; d < D; d++) keys_t[d * kBlock + t] = 0.0f;
         if constexpr (kDot) {
-          uint16_t* halves = reinterpret_cast<uint16_t*>(value_rows) + (t / 2) * 2 * D + t % 2;
+          uint16_t* halves = value_halves(t);
           for (int64_t d = 0; d < D; d++) halves[2 * d] = 0;
         } else {
           values[t] = values[0];
