@@ -325,7 +325,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
 def _run_simulate(args: argparse.Namespace) -> int:
     from orchestrator.sim.cost import create_cost_model
-    from orchestrator.sim.metrics import prompt_work, summarize, unsettled
+    from orchestrator.sim.metrics import overloaded, prompt_work, summarize, unsettled
     from orchestrator.sim.simulator import simulate
     from orchestrator.sim.workload import Workload
     from workers.log import echo, progress, warn
@@ -346,8 +346,17 @@ def _run_simulate(args: argparse.Namespace) -> int:
         echo(f"{layout.label:<20} {per_node:5.2f} req/s per decoding instance | {summary.row()}")
         if shares_prefixes:  # what prefix caching saved (or would have)
             echo(f"{'':<20} {prompt_work(result, args.warmup).row()}")
-        short = unsettled(result, args.warmup)
-        if short:
+        # An overloaded cluster has no steady state to wait for: say that alone.
+        rising = overloaded(result, args.warmup)
+        short = None if rising else unsettled(result, args.warmup)
+        if rising:
+            warn(
+                f"{layout.label}: overloaded: the mean TTFT rose from {rising[0]:.2f} s "
+                f"(the first third of the measured requests) to {rising[1]:.2f} s (the last); "
+                "the queue grew through the run, so every figure depends on its length: lower "
+                "--rate (or raise --num-requests, should a burst of arrivals have caused it)"
+            )
+        elif short:
             more = "--num-requests" if isinstance(workload, Workload) else "the conversations"
             warn(
                 f"{layout.label}: not steady state: the {short[0]:.0f} s of arrivals left out "

@@ -88,6 +88,31 @@ def unsettled(result: SimResult, warmup: float) -> tuple[float, float] | None:
     return (head, stay) if head < stay else None
 
 
+OVERLOAD_GROWTH = 0.1  # seconds of TTFT gained per second of arrivals
+
+
+def overloaded(result: SimResult, warmup: float) -> tuple[float, float] | None:
+    """(mean TTFT of the first third of the measured requests, by arrival, and of the last
+    third) when TTFT grew through the run: the last third's mean more than twice the first's,
+    or growing faster than `OVERLOAD_GROWTH` s a second between the thirds (a queue that
+    built up before the measured requests came grows slower than it is long). The rate is
+    then above what the layout carries, and every figure of the run depends on its length: a
+    longer run, a longer queue. A short run near a layout's limit can show the same from a
+    burst of arrivals, which a longer run averages out. None when TTFT holds level, as at any
+    rate the cluster keeps up with, or with too few requests to tell (fewer than 10 a third)."""
+    records = measured(result.records, warmup)
+    third = len(records) // 3
+    if third < 10:
+        return None
+    head, tail = records[:third], records[-third:]
+    first = float(np.mean([r.ttft for r in head]))
+    last = float(np.mean([r.ttft for r in tail]))
+    apart = float(np.mean([r.arrival_time for r in tail]) - np.mean([r.arrival_time for r in head]))
+    if last > 2 * first or last - first > OVERLOAD_GROWTH * apart:
+        return first, last
+    return None
+
+
 def summarize(result: SimResult, slo: SLO | None = None, warmup: float = 0.0) -> Summary:
     records = measured(result.records, warmup)
     ttft = np.array([r.ttft for r in records])

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from orchestrator.config.cluster import MAX_GROUP_RATIO
 from orchestrator.sim.cost import CostModel
 from orchestrator.sim.instances import EngineLimits
-from orchestrator.sim.metrics import SLO, Summary, summarize, unsettled
+from orchestrator.sim.metrics import SLO, Summary, overloaded, summarize, unsettled
 from orchestrator.sim.options import ServingOptions
 from orchestrator.sim.simulator import Layout, UnservableError, simulate
 from orchestrator.sim.workload import Arrivals
@@ -120,8 +120,10 @@ def evaluate(cost: CostModel, layout: Layout, spec: PlanSpec, rate: float) -> Su
 
     A run too short for the cluster to fill up (`metrics.unsettled`) flatters the layout: one
     that meets the SLOs anyway is run again over enough arrivals for the share left out at the
-    start to outlast a request's time in the cluster twice (up to `SETTLE_RUNS` runs). One
-    that misses them stands, as a cluster filling up further only does worse."""
+    start to outlast a request's time in the cluster twice (up to `SETTLE_RUNS` runs). So is
+    one whose queue grows while its measured requests arrive (`metrics.overloaded`): a longer
+    run's queue is longer, until the TTFT SLO fails. One that misses the SLOs stands, as a
+    cluster filling up further only does worse."""
     duration = spec.min_duration_s
     for _ in range(SETTLE_RUNS):
         workload = spec.workload.at_rate(rate, duration)
@@ -131,9 +133,10 @@ def evaluate(cost: CostModel, layout: Layout, spec: PlanSpec, rate: float) -> Su
             return None
         summary = summarize(result, spec.slo, spec.warmup)
         short = unsettled(result, spec.warmup) if spec.warmup > 0 else None
-        if short is None or summary.slo_attainment < spec.attainment:
+        rising = overloaded(result, spec.warmup)
+        if summary.slo_attainment < spec.attainment or (short is None and rising is None):
             break
-        duration = max(2 * duration, 2 * short[1] / spec.warmup)
+        duration = max(2 * duration, 2 * short[1] / spec.warmup if short else 0.0)
     return summary
 
 

@@ -37,6 +37,20 @@ def test_simulate_says_when_a_run_ends_before_the_cluster_fills_up(
     assert "not steady state" not in capsys.readouterr().err
 
 
+def test_simulate_says_when_the_queue_grows_through_the_run(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # One decoder of 64 sequences, ~20 ms a step, 1024-token answers: ~3 req/s at most.
+    argv = ["simulate", "--cost", "roofline:llama-3-70b:h100", "--layout", "1x4:1x4",
+            "--prompt", "fixed:1000", "--output", "fixed:1024"]  # fmt: skip
+    assert main([*argv, "--rate", "12", "--num-requests", "400"]) == 0
+    err = capsys.readouterr().err
+    assert "1P(tp4):1D(tp4): overloaded: the mean TTFT rose from" in err
+    assert "lower --rate" in err and "not steady state" not in err
+    assert main([*argv, "--rate", "2", "--num-requests", "800"]) == 0
+    assert "overloaded" not in capsys.readouterr().err
+
+
 def test_plan_prints_a_table_and_emits_a_loadable_config(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -41,6 +41,14 @@ Not reproduced either, and not asserted: at the same hardware *and* the same tot
 fourth node decodes too and a roofline step that mixes a chunk with decodes reads the weights
 once for both. The comparison these tests make is at the same load per decoding node, which is
 how the reference states its result.
+
+Data-parallel decoders (the reference's third deployment, "about 50" tok/s per request at
+1 QPS per rank, 8 ranks a node): 24 ranks of one GPU as one expert-parallel domain, MTP as
+above. With this workload's answers (1024-2048 tokens) a rank cannot keep up: 1 QPS asks
+~1,540 tokens a second of it, and its 64 sequences decode ~1,400 at the step time of that
+batch (~85 ms), so the queue grows through any run (TTFT mean 0.9 s over 300 s of arrivals,
+8.9 s over 600). With answers of 768-1280 tokens a rank keeps up and decodes at about 50 (52-55 over
+seeds 0-2, p10 50-52), while 1P:3D, at an eighth of the load per GPU, decodes at ~170.
 """
 
 from __future__ import annotations
@@ -49,15 +57,17 @@ import pytest
 
 from orchestrator.sim.cost import create_cost_model
 from orchestrator.sim.instances import EngineLimits
-from orchestrator.sim.metrics import Summary, summarize, unsettled
+from orchestrator.sim.metrics import Summary, overloaded, summarize, unsettled
 from orchestrator.sim.options import ServingOptions
-from orchestrator.sim.simulator import Layout, simulate
+from orchestrator.sim.simulator import Layout, SimResult, simulate
 from orchestrator.sim.speculative import SpecDecoding
 from orchestrator.sim.workload import LengthDist, Workload
 
 DISAGGREGATED = Layout(num_prefill=1, num_decode=3, tp_prefill=8, tp_decode=8)
 WIDE_EP = Layout(num_prefill=1, num_decode=3, tp_prefill=8, tp_decode=8, ep_decode=3)
 MIXED = Layout(num_mixed=4, tp_mixed=8)
+# 24 ranks of one GPU each, one expert-parallel domain; five prefill nodes keep up with them.
+DATA_PARALLEL = Layout(num_prefill=5, num_decode=24, tp_prefill=8, tp_decode=1, ep_decode=24)
 
 
 MTP = ServingOptions(SpecDecoding((0.85,), "mtp"))
@@ -66,22 +76,34 @@ DURATION_S = 300.0  # seconds of arrivals
 WARMUP = 0.2
 
 
-def _run(
+def _simulate(
     layout: Layout,
     per_node: float,
     options: ServingOptions | None = None,
     limits: EngineLimits | None = None,
-) -> Summary:
+    output: str = "uniform:1024-2048",
+) -> SimResult:
     cost = create_cost_model("roofline:deepseek-r1:h200:8x400g")
     rate = per_node * (layout.num_decode or layout.num_mixed)
     workload = Workload(
         rate,
         round(rate * DURATION_S),
         LengthDist.parse("uniform:4096-8192"),
-        LengthDist.parse("uniform:1024-2048"),
+        LengthDist.parse(output),
     )
-    result = simulate(cost, layout, workload, limits, options=options)
-    assert unsettled(result, WARMUP) is None  # the measured requests saw steady state
+    return simulate(cost, layout, workload, limits, options=options)
+
+
+def _run(
+    layout: Layout,
+    per_node: float,
+    options: ServingOptions | None = None,
+    limits: EngineLimits | None = None,
+    output: str = "uniform:1024-2048",
+) -> Summary:
+    result = _simulate(layout, per_node, options, limits, output)
+    # The measured requests saw steady state, and one the cluster keeps up with.
+    assert unsettled(result, WARMUP) is None and overloaded(result, WARMUP) is None
     return summarize(result, warmup=WARMUP)
 
 
@@ -172,3 +194,18 @@ def test_an_expert_parallel_decode_group_with_mtp_reproduces_the_size(
     # The prefill side is the same node: the same TTFT within a decode step or two.
     assert abs(split.ttft_mean - tp_split.ttft_mean) < 0.05
     assert plain_split.tokens_per_s_per_request < 90
+
+
+def test_data_parallel_decoders_decode_at_about_50_where_a_rank_keeps_up() -> None:
+    # The reference's third deployment: "about 50" tok/s per request at 1 QPS per rank. A
+    # rank of one GPU holds 64 sequences at most (the engine's default); with answers of
+    # 1024-2048 tokens, 1 QPS asks ~1,540 tokens a second of it, more than 64 sequences
+    # decode at the step time of that batch (~1,400), and the queue grows without end.
+    assert overloaded(_simulate(DATA_PARALLEL, 1.0, MTP), WARMUP) is not None
+    # With answers of 768-1280 tokens a rank keeps up, and decodes at about 50.
+    dp = _run(DATA_PARALLEL, 1.0, MTP, output="uniform:768-1280")
+    assert 45 < dp.tokens_per_s_per_request < 60
+    # Slower than 1P:3D's decoders at 1 QPS per node of eight GPUs: eight times the load per
+    # GPU, and a dispatch and combine over the NICs for every MoE layer of every step.
+    wide = _run(WIDE_EP, 1.0, MTP, output="uniform:768-1280")
+    assert dp.tokens_per_s_per_request < wide.tokens_per_s_per_request / 2

@@ -77,6 +77,32 @@ def test_a_rate_is_judged_once_the_cluster_has_filled_up(monkeypatch: pytest.Mon
     assert short is not None and short.slo_attainment >= spec.attainment
 
 
+def test_a_rate_whose_queue_grows_is_run_again_until_it_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # One decoder of 64 sequences, 512-token answers: ~6 req/s at most, so at 8 the queue
+    # grows. 120 s of arrivals, 30% left out at each end, outlast a request's stay (settled),
+    # and its TTFTs stay under a lax 30 s SLO: the run alone would pass.
+    cost = create_cost_model("roofline:llama-3-70b:h100")
+    workload = Workload(8.0, 960, LengthDist.parse("fixed:1000"), LengthDist.parse("fixed:512"))
+    spec = PlanSpec(workload, SLO(30.0, 0.05), 8, tp_choices=(4,), min_duration_s=120.0, warmup=0.3)
+    split = Layout(num_prefill=1, num_decode=1, tp_prefill=4, tp_decode=4)
+    sizes: list[int] = []
+    simulate = planner.simulate
+
+    def counted(*args: Any) -> Any:
+        sizes.append(args[2].num_requests)
+        return simulate(*args)
+
+    monkeypatch.setattr(planner, "simulate", counted)
+    judged = evaluate(cost, split, spec, 8.0)
+    assert judged is not None and judged.slo_attainment < spec.attainment
+    assert len(sizes) > 1 and sizes == sorted(sizes)
+    monkeypatch.setattr(planner, "SETTLE_RUNS", 1)  # the first run: settled, and it passes
+    first = evaluate(cost, split, spec, 8.0)
+    assert first is not None and first.slo_attainment >= spec.attainment
+
+
 def test_layouts_stay_within_the_budget_and_supported_tp() -> None:
     spec = PlanSpec(
         Workload(1.0, 10, LengthDist.parse("fixed:8"), LengthDist.parse("fixed:8")),
