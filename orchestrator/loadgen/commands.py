@@ -164,6 +164,13 @@ def _add_workload_arguments(p: argparse.ArgumentParser, *, sweep: bool = False) 
     )
     if not sweep:
         p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--prefix-hit",
+        type=float,
+        default=0.0,
+        help="share of each prompt that is one prefix common to all of them (a system prompt), "
+        "which the prefix caches hold once its first requests have run (0)",
+    )
     p.add_argument("--warmup", type=int, default=0, help="first N requests left out of stats")
     p.add_argument("--ttft-slo", type=float, default=2.0, help="seconds")
     p.add_argument("--tpot-slo", type=float, default=0.1, help="seconds per output token")
@@ -193,7 +200,8 @@ def _options(args: argparse.Namespace) -> BenchOptions:
 
 
 def _workload_json(args: argparse.Namespace) -> dict[str, Any]:
-    keys = ("rate", "arrival", "num_requests", "duration", "prompt", "output", "seed", "warmup")
+    keys = ("rate", "arrival", "num_requests", "duration", "prompt", "output", "seed",
+            "prefix_hit", "warmup")  # fmt: skip
     return {key: getattr(args, key) for key in keys}
 
 

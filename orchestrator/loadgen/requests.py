@@ -44,17 +44,28 @@ def build_requests(
     on the run, not a rate change). The first ``num_warmup`` are marked warm-up.
     ``prompt_stream``: other prompts (same lengths and arrivals) for each value; runs against
     one cluster that must not find each other's prompts in its prefix caches take distinct
-    streams (0: the seed's own prompts)."""
+    streams (0: the seed's own prompts).
+
+    A workload's ``prefix_hit`` is sent as one prefix common to every prompt of the run, like a
+    system prompt: each prompt starts with its ``num_common_tokens`` first tokens, then goes
+    on as without it. The first requests to reach an instance compute it; the warm-up is what
+    lets the measured ones find it cached, as the simulator takes it to be."""
     specs = kept_specs(workload, duration_s, num_warmup)
     excluded = set(excluded_ids)
     allowed = np.array([t for t in range(vocab_size) if t not in excluded], dtype=np.int64)
     if not len(allowed):
         raise ValueError(f"no token ids left to draw prompts from (vocab {vocab_size})")
     # Its own stream (index 3): workload.py uses [seed, 1] and [seed, 2].
-    rng = np.random.default_rng([workload.seed, 3] + ([prompt_stream] if prompt_stream else []))
+    stream = [prompt_stream] if prompt_stream else []
+    rng = np.random.default_rng([workload.seed, 3, *stream])
+    # The common prefix from a stream of its own (index 4), so that the rest of each prompt is
+    # the one it would be without it.
+    longest = max((spec.num_common_tokens for spec in specs), default=0)
+    common = np.random.default_rng([workload.seed, 4, *stream]).choice(allowed, size=longest)
     out = []
     for spec in specs:
         ids = rng.choice(allowed, size=spec.num_prompt_tokens)
+        ids[: spec.num_common_tokens] = common[: spec.num_common_tokens]
         out.append(
             TimedRequest(
                 index=spec.request_id,

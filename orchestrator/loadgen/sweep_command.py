@@ -141,7 +141,7 @@ def run_sweep(
 
 
 def _header(args: argparse.Namespace, plan: SweepPlan) -> dict[str, Any]:
-    keys = ("arrival", "num_requests", "duration", "prompt", "output", "warmup")
+    keys = ("arrival", "num_requests", "duration", "prompt", "output", "prefix_hit", "warmup")
     workload = {key: getattr(args, key) for key in keys}
     return {
         "command": "sweep",

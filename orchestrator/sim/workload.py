@@ -110,8 +110,8 @@ class Workload:
     """``num_requests`` requests at ``rate`` per second (Poisson or evenly spaced).
 
     prefix_hit: share of each prompt every instance finds in its prefix cache (a workload's
-    cache hit rate, e.g. a long system prompt all requests share); 0 in a load generator's
-    workload, whose prompts share nothing.
+    cache hit rate, e.g. a long system prompt all requests share). The load generator sends
+    it as a prefix common to every prompt of a run (`loadgen.requests.build_requests`).
     """
 
     rate: float
@@ -135,7 +135,8 @@ class Workload:
     @classmethod
     def from_args(cls, args: Any) -> Workload:
         """From the command-line flags `pdserve simulate / plan` and `pdserve bench` share
-        (``--rate --num-requests --prompt --output --arrival --seed``)."""
+        (``--rate --num-requests --prompt --output --arrival --seed [--prefix-hit]``; a saved
+        run from before ``--prefix-hit`` shared nothing)."""
         return cls(
             rate=args.rate,
             num_requests=args.num_requests,
@@ -143,6 +144,7 @@ class Workload:
             output=LengthDist.parse(args.output),
             arrival=args.arrival,
             seed=args.seed,
+            prefix_hit=getattr(args, "prefix_hit", 0.0),
         )
 
     def with_rate(self, rate: float) -> Workload:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -48,6 +49,28 @@ def test_requests_are_the_simulators_list_with_exact_prompts() -> None:
     ]
     pairs = zip(streamed, requests, strict=True)
     assert all(a.prompt_token_ids != b.prompt_token_ids for a, b in pairs)
+
+
+def test_a_prefix_hit_is_sent_as_one_prefix_common_to_every_prompt() -> None:
+    plain = _workload()
+    shared = dataclasses.replace(plain, prefix_hit=0.5)
+    requests = build_requests(shared, 320, excluded_ids=range(256, 320))
+    specs = shared.requests()
+    common = max(specs, key=lambda s: s.num_common_tokens)
+    head = requests[common.request_id].prompt_token_ids[: common.num_common_tokens]
+    for request, spec in zip(requests, specs, strict=True):
+        assert spec.num_common_tokens == int(0.5 * spec.num_prompt_tokens)
+        assert request.prompt_token_ids[: spec.num_common_tokens] == head[: spec.num_common_tokens]
+        assert all(0 <= t < 256 for t in request.prompt_token_ids)
+    # The rest of each prompt is the one it has without the prefix; the lengths are the same.
+    alone = build_requests(plain, 320, excluded_ids=range(256, 320))
+    for with_prefix, without in zip(requests, alone, strict=True):
+        n = int(0.5 * with_prefix.num_prompt_tokens)
+        assert with_prefix.prompt_token_ids[n:] == without.prompt_token_ids[n:]
+        assert with_prefix.num_prompt_tokens == without.num_prompt_tokens
+    # Another prompt stream shares another prefix: runs against one cluster stay apart.
+    other = build_requests(shared, 320, excluded_ids=range(256, 320), prompt_stream=2)
+    assert other[common.request_id].prompt_token_ids[: common.num_common_tokens] != head
 
 
 def test_duration_drops_late_arrivals_and_bad_bounds_are_rejected() -> None:

@@ -16,6 +16,7 @@ from orchestrator.cli.main import main
 from orchestrator.config.cluster import ClusterConfig
 from orchestrator.loadgen.compare import load_config
 from orchestrator.loadgen.records import RequestResult
+from orchestrator.loadgen.requests import document_specs
 from orchestrator.loadgen.runner import RunOutcome
 from orchestrator.loadgen.session import BenchOptions
 from orchestrator.loadgen.stats import summarize
@@ -262,6 +263,18 @@ def test_compare_refuses_a_warmup_that_leaves_nothing_measured_before_running(
     assert clusters.names == []
 
 
+def test_compare_refuses_a_prefix_share_outside_0_to_1_before_running(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clusters = _FakeClusters()
+    monkeypatch.setattr(compare, "run_cluster", clusters)
+    argv = _compare_argv(tmp_path, _calibration(tmp_path))
+    for share in ("1.5", "-0.1", "nan"):
+        assert main([*argv, "--prefix-hit", share]) == 2
+        assert "prefix hit rate must be in [0, 1]" in capsys.readouterr().err
+    assert clusters.names == []
+
+
 def test_validate_refuses_a_saved_run_that_measured_nothing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -323,3 +336,18 @@ def test_the_simulated_cluster_speculates_and_caches_as_the_config_says() -> Non
     kept = predict(cost, speculating, workload.requests(), 0, acceptance=(1.0, 1.0))
     rejected = predict(cost, speculating, workload.requests(), 0, acceptance=(0.0, 0.0))
     assert kept["output_token_throughput"] > 1.5 * rejected["output_token_throughput"]
+
+
+def test_a_saved_runs_common_prefix_is_simulated_as_cached() -> None:
+    saved = {"rate": 2.0, "arrival": "poisson", "num_requests": 20, "duration": None,
+             "prompt": "fixed:512", "output": "fixed:16", "seed": 0, "warmup": 4}  # fmt: skip
+    before, warmup = document_specs({"workload": saved})  # saved before --prefix-hit
+    assert warmup == 4 and all(s.num_common_tokens == 0 for s in before)
+    specs, _ = document_specs({"workload": {**saved, "prefix_hit": 0.5}})
+    assert [s.num_common_tokens for s in specs] == [256] * 20
+    assert [s.arrival_time for s in specs] == [s.arrival_time for s in before]
+    # Prefill on the uncached half only: the first tokens come sooner.
+    config = load_config(CONFIGS / "bench-disagg.yaml", "/nonexistent/model")
+    cost = affine(capacity=16384, prefill=(0.002, 1e-3, 0.0))
+    cached = predict(cost, config, specs, 4)["ttft_p50_s"]
+    assert cached < 0.75 * predict(cost, config, before, 4)["ttft_p50_s"]
