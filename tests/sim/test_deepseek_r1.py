@@ -9,7 +9,8 @@ TP 8, 8 x 400 Gb/s NICs, the default 2048-token step budget; the first and last 
 left out of the averages. Mixed runs on 4 nodes, as many as 1P:3D, at the same rate per node.
 The 60 s left out at the start outlast a request's 15-55 s in the cluster, so the measured
 requests see steady state (each run checks it); runs of 300 requests, as before, measured the
-mixed nodes while they were still filling up, 3-9 tok/s too fast (bench/history/RESULTS-notebook.md).
+mixed nodes while they were still filling up, 3-9 tok/s too fast
+(bench/history/RESULTS-notebook.md).
 
 What the model reproduces with its a-priori efficiency factors (the notebook has the tables):
 the direction everywhere (disaggregated decode is faster per request, with a flat ITL where
@@ -21,8 +22,8 @@ reproduced without drafts.
 With MTP (k = 1, acceptance 0.85, the low end of the 85-90% DeepSeek reports for R1's first
 draft; fixed before the run) at 1 QPS per decode node: 1P:3D rises to ~72 tok/s and mixed to
 ~55. Drafts gain a little more than the 1.85 tokens a step they emit: at a fixed arrival
-rate, faster decode also leaves fewer sequences in each step. A decode step of ~15 sequences with a draft
-each still reads ~60% of the node's routed experts, ~70% of the step's time.
+rate, faster decode also leaves fewer sequences in each step. A decode step of ~15 sequences
+with a draft each still reads ~60% of the node's routed experts, ~70% of the step's time.
 
 With the decode group as one expert-parallel domain (`1x8:3x8:ep3`: the three decoders
 spread one copy of the routed experts over their 24 GPUs, dispatch and combine priced from
@@ -47,8 +48,9 @@ Data-parallel decoders (the reference's third deployment, "about 50" tok/s per r
 above. With this workload's answers (1024-2048 tokens) a rank cannot keep up: 1 QPS asks
 ~1,540 tokens a second of it, and its 64 sequences decode ~1,400 at the step time of that
 batch (~85 ms), so the queue grows through any run (TTFT mean 0.9 s over 300 s of arrivals,
-8.9 s over 600). With answers of 768-1280 tokens a rank keeps up and decodes at about 50 (52-55 over
-seeds 0-2, p10 50-52), while 1P:3D, at an eighth of the load per GPU, decodes at ~170.
+8.9 s over 600). With answers of 768-1280 tokens a rank keeps up and decodes at about 50
+(52-55 over seeds 0-2, p10 50-52), while 1P:3D, at an eighth of the load per GPU, decodes at
+~170.
 """
 
 from __future__ import annotations
