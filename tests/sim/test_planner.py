@@ -49,13 +49,8 @@ def _spec(prompt: str, output: str, slo: SLO, budget: int = 4) -> PlanSpec:
     )
 
 
-def test_a_rate_is_judged_once_the_cluster_has_filled_up(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Answers of 1024 tokens keep a request ~20 s in the cluster; 2 s of arrivals (a tenth of
-    # them left out) measure requests that arrived into a nearly empty one.
-    cost = create_cost_model("roofline:llama-3-70b:h100")
-    workload = Workload(1.0, 40, LengthDist.parse("fixed:1000"), LengthDist.parse("fixed:1024"))
-    spec = PlanSpec(workload, SLO(2.0, 0.05), 8, tp_choices=(4,), min_duration_s=2.0)
-    mixed = Layout(num_mixed=2, tp_mixed=4)
+def _count_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The planner's simulations from now on, as their numbers of requests."""
     sizes: list[int] = []
     simulate = planner.simulate
 
@@ -64,13 +59,24 @@ def test_a_rate_is_judged_once_the_cluster_has_filled_up(monkeypatch: pytest.Mon
         return simulate(*args)
 
     monkeypatch.setattr(planner, "simulate", counted)
+    return sizes
+
+
+def test_a_rate_is_judged_once_the_cluster_has_filled_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Answers of 1024 tokens keep a request ~20 s in the cluster; 2 s of arrivals (a tenth of
+    # them left out) measure requests that arrived into a nearly empty one.
+    cost = create_cost_model("roofline:llama-3-70b:h100")
+    workload = Workload(1.0, 40, LengthDist.parse("fixed:1000"), LengthDist.parse("fixed:1024"))
+    spec = PlanSpec(workload, SLO(2.0, 0.05), 8, tp_choices=(4,), min_duration_s=2.0)
+    mixed = Layout(num_mixed=2, tp_mixed=4)
+    sizes = _count_runs(monkeypatch)
     settled = evaluate(cost, mixed, spec, 20.0)
     assert settled is not None and settled.slo_attainment < spec.attainment
     assert len(sizes) > 1 and sizes == sorted(sizes)  # run again, longer, until it filled up
     # A run that misses the SLOs stands without a longer one: it could only do worse.
     sizes.clear()
-    overloaded = evaluate(cost, mixed, spec, 200.0)
-    assert overloaded is not None and overloaded.slo_attainment < spec.attainment
+    missed = evaluate(cost, mixed, spec, 200.0)
+    assert missed is not None and missed.slo_attainment < spec.attainment
     assert len(sizes) == 1
     monkeypatch.setattr(planner, "SETTLE_RUNS", 1)  # the short run alone flatters the layout
     short = evaluate(cost, mixed, spec, 20.0)
@@ -87,14 +93,7 @@ def test_a_rate_whose_queue_grows_is_run_again_until_it_fails(
     workload = Workload(8.0, 960, LengthDist.parse("fixed:1000"), LengthDist.parse("fixed:512"))
     spec = PlanSpec(workload, SLO(30.0, 0.05), 8, tp_choices=(4,), min_duration_s=120.0, warmup=0.3)
     split = Layout(num_prefill=1, num_decode=1, tp_prefill=4, tp_decode=4)
-    sizes: list[int] = []
-    simulate = planner.simulate
-
-    def counted(*args: Any) -> Any:
-        sizes.append(args[2].num_requests)
-        return simulate(*args)
-
-    monkeypatch.setattr(planner, "simulate", counted)
+    sizes = _count_runs(monkeypatch)
     judged = evaluate(cost, split, spec, 8.0)
     assert judged is not None and judged.slo_attainment < spec.attainment
     assert len(sizes) > 1 and sizes == sorted(sizes)
