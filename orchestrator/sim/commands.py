@@ -347,16 +347,14 @@ def _run_simulate(args: argparse.Namespace) -> int:
         if shares_prefixes:  # what prefix caching saved (or would have)
             echo(f"{'':<20} {prompt_work(result, args.warmup).row()}")
         # An overloaded cluster has no steady state to wait for: say that alone.
-        rising = overloaded(result, args.warmup)
-        short = None if rising else unsettled(result, args.warmup)
-        if rising:
+        if rising := overloaded(result, args.warmup):
             warn(
                 f"{layout.label}: overloaded: the mean TTFT rose from {rising[0]:.2f} s "
                 f"(the first third of the measured requests) to {rising[1]:.2f} s (the last); "
                 "the queue grew through the run, so every figure depends on its length: lower "
                 "--rate (or raise --num-requests, should a burst of arrivals have caused it)"
             )
-        elif short:
+        elif short := unsettled(result, args.warmup):
             more = "--num-requests" if isinstance(workload, Workload) else "the conversations"
             warn(
                 f"{layout.label}: not steady state: the {short[0]:.0f} s of arrivals left out "
