@@ -34,12 +34,12 @@ from orchestrator.config.cluster import ClusterConfig  # noqa: E402
 from orchestrator.config.yaml_file import read_yaml  # noqa: E402
 from orchestrator.loadgen.compare import serving  # noqa: E402
 from orchestrator.loadgen.conversations import (  # noqa: E402
-    MultiTurn,
     measure_conversations,
     parse_multiturn,
 )
 from orchestrator.loadgen.report import machine_load  # noqa: E402
 from orchestrator.loadgen.stats import SLOs  # noqa: E402
+from orchestrator.sim.conversations import MultiTurnWorkload  # noqa: E402
 from workers.engine.model_config import ModelConfig  # noqa: E402
 from workers.log import echo  # noqa: E402
 
@@ -58,7 +58,7 @@ def variant_config(path: Path, variant: str) -> ClusterConfig:
     return ClusterConfig.from_dict(raw, base_dir=path.parent)
 
 
-async def one_run(config: ClusterConfig, shape: MultiTurn, variant: str) -> dict[str, Any]:
+async def one_run(config: ClusterConfig, shape: MultiTurnWorkload, variant: str) -> dict[str, Any]:
     slos = SLOs(ttft_s=2.0, tpot_s=0.1)
     async with serving(variant, config) as (app, address, _):
         turns, summary = await measure_conversations(address, shape, slos)

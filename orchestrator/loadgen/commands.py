@@ -154,14 +154,39 @@ def _add_workload_arguments(p: argparse.ArgumentParser, *, sweep: bool = False) 
     if not sweep:
         p.add_argument("--rate", type=float, default=1.0, help="arrivals per second")
     p.add_argument("--arrival", choices=["poisson", "fixed"], default="poisson")
-    p.add_argument("--num-requests", type=int, default=50, help="requests, warm-up included")
+    p.add_argument(
+        "--num-requests",
+        type=int,
+        default=None,
+        help="requests, warm-up included (50; not with multiturn: it sends CONVERSATIONS x TURNS)",
+    )
     p.add_argument("--duration", type=float, default=None, help="seconds of arrivals, at most")
     p.add_argument(
-        "--prompt", default="uniform:512-1024", help="fixed:N | uniform:A-B | chat:M[:A-B]"
+        "--prompt",
+        default="uniform:512-1024",
+        help="fixed:N | uniform:A-B | chat:M[:A-B]"
+        + (
+            ""
+            if sweep
+            else " | multiturn:CONVERSATIONS:TURNS (each turn: the conversation so "
+            "far + a question; --rate: conversations started per second)"
+        ),
     )
     p.add_argument(
-        "--output", default="uniform:64-128", help="fixed:N | uniform:A-B | chat:M[:A-B]"
+        "--output",
+        default="uniform:64-128",
+        help="fixed:N | uniform:A-B | chat:M[:A-B] (multiturn: the answers)",
     )
+    if not sweep:
+        p.add_argument(
+            "--system-tokens", type=int, default=None, help="multiturn: shared system prompt (256)"
+        )
+        p.add_argument(
+            "--question-tokens", default=None, help="multiturn: question lengths, N or A-B (32-64)"
+        )
+        p.add_argument(
+            "--think-time", type=float, default=None, help="multiturn: seconds between turns (0)"
+        )
     if not sweep:
         p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -171,7 +196,12 @@ def _add_workload_arguments(p: argparse.ArgumentParser, *, sweep: bool = False) 
         help="share of each prompt that is one prefix common to all of them (a system prompt), "
         "which the prefix caches hold once its first requests have run (0)",
     )
-    p.add_argument("--warmup", type=int, default=0, help="first N requests left out of stats")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=0,
+        help="first N requests left out of stats (multiturn: by id, conversation x turns + turn)",
+    )
     p.add_argument("--ttft-slo", type=float, default=2.0, help="seconds")
     p.add_argument("--tpot-slo", type=float, default=0.1, help="seconds per output token")
     p.add_argument("--max-concurrency", type=int, default=1024, help="safety cap on streams")
@@ -182,13 +212,12 @@ def _add_workload_arguments(p: argparse.ArgumentParser, *, sweep: bool = False) 
 
 
 def _options(args: argparse.Namespace) -> BenchOptions:
+    from orchestrator.loadgen.requests import bench_arrivals
     from orchestrator.loadgen.session import BenchOptions
     from orchestrator.loadgen.stats import SLOs
-    from orchestrator.sim.workload import Workload
 
-    workload = Workload.from_args(args)
     return BenchOptions(
-        workload=workload,
+        workload=bench_arrivals(args),
         slos=SLOs(args.ttft_slo, args.tpot_slo),
         num_warmup=args.warmup,
         duration_s=args.duration,
@@ -199,10 +228,18 @@ def _options(args: argparse.Namespace) -> BenchOptions:
     )
 
 
-def _workload_json(args: argparse.Namespace) -> dict[str, Any]:
-    keys = ("rate", "arrival", "num_requests", "duration", "prompt", "output", "seed",
-            "prefix_hit", "warmup")  # fmt: skip
-    return {key: getattr(args, key) for key in keys}
+def _workload_json(args: argparse.Namespace, options: BenchOptions) -> dict[str, Any]:
+    """The flags that make the run's request list (`requests.document_specs` reads them);
+    ``num_requests`` as run (None for a multi-turn workload, which counts its turns)."""
+    from orchestrator.sim.workload import Workload
+
+    keys = ("rate", "arrival", "duration", "prompt", "output", "seed", "prefix_hit", "warmup",
+            "system_tokens", "question_tokens", "think_time")  # fmt: skip
+    open_loop = isinstance(options.workload, Workload)
+    return {
+        **{key: getattr(args, key) for key in keys},
+        "num_requests": options.workload.num_requests if open_loop else None,
+    }
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -235,7 +272,7 @@ def _run(args: argparse.Namespace) -> int:
         document = {
             "command": "run",
             "argv": sys.argv,
-            "workload": _workload_json(args),
+            "workload": _workload_json(args, options),
             "machine_load": load_before,
             "runs": [run_document(args.backend, outcome, summary)],
         }
@@ -338,7 +375,7 @@ def _compare(args: argparse.Namespace) -> int:
     document = {
         "command": "compare",
         "argv": sys.argv,
-        "workload": _workload_json(args),
+        "workload": _workload_json(args, options),
         "configs": {"disaggregated": args.disaggregated, "colocated": args.colocated},
         "model": args.model,  # --model, which overrides the configs' (None: theirs)
         "machine_load": {r.name: [r.load_before, r.load_after] for r in runs},

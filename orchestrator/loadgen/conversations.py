@@ -1,13 +1,16 @@
 """Multi-turn chat load: conversations that share a system prompt, each turn's prompt the
 conversation so far (every earlier prompt and answer) plus a new question.
 
-Conversations start open-loop (Poisson or fixed arrivals at ``rate`` conversations per second);
-within one, a turn is sent when the previous one's answer is complete (its tokens are part of
-the next prompt), after ``think_time_s``. Prompts are token ids drawn with the seed from the
-model's vocabulary minus its EOS / special ids, like `orchestrator.loadgen.requests`; answers
-are greedy with ``ignore_eos``, so a run is repeatable. A failed turn ends its conversation
-(its later turns are counted as not sent). Only the gRPC backend returns the answer's token ids,
-so it is the one used.
+The workload is the simulator's `orchestrator.sim.conversations.MultiTurnWorkload`: its seed
+gives every conversation's start and every question's and answer's length, so a measured run
+and its simulation (``pdserve bench validate``) send the same turns. Conversations start
+open-loop (Poisson or fixed arrivals at ``rate`` conversations per second); within one, a turn
+is sent when the previous one's answer is complete (its tokens are part of the next prompt),
+after ``think_time_s``. Prompts are token ids drawn with the seed from the model's vocabulary
+minus its EOS / special ids, like `orchestrator.loadgen.requests`; answers are greedy with
+``ignore_eos``, so a run is repeatable. A failed turn ends its conversation (its later turns
+are counted as not sent). Only the gRPC backend returns the answer's token ids, so it is the
+one used.
 """
 
 from __future__ import annotations
@@ -24,57 +27,45 @@ from orchestrator.loadgen.clients import Client
 from orchestrator.loadgen.records import RequestResult
 from orchestrator.loadgen.requests import TimedRequest
 from orchestrator.loadgen.stats import SLOs, distribution, summarize
+from orchestrator.sim.conversations import MultiTurnWorkload
+from orchestrator.sim.conversations import parse_multiturn as conversations_and_turns
+from orchestrator.sim.workload import LengthDist
 from workers.log import progress as progress_bar
 from workers.log import progress_enabled, progress_shown
 
 
-@dataclass(frozen=True)
-class MultiTurn:
-    """The shape of a multi-turn workload (`parse_multiturn` reads it from the command line)."""
-
-    conversations: int
-    turns: int
-    system_tokens: int = 256
-    question_tokens: tuple[int, int] = (32, 64)  # uniform, inclusive
-    output_tokens: int = 32
-    rate: float = 0.5  # conversations started per second
-    arrival: str = "poisson"
-    think_time_s: float = 0.0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        low, high = self.question_tokens
-        if self.conversations < 1 or self.turns < 1:
-            raise ValueError("conversations and turns must be >= 1")
-        if self.system_tokens < 0 or not 1 <= low <= high or self.output_tokens < 1:
-            raise ValueError(
-                "system tokens must be >= 0, question tokens a range A-B with 1 <= A <= B, and "
-                "output tokens >= 1"
-            )
-        if not self.rate > 0 or self.think_time_s < 0:
-            raise ValueError("rate must be positive and think time >= 0")
-        if self.arrival not in ("poisson", "fixed"):
-            raise ValueError(f"arrival must be poisson or fixed, got {self.arrival!r}")
-
-    def longest_prompt(self) -> int:
-        """Tokens of the last turn's prompt at most (every question at its longest)."""
-        return (
-            self.system_tokens
-            + self.turns * self.question_tokens[1]
-            + (self.turns - 1) * self.output_tokens
-        )
-
-
-def parse_multiturn(spec: str, **options: Any) -> MultiTurn:
-    """``multiturn:CONVERSATIONS:TURNS``, the rest from ``options`` (`MultiTurn`'s fields)."""
-    parts = spec.split(":")
-    if len(parts) != 3 or parts[0] != "multiturn":
+def parse_multiturn(
+    spec: str,
+    *,
+    system_tokens: int = 256,
+    question_tokens: tuple[int, int] = (32, 64),
+    output_tokens: int = 32,
+    rate: float = 0.5,
+    arrival: str = "poisson",
+    think_time_s: float = 0.0,
+    seed: int = 0,
+) -> MultiTurnWorkload:
+    """``multiturn:CONVERSATIONS:TURNS`` with questions uniform in ``question_tokens``
+    (inclusive) and answers of ``output_tokens`` each; ValueError on a bad shape."""
+    shape = conversations_and_turns(spec)
+    if shape is None:
         raise ValueError(f"expected multiturn:CONVERSATIONS:TURNS, got {spec!r}")
-    try:
-        conversations, turns = int(parts[1]), int(parts[2])
-    except ValueError:
-        raise ValueError(f"expected multiturn:CONVERSATIONS:TURNS, got {spec!r}") from None
-    return MultiTurn(conversations, turns, **options)
+    low, high = question_tokens
+    if not 1 <= low <= high or output_tokens < 1:
+        raise ValueError(
+            "question tokens must be a range A-B with 1 <= A <= B, and output tokens >= 1"
+        )
+    return MultiTurnWorkload(
+        rate=rate,
+        num_conversations=shape[0],
+        turns=shape[1],
+        output=LengthDist("fixed", output_tokens, output_tokens),
+        system_tokens=system_tokens,
+        question=LengthDist("uniform", low, high),
+        arrival=arrival,  # type: ignore[arg-type]  # checked by MultiTurnWorkload
+        think_time_s=think_time_s,
+        seed=seed,
+    )
 
 
 @dataclass(frozen=True)
@@ -82,30 +73,34 @@ class Conversation:
     index: int
     start_s: float
     questions: tuple[tuple[int, ...], ...]
+    answers: tuple[int, ...]  # tokens of each turn's answer
 
 
 def build_conversations(
-    shape: MultiTurn, vocab_size: int, excluded_ids: Iterable[int] = ()
+    workload: MultiTurnWorkload, vocab_size: int, excluded_ids: Iterable[int] = ()
 ) -> tuple[tuple[int, ...], list[Conversation]]:
-    """The shared system prompt and every conversation's start and questions."""
+    """The shared system prompt and every conversation's start, questions and answer
+    lengths: the lengths and starts of ``workload.requests()``, the token ids drawn here."""
     excluded = set(excluded_ids)
     allowed = np.array([t for t in range(vocab_size) if t not in excluded], dtype=np.int64)
     if not len(allowed):
         raise ValueError(f"no token ids left to draw prompts from (vocab {vocab_size})")
-    rng = np.random.default_rng([shape.seed, 4])
-    system = tuple(int(t) for t in rng.choice(allowed, size=shape.system_tokens))
-    gaps = (
-        rng.exponential(1.0 / shape.rate, size=shape.conversations)
-        if shape.arrival == "poisson"
-        else np.full(shape.conversations, 1.0 / shape.rate)
-    )
-    starts = np.concatenate([[0.0], np.cumsum(gaps[:-1])])
-    low, high = shape.question_tokens
+    # Its own stream: the simulator's workload draws lengths and starts from [seed, 5 / 6].
+    rng = np.random.default_rng([workload.seed, 4])
+    system = tuple(int(t) for t in rng.choice(allowed, size=workload.system_tokens))
+    specs = workload.requests()
     conversations = []
-    for index, start in enumerate(starts):
-        lengths = rng.integers(low, high + 1, size=shape.turns)
-        questions = tuple(tuple(int(t) for t in rng.choice(allowed, size=int(n))) for n in lengths)
-        conversations.append(Conversation(index, float(start), questions))
+    for index in range(workload.num_conversations):
+        turns = specs[index * workload.turns : (index + 1) * workload.turns]
+        # A first turn's prompt is the system prompt and its question; a later one's starts
+        # with its conversation's history.
+        lengths = [
+            s.num_prompt_tokens - (s.num_history_tokens if s.follows >= 0 else len(system))
+            for s in turns
+        ]
+        questions = tuple(tuple(int(t) for t in rng.choice(allowed, size=n)) for n in lengths)
+        answers = tuple(s.num_output_tokens for s in turns)
+        conversations.append(Conversation(index, turns[0].arrival_time, questions, answers))
     return system, conversations
 
 
@@ -119,13 +114,16 @@ class Turn:
 
 async def run_conversations(
     client: Client,
-    shape: MultiTurn,
+    workload: MultiTurnWorkload,
     system: Sequence[int],
     conversations: Sequence[Conversation],
     *,
+    num_warmup: int = 0,
     progress: TextIO | None = sys.stderr,
 ) -> list[Turn]:
-    """Every conversation's turns, in the order they were sent."""
+    """Every conversation's turns, in the order they were sent. A turn's index is its
+    request id in ``workload.requests()`` (conversation x turns + turn); the first
+    ``num_warmup`` of those are sent like the others and left out of the statistics."""
     loop = asyncio.get_running_loop()
     start = loop.time()
 
@@ -133,7 +131,7 @@ async def run_conversations(
         return loop.time() - start
 
     turns: list[Turn] = []
-    total = len(conversations) * shape.turns
+    total = len(conversations) * workload.turns
     bar = None
     if progress is not None and progress_enabled() and progress_shown(progress):
         bar = progress_bar(desc="bench multiturn", total=total, unit="turn", leave=True)
@@ -142,14 +140,13 @@ async def run_conversations(
         await asyncio.sleep(max(0.0, conversation.start_s - now()))
         history = list(system)
         for number, question in enumerate(conversation.questions):
-            if number and shape.think_time_s:
-                await asyncio.sleep(shape.think_time_s)
+            if number and workload.think_time_s:
+                await asyncio.sleep(workload.think_time_s)
             prompt = (*history, *question)
-            index = conversation.index * shape.turns + number
-            request = TimedRequest(index, now(), prompt, shape.output_tokens, False)
-            result = RequestResult(
-                index, False, request.arrival_s, len(prompt), shape.output_tokens
-            )
+            index = conversation.index * workload.turns + number
+            answer, warmup = conversation.answers[number], index < num_warmup
+            request = TimedRequest(index, now(), prompt, answer, warmup)
+            result = RequestResult(index, warmup, request.arrival_s, len(prompt), answer)
             turns.append(Turn(conversation.index, number, prompt, result))
             try:
                 await client.send(request, result, now)
@@ -172,24 +169,28 @@ async def run_conversations(
     return turns
 
 
-def summarize_turns(turns: Sequence[Turn], shape: MultiTurn, slos: SLOs) -> dict[str, Any]:
-    """The whole run's summary, TTFT by turn, and the prompt tokens the turns sent."""
+def summarize_turns(
+    turns: Sequence[Turn], workload: MultiTurnWorkload, slos: SLOs
+) -> dict[str, Any]:
+    """The whole run's summary, TTFT by turn (both past the warm-up), and the prompt tokens
+    every turn sent."""
     results = [t.result for t in turns]
     summary = summarize(results, slos)
-    summary["not_sent"] = shape.conversations * shape.turns - len(turns)
+    summary["not_sent"] = workload.num_requests - len(turns)
     summary["prompt_tokens_sent"] = sum(r.prompt_tokens for r in results)
+    measured = [t for t in turns if not t.result.warmup]
     summary["ttft_by_turn_s"] = {
         str(number + 1): distribution(
             [
                 ttft
-                for t in turns
+                for t in measured
                 if t.turn == number and t.result.ok and (ttft := t.result.ttft) is not None
             ]
         )
-        for number in range(shape.turns)
+        for number in range(workload.turns)
     }
     later = [
-        ttft for t in turns if t.turn > 0 and t.result.ok and (ttft := t.result.ttft) is not None
+        ttft for t in measured if t.turn > 0 and t.result.ok and (ttft := t.result.ttft) is not None
     ]
     summary["ttft_later_turns_s"] = distribution(later)
     return summary
@@ -214,8 +215,8 @@ def format_turns(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def multiturn_shape(args: Any) -> MultiTurn:
-    """`MultiTurn` from ``pdserve bench multiturn``'s arguments (ValueError on bad ones)."""
+def multiturn_shape(args: Any) -> MultiTurnWorkload:
+    """The workload of ``pdserve bench multiturn``'s arguments (ValueError on bad ones)."""
     low, _, high = str(args.question_tokens).partition("-")
     try:
         questions = (int(low), int(high or low))
@@ -237,27 +238,31 @@ def multiturn_shape(args: Any) -> MultiTurn:
 
 async def measure_conversations(
     address: str,
-    shape: MultiTurn,
+    workload: MultiTurnWorkload,
     slos: SLOs,
     *,
+    num_warmup: int = 0,
     timeout_s: float = 600.0,
     api_key: str | None = None,
     progress: TextIO | None = sys.stderr,
 ) -> tuple[list[Turn], dict[str, Any]]:
-    """Run ``shape`` against the router at ``address`` (gRPC); its turns and their summary."""
+    """Run ``workload`` against the router at ``address`` (gRPC); its turns and their
+    summary (the first ``num_warmup`` turns by request id left out of it)."""
     from orchestrator.loadgen.clients import GrpcClient, model_info
 
     info = await model_info(address, token=api_key)
-    longest = shape.longest_prompt() + shape.output_tokens
+    longest = max(s.num_prompt_tokens + s.num_output_tokens for s in workload.requests())
     if longest > info.max_model_len:
         raise ValueError(
             f"a last turn may need {longest} tokens; {info.name} serves at most "
             f"{info.max_model_len} (fewer turns, or shorter questions or answers)"
         )
-    system, conversations = build_conversations(shape, info.vocab_size, info.eos_token_ids)
+    system, conversations = build_conversations(workload, info.vocab_size, info.eos_token_ids)
     client = GrpcClient(address, timeout_s, api_key)
     try:
-        turns = await run_conversations(client, shape, system, conversations, progress=progress)
+        turns = await run_conversations(
+            client, workload, system, conversations, num_warmup=num_warmup, progress=progress
+        )
     finally:
         await client.close()
-    return turns, summarize_turns(turns, shape, slos)
+    return turns, summarize_turns(turns, workload, slos)

@@ -3,11 +3,14 @@
 Lengths and arrival times come from `orchestrator.sim.workload.Workload.requests()`, so the
 load generator and the simulator run the very same request list for a seed. Prompts are token
 ids (exact lengths, no tokenizer round trip), drawn with the workload's seed from the model's
-vocabulary minus its EOS / special ids.
+vocabulary minus its EOS / special ids. (Multi-turn conversations, ``--prompt
+multiturn:C:T``, are sent by `orchestrator.loadgen.conversations`; their turns' lengths and
+starts come from the simulator's workload in the same way.)
 """
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Iterable
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -15,7 +18,12 @@ from typing import Any
 
 import numpy as np
 
-from orchestrator.sim.workload import RequestSpec, Workload
+from orchestrator.sim.conversations import parse_multiturn
+from orchestrator.sim.workload import Arrivals, RequestSpec, Workload
+
+DEFAULT_NUM_REQUESTS = 50  # ``pdserve bench``'s open-loop runs
+# The flags of a multi-turn workload, as ``pdserve simulate`` names them; None when not given.
+MULTITURN_FLAGS = ("system_tokens", "question_tokens", "think_time")
 
 
 @dataclass(frozen=True)
@@ -78,8 +86,25 @@ def build_requests(
     return out
 
 
+def bench_arrivals(args: Any) -> Arrivals:
+    """The workload of ``pdserve bench``'s flags (or a saved run's): open-loop requests
+    (``--num-requests``, 50 when not given), or, for ``--prompt multiturn:C:T``, the
+    simulator's multi-turn conversations (`orchestrator.sim.cli_inputs.arrivals_from_args`:
+    ``--system-tokens``, ``--question-tokens``, ``--think-time``). ValueError names the flag."""
+    from orchestrator.sim.cli_inputs import arrivals_from_args
+
+    flags = {name: getattr(args, name, None) for name in MULTITURN_FLAGS}
+    fields = {**vars(args), **flags, "prefix_hit": getattr(args, "prefix_hit", 0.0)}
+    if parse_multiturn(args.prompt) is not None:
+        if getattr(args, "duration", None) is not None:
+            raise ValueError("--duration: a multiturn workload sends CONVERSATIONS x TURNS")
+    elif fields["num_requests"] is None:
+        fields["num_requests"] = DEFAULT_NUM_REQUESTS
+    return arrivals_from_args(argparse.Namespace(**fields))
+
+
 def kept_specs(
-    workload: Workload, duration_s: float | None, num_warmup: int = 0
+    workload: Arrivals, duration_s: float | None, num_warmup: int = 0
 ) -> list[RequestSpec]:
     """The workload's specs that arrive within ``duration_s`` (all when None); ValueError
     unless the first ``num_warmup`` of them (warm-up) leave at least one to measure."""
@@ -102,5 +127,5 @@ def document_specs(document: dict[str, Any]) -> tuple[list[RequestSpec], int]:
     """The request list a saved ``compare`` result ran (its workload's seed, lengths and
     arrivals), and its number of warm-up requests."""
     w = document["workload"]  # the flags the load generator ran with
-    workload = Workload.from_args(SimpleNamespace(**w))
+    workload = bench_arrivals(SimpleNamespace(**w))
     return kept_specs(workload, w.get("duration"), w["warmup"]), int(w["warmup"])

@@ -1,9 +1,11 @@
 """One measured run against a running router: ask it for the model (vocabulary, EOS ids),
-build the request list, stream it open-loop over the chosen API, summarize."""
+build the request list, stream it open-loop over the chosen API, summarize. A multi-turn
+workload's conversations go through `orchestrator.loadgen.conversations` instead (gRPC)."""
 
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any, Literal, TextIO
 
@@ -11,14 +13,15 @@ from orchestrator.loadgen.clients import Client, GrpcClient, HttpClient, model_i
 from orchestrator.loadgen.requests import build_requests, kept_specs
 from orchestrator.loadgen.runner import RunOutcome, run_open_loop
 from orchestrator.loadgen.stats import SLOs, summarize
-from orchestrator.sim.workload import Workload
+from orchestrator.sim.conversations import MultiTurnWorkload
+from orchestrator.sim.workload import Arrivals, Workload
 
 Backend = Literal["grpc", "http"]
 
 
 @dataclass(frozen=True)
 class BenchOptions:
-    workload: Workload
+    workload: Arrivals  # open-loop `Workload` or `MultiTurnWorkload`
     slos: SLOs
     num_warmup: int = 0
     duration_s: float | None = None
@@ -34,6 +37,9 @@ class BenchOptions:
         kept_specs(self.workload, self.duration_s, self.num_warmup)
         if self.prompt_stream < 0:
             raise ValueError(f"prompt_stream must be >= 0, got {self.prompt_stream}")
+        if isinstance(self.workload, MultiTurnWorkload) and self.backend != "grpc":
+            # A turn's prompt holds the previous answer's token ids, which only gRPC returns.
+            raise ValueError("a multiturn workload runs over the grpc backend only")
 
 
 async def measure(
@@ -44,6 +50,9 @@ async def measure(
 ) -> tuple[RunOutcome, dict[str, Any]]:
     """``address``: the router's gRPC ``host:port`` (also asked for the model);
     ``http_url``: its OpenAI base URL, needed for the ``http`` backend."""
+    if isinstance(options.workload, MultiTurnWorkload):
+        return await _measure_conversations(address, options, progress)
+    assert isinstance(options.workload, Workload)
     info = await model_info(address, token=options.api_key)
     requests = build_requests(
         options.workload,
@@ -72,3 +81,25 @@ async def measure(
     finally:
         await client.close()
     return outcome, summarize(outcome.results, options.slos, cap_hits=outcome.cap_hits)
+
+
+async def _measure_conversations(
+    address: str, options: BenchOptions, progress: TextIO | None
+) -> tuple[RunOutcome, dict[str, Any]]:
+    from orchestrator.loadgen.conversations import measure_conversations
+
+    assert isinstance(options.workload, MultiTurnWorkload)
+    start = time.perf_counter()
+    turns, summary = await measure_conversations(
+        address,
+        options.workload,
+        options.slos,
+        num_warmup=options.num_warmup,
+        timeout_s=options.timeout_s,
+        api_key=options.api_key,
+        progress=progress,
+    )
+    wall_s = time.perf_counter() - start
+    # At most one turn per conversation is in flight: the cap is never reached.
+    results = [t.result for t in turns]
+    return RunOutcome("grpc", results, 0, options.max_concurrency, wall_s), summary

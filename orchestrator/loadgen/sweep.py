@@ -33,6 +33,7 @@ from orchestrator.loadgen.goodput import (
 from orchestrator.loadgen.report import machine_load
 from orchestrator.loadgen.session import BenchOptions, measure
 from orchestrator.loadgen.step_load import TraceCursor, load
+from orchestrator.sim.workload import Workload
 from workers.log import progress, progress_enabled, progress_shown
 
 
@@ -48,7 +49,9 @@ class SweepPlan:
         """The run's options (ValueError when its warm-up leaves nothing measured). A seed's
         runs at two rates send different prompts (of the same lengths): the same prompts
         again would be prefilled from the cache; both clusters at one rate send the same."""
-        workload = self.options.workload.with_rate(rate).with_seed(seed)
+        workload = self.options.workload
+        assert isinstance(workload, Workload)  # `build_plan` refuses a multi-turn workload
+        workload = workload.with_rate(rate).with_seed(seed)
         stream = 1 + round(rate * 1000)  # distinct for rates 0.001 req/s apart
         return dataclasses.replace(self.options, workload=workload, prompt_stream=stream)
 

@@ -23,6 +23,7 @@ from orchestrator.loadgen.sweep_report import (
     sweep_document,
     write_sweep_plot,
 )
+from orchestrator.sim.workload import Workload
 from workers.log import echo
 
 PREFIX = "pdserve bench sweep"
@@ -72,6 +73,8 @@ def build_plan(
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise ValueError("--plot needs matplotlib (the bench extra)")
     options = options_of(argparse.Namespace(**{**vars(args), "rate": rates[0], "seed": seeds[0]}))
+    if not isinstance(options.workload, Workload):
+        raise ValueError("--prompt: a sweep runs open-loop requests; multiturn runs with compare")
     plan = SweepPlan(options, rates, seeds, args.bisect)
     # The warm-up must leave a request measured in every run (--duration keeps fewer requests
     # at lower rates); a probe lies above a swept rate, so it keeps at least as many.
@@ -141,8 +144,9 @@ def run_sweep(
 
 
 def _header(args: argparse.Namespace, plan: SweepPlan) -> dict[str, Any]:
-    keys = ("arrival", "num_requests", "duration", "prompt", "output", "prefix_hit", "warmup")
+    keys = ("arrival", "duration", "prompt", "output", "prefix_hit", "warmup")
     workload = {key: getattr(args, key) for key in keys}
+    workload["num_requests"] = plan.options.workload.num_requests
     return {
         "command": "sweep",
         "argv": sys.argv,

@@ -30,7 +30,7 @@ def arrivals_from_args(args: argparse.Namespace) -> Arrivals:
             raise ValueError(f"{', '.join(given)}: only with --prompt multiturn:C:T")
         return Workload(
             rate=args.rate,
-            num_requests=args.num_requests or DEFAULT_NUM_REQUESTS,
+            num_requests=(DEFAULT_NUM_REQUESTS if args.num_requests is None else args.num_requests),
             prompt=LengthDist.parse(args.prompt),
             output=output,
             arrival=args.arrival,

@@ -1,12 +1,12 @@
 """Multi-turn chat for the simulator: conversations that share a system prompt, each turn's
 prompt the conversation so far (every earlier question and answer) plus a new question.
 
-The shape is the load generator's (`orchestrator.loadgen.conversations.MultiTurn`, which
-``pdserve bench multiturn`` sends): conversations start open-loop at ``rate`` per second
-(Poisson or evenly spaced), and a conversation's next turn is sent ``think_time_s`` after the
-previous answer's last token. It is restated here because the load generator imports the
-simulator, not the other way round. Answers are drawn from ``output`` (the load generator's
-are ``fixed:N``, greedy with ``ignore_eos``), so every prompt's length is known before the run.
+The load generator sends this very workload (`orchestrator.loadgen.conversations`, for
+``pdserve bench multiturn``, ``run`` and ``compare``): the starts and lengths drawn here, its
+own token ids. Conversations start open-loop at ``rate`` per second (Poisson or evenly
+spaced), and a conversation's next turn is sent ``think_time_s`` after the previous answer's
+last token. Answers are drawn from ``output`` (the load generator's are greedy with
+``ignore_eos``, so as long as asked), so every prompt's length is known before the run.
 
 What a turn shares with others, for prefix caching (`caching`): the system prompt (with every
 request: ``num_common_tokens``) and its conversation's previous prompt and answer

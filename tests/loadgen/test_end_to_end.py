@@ -14,7 +14,7 @@ import pytest
 
 from orchestrator.control.controller import ControllerOptions
 from orchestrator.loadgen.clients import GrpcClient, HttpClient
-from orchestrator.loadgen.conversations import MultiTurn, Turn, measure_conversations
+from orchestrator.loadgen.conversations import Turn, measure_conversations, parse_multiturn
 from orchestrator.loadgen.records import RequestResult
 from orchestrator.loadgen.requests import TimedRequest
 from orchestrator.loadgen.session import BenchOptions, measure
@@ -114,8 +114,11 @@ def test_errors_are_counted_by_status(cluster: ServedCluster) -> None:
 
 
 def test_multiturn_conversations_carry_their_history(cluster: ServedCluster) -> None:
-    """Each turn's prompt is the previous turn's prompt, its answer and a new question."""
-    shape = MultiTurn(3, 3, system_tokens=24, question_tokens=(4, 12), output_tokens=6, rate=4.0)
+    """Each turn's prompt is the previous turn's prompt, its answer and a new question, and
+    the turns sent are the simulator's (`bench validate` simulates the very same list)."""
+    shape = parse_multiturn(
+        "multiturn:3:3", system_tokens=24, question_tokens=(4, 12), output_tokens=6, rate=4.0
+    )
     slos = SLOs(ttft_s=60.0, tpot_s=10.0)
     turns, summary = asyncio.run(
         measure_conversations(cluster.address, shape, slos, timeout_s=120.0)
@@ -134,6 +137,11 @@ def test_multiturn_conversations_carry_their_history(cluster: ServedCluster) -> 
             assert after.prompt[: len(history)] == history
             assert 4 <= len(after.prompt) - len(history) <= 12
     assert summary["prompt_tokens_sent"] == sum(t.result.prompt_tokens for t in turns)
+    sent = sorted(turns, key=lambda t: t.result.index)
+    simulated = shape.requests()
+    assert [t.result.index for t in sent] == [s.request_id for s in simulated]
+    assert [len(t.prompt) for t in sent] == [s.num_prompt_tokens for s in simulated]
+    assert [t.result.max_tokens for t in sent] == [s.num_output_tokens for s in simulated]
     assert set(summary["ttft_by_turn_s"]) == {"1", "2", "3"}
 
     # The router's index as the workers publish it: cleared (as a new router's), it learns at
@@ -151,3 +159,25 @@ def test_multiturn_conversations_carry_their_history(cluster: ServedCluster) -> 
         history = PromptPages([*last.prompt, *last.result.token_ids[:-1]])
         held = max(index.matched(worker, history) for worker in workers)
         assert held == len(history.token_ids) // 16  # every full page, on one worker
+
+
+def test_a_multiturn_run_through_the_bench_session(cluster: ServedCluster) -> None:
+    """`bench compare / run` with ``--prompt multiturn:C:T``: every turn sent and answered,
+    the first ``num_warmup`` by request id left out of the figures."""
+    workload = parse_multiturn(
+        "multiturn:2:3", system_tokens=16, question_tokens=(4, 8), output_tokens=5, rate=4.0
+    )
+    options = BenchOptions(
+        workload=workload, slos=SLOs(ttft_s=60.0, tpot_s=10.0), num_warmup=2, timeout_s=120.0
+    )
+    outcome, summary = asyncio.run(measure(cluster.address, None, options))
+    assert outcome.backend == "grpc" and outcome.cap_hits == 0
+    assert sorted(r.index for r in outcome.results) == list(range(6))
+    assert [r.index for r in outcome.results if r.warmup] == [0, 1]
+    assert summary["sent"] == 6 and summary["warmup"] == 2 and summary["not_sent"] == 0
+    assert summary["completed"] == 6 and summary["errored"] == 0
+    # The first conversation's turns 1 and 2 are warm-up (ids 0, 1); its turn 3 is not (id 2).
+    ttft = {r.index: r.ttft for r in outcome.results}
+    by_turn = summary["ttft_by_turn_s"]
+    assert (by_turn["1"]["p50"], by_turn["2"]["p50"]) == (ttft[3], ttft[4])
+    assert by_turn["3"]["mean"] == pytest.approx((ttft[2] + ttft[5]) / 2)  # type: ignore[operator]

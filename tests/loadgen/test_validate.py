@@ -271,7 +271,7 @@ def test_compare_refuses_a_prefix_share_outside_0_to_1_before_running(
     argv = _compare_argv(tmp_path, _calibration(tmp_path))
     for share in ("1.5", "-0.1", "nan"):
         assert main([*argv, "--prefix-hit", share]) == 2
-        assert "prefix hit rate must be in [0, 1]" in capsys.readouterr().err
+        assert "--prefix-hit: a share of each prompt, in [0, 1]" in capsys.readouterr().err
     assert clusters.names == []
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.loadgen.conversations import MultiTurn
 from orchestrator.sim.caching import PrefixCache
 from orchestrator.sim.conversations import MultiTurnWorkload
 from orchestrator.sim.instances import EngineLimits
@@ -51,11 +50,10 @@ def test_turns_carry_their_conversation_as_the_load_generator_builds_it() -> Non
             assert 16 <= spec.num_prompt_tokens - spec.num_history_tokens <= 32
         else:
             assert spec.follows == -1 and spec.num_history_tokens == 0
-    # With fixed questions the longest prompt is the load generator's.
+    # With fixed lengths the longest prompt is the last turn's: every question, every earlier answer.
     fixed = MultiTurnWorkload(1.0, 3, 4, LengthDist.parse("fixed:32"), system_tokens=256,
                               question=LengthDist("uniform", 64, 64))  # fmt: skip
-    shape = MultiTurn(3, 4, system_tokens=256, question_tokens=(64, 64), output_tokens=32)
-    assert fixed.longest_prompt() == shape.longest_prompt()
+    assert fixed.longest_prompt() == 256 + 4 * 64 + 3 * 32
 
 
 def test_a_turn_is_sent_after_the_previous_answer_and_the_think_time() -> None:
