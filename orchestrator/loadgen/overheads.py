@@ -118,6 +118,16 @@ def derive(cost: CalibratedCostModel, document: dict[str, Any], source: str) -> 
     if cost.request_overhead_s != (0.0, 0.0) or cost.token_delay_s != (0.0, 0.0):
         raise ValueError("derive overheads against a cost model without overheads")
     specs, num_warmup = document_specs(document)
+    if any(spec.num_common_tokens or spec.conversation >= 0 for spec in specs):
+        from workers.log import warn
+
+        # The residuals' requests are simulated alone and sharing nothing, while the run's
+        # found most of their prompts cached: the fixed cost comes out too low, often 0.
+        warn(
+            f"{source}: its prompts share cached prefixes; the fixed per-request cost is "
+            "fitted to requests simulated sharing nothing (derive it from a run that shares "
+            "nothing, or use none)"
+        )
     entry: dict[str, Any] = {"from": source}
     for run in document["runs"]:
         config = load_config(document["configs"][run["name"]], None)

@@ -82,7 +82,9 @@ def _document(tmp_path: Path, ttft_p50: float = 0.4, name: str = "compare.json")
     return path
 
 
-def test_derive_writes_both_kinds_and_refuses_what_it_cannot_use(tmp_path: Path) -> None:
+def test_derive_writes_both_kinds_and_refuses_what_it_cannot_use(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     document = json.loads(_document(tmp_path).read_text())
     entry = derive(affine(capacity=16384), document, "compare.json")
     assert entry["from"] == "compare.json"
@@ -92,6 +94,11 @@ def test_derive_writes_both_kinds_and_refuses_what_it_cannot_use(tmp_path: Path)
     assert 0 < entry["disaggregated_token_s"] <= 0.02 and 0 < entry["mixed_token_s"] <= 0.02
     with pytest.raises(ValueError, match="not a pdserve bench compare"):
         derive(affine(), {"command": "run"}, "run.json")
+    assert "share cached prefixes" not in capsys.readouterr().err
+    # A run whose prompts share a prefix: derived, with a warning that the cost is unreliable.
+    document["workload"]["prefix_hit"] = 0.5
+    derive(affine(capacity=16384), document, "compare.json")
+    assert "compare.json: its prompts share cached prefixes" in capsys.readouterr().err
     with pytest.raises(ValueError, match="without overheads"):
         derive(affine(overhead=(0.1, 0.0)), document, "compare.json")
 
