@@ -42,6 +42,8 @@ from orchestrator.sim.instances import chunk_tokens
 from workers.log import progress
 
 logger = logging.getLogger(__name__)
+# A mixed point's decoders run this long at most (their KV is reserved for it).
+MIXED_MAX_TOKENS = 1024
 
 BUDGET = 256  # prefill chunk / step token budget of the calibration engine (default)
 PAGE_SIZE = 16  # tokens per KV page of the calibration engine (`EngineConfig`'s default)
@@ -174,7 +176,9 @@ def _mixed_points(
         samples: dict[int, list[float]] = {}  # chunk index -> seconds
         shapes: dict[int, tuple[int, int, int]] = {}  # chunk index -> (KV read, tokens, context)
         for repeat in range(repeats):
-            decode_params = SamplingParams(temperature=0.0, max_tokens=1024, ignore_eos=True)
+            decode_params = SamplingParams(
+                temperature=0.0, max_tokens=MIXED_MAX_TOKENS, ignore_eos=True
+            )
             prefix = f"m{batch}-{repeat}-{warm_up}"
             for i in range(batch):
                 engine.add_request(f"{prefix}-{i}", [13] * context, decode_params)
@@ -422,8 +426,14 @@ def run_calibration(
             for c in decode_contexts
         )
         pages = max(pages, -(-prefill_context // 16))  # the long prefill prompt's pages
-        # A mixed point runs its decoders and one more prompt at once.
-        seqs = max(*decode_batches, *(b + 1 for b in mixed_batches))
+        # A mixed point runs its decoders (KV reserved for prompt and output at admission)
+        # and one more prompt at once.
+        mixed_pages = (
+            b * -(-(mixed_context + MIXED_MAX_TOKENS) // 16) + -(-mixed_context // 16)
+            for b in mixed_batches
+        )
+        pages = max((pages, *mixed_pages))
+        seqs = max((*decode_batches, *(b + 1 for b in mixed_batches)))
         engine = _engine(model_dir, seqs, budget, max(256, pages))
         engines = None
         try:

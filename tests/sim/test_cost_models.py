@@ -140,6 +140,30 @@ def test_calibration_runs_our_engine_and_its_output_fits(tmp_path: Path) -> None
     assert decode_seconds(model, 4, 4 * 40, 1) > 0
 
 
+@pytest.mark.slow
+def test_calibration_sizes_its_pool_for_the_points_it_is_asked(tmp_path: Path) -> None:
+    from orchestrator.sim.calibrate import run_calibration
+
+    # One decode batch and no mixed points.
+    data = run_calibration(
+        tmp_path / "a.json", prefill_sizes=(16,), decode_batches=(1,), repeats=1, budget=64
+    )
+    assert {p["batch"] for p in data["decode"]} == {1} and "mixed" not in data
+    # Mixed points whose 16 decoders (768-token prompts, room for 1024 more tokens each) and
+    # prompt need far more pages than the decode points: the pool holds them all, so the
+    # prompt is not held back (it was, and the calibration failed).
+    data = run_calibration(
+        tmp_path / "b.json",
+        prefill_sizes=(16,),
+        decode_batches=(1,),
+        repeats=1,
+        budget=256,
+        mixed_batches=(16,),
+    )
+    assert data["kv_capacity_tokens"] >= 16 * (768 + 1024) + 768
+    assert {p["batch"] for p in data["mixed"]} == {16}
+
+
 def _fit_data() -> dict[str, Any]:
     return {
         "num_layers": 6, "kv_bytes_per_token": 12288, "kv_capacity_tokens": 16384,
