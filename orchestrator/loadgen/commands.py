@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from orchestrator.cli.flags import add_multiturn_arguments
+
 if TYPE_CHECKING:
     from orchestrator.loadgen.compare import ClusterRun
     from orchestrator.loadgen.session import BenchOptions
@@ -178,15 +180,7 @@ def _add_workload_arguments(p: argparse.ArgumentParser, *, sweep: bool = False) 
         help="fixed:N | uniform:A-B | chat:M[:A-B] (multiturn: the answers)",
     )
     if not sweep:
-        p.add_argument(
-            "--system-tokens", type=int, default=None, help="multiturn: shared system prompt (256)"
-        )
-        p.add_argument(
-            "--question-tokens", default=None, help="multiturn: question lengths, N or A-B (32-64)"
-        )
-        p.add_argument(
-            "--think-time", type=float, default=None, help="multiturn: seconds between turns (0)"
-        )
+        add_multiturn_arguments(p)
     if not sweep:
         p.add_argument("--seed", type=int, default=0)
     p.add_argument(

@@ -22,8 +22,6 @@ from orchestrator.sim.conversations import parse_multiturn
 from orchestrator.sim.workload import Arrivals, RequestSpec, Workload
 
 DEFAULT_NUM_REQUESTS = 50  # ``pdserve bench``'s open-loop runs
-# The flags of a multi-turn workload, as ``pdserve simulate`` names them; None when not given.
-MULTITURN_FLAGS = ("system_tokens", "question_tokens", "think_time")
 
 
 @dataclass(frozen=True)
@@ -91,7 +89,7 @@ def bench_arrivals(args: Any) -> Arrivals:
     (``--num-requests``, 50 when not given), or, for ``--prompt multiturn:C:T``, the
     simulator's multi-turn conversations (`orchestrator.sim.cli_inputs.arrivals_from_args`:
     ``--system-tokens``, ``--question-tokens``, ``--think-time``). ValueError names the flag."""
-    from orchestrator.sim.cli_inputs import arrivals_from_args
+    from orchestrator.sim.cli_inputs import MULTITURN_FLAGS, arrivals_from_args
 
     flags = {name: getattr(args, name, None) for name in MULTITURN_FLAGS}
     fields = {**vars(args), **flags, "prefix_hit": getattr(args, "prefix_hit", 0.0)}

@@ -10,7 +10,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
-from orchestrator.cli.flags import add_connection_arguments
+from orchestrator.cli.flags import add_connection_arguments, add_multiturn_arguments
 
 if TYPE_CHECKING:
     from orchestrator.sim.cost import CostModel
@@ -186,15 +186,7 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
         help="fixed:N | uniform:A-B | chat:M[:A-B] (multiturn: the answers)",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--system-tokens", type=int, default=None, help="multiturn: shared system prompt (256)"
-    )
-    p.add_argument(
-        "--question-tokens", default=None, help="multiturn: question lengths, N or A-B (32-64)"
-    )
-    p.add_argument(
-        "--think-time", type=float, default=None, help="multiturn: seconds between turns (0)"
-    )
+    add_multiturn_arguments(p)
     p.add_argument(
         "--prefix-hit",
         type=float,
