@@ -42,13 +42,12 @@ from orchestrator.sim.instances import chunk_tokens
 from workers.log import progress
 
 logger = logging.getLogger(__name__)
-# A mixed point's decoders run this long at most (their KV is reserved for it).
-MIXED_MAX_TOKENS = 1024
 
 BUDGET = 256  # prefill chunk / step token budget of the calibration engine (default)
 PAGE_SIZE = 16  # tokens per KV page of the calibration engine (`EngineConfig`'s default)
 PROMPT_LEN = 32  # decode points: prompt tokens per sequence (default; see decode_contexts)
 DECODE_STEPS = 4  # timed decode steps per batch size
+MIXED_MAX_TOKENS = 1024  # a mixed point's decoders: tokens each (KV reserved at admission)
 BACKGROUND_BATCH = 4  # each background engine: rounds of this many requests ...
 BACKGROUND_PROMPT = 768  # ... of prompts this long (default: the record workload's mean) ...
 BACKGROUND_OUTPUT = 256  # ... and this many new tokens
