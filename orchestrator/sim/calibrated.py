@@ -38,9 +38,10 @@ seconds]`` of the busy cycles of a served cluster's prefill, decode or mixed wor
 role gets one affine fit of all four terms, and an instance of that role is priced with it
 alone: the points were measured inside the cluster, so its contention is in them and
 ``busy_others`` plays no part, unless the file has ``"shared_cores"`` (``--shared-cores C``):
-then the points are core-seconds and a step's price is stretched by the share of a core it
-gets beside the instances in a step when it starts, weighed by their roles' CPU priorities
-(`shared_cores.SharedCores`). The points' spread around their role's fit, as quantiles of
+then the points are core-seconds, and the simulator runs a step priced alone at its share of
+a core, re-divided among the steps in progress as they start and end, weighed by their roles'
+CPU priorities (`shared_cores.ProcessorSharing`); ``step_seconds`` given ``busy_others``
+stretches the step by the share it would get if they all kept stepping for its length. The points' spread around their role's fit, as quantiles of
 measured - fitted seconds per step kind (`noise.Spread`), is the model's ``step_noise``: the
 simulator adds a draw from it to each step's price. Such a file needs no ``"prefill"`` /
 ``"decode"`` points: the role-less fits (for a role the traces lack) are taken from its

@@ -16,8 +16,9 @@ finds cached, and a decoder is pushed only the prompt pages it does not hold; ca
 live in the KV the reservations leave free. With speculative decoding (`options`) a running
 set is a `spec_batch.SpecDecodeSet`: sequences verify drafts and emit one or more tokens.
 Instances are driven by `simulator.Simulator`: `start_step` plans a step and returns its
-duration (None when idle; priced with ``busy_other_roles``, the other instances in a step at that
-moment, which the simulator sets), `finish_step` applies it at its end time.
+price (None when idle; priced with ``busy_other_roles``, the other instances in a step at that
+moment, which the simulator sets), `finish_step` applies it at its end time with the seconds
+it took (its price, unless the simulator re-divides shared cores while it runs).
 """
 
 from __future__ import annotations
@@ -200,12 +201,12 @@ class PrefillInstance(InstanceBase):
         # Drafting with MTP, the decoders need the module's KV of the prompt: the prefill
         # runs the module over its tokens in the same pass (`workers.engine.mtp_drafter`).
         mtp = (tokens, 1) if self.options.mtp else (0, 0)
-        duration = self._price(StepShape(tokens, attention, 0, 0, 0, 0, *mtp))
-        self.is_busy, self.busy_seconds = True, self.busy_seconds + duration
-        return duration
+        self.is_busy = True
+        return self._price(StepShape(tokens, attention, 0, 0, 0, 0, *mtp))
 
     def finish_step(self, now: float, duration: float) -> list[SimRequest]:
         """Requests whose prefill ended with this step, in queue order."""
+        self.busy_seconds += duration
         done = []
         for request, take in self._chunks:
             request.num_prefilled += take
@@ -240,6 +241,7 @@ class DecodeInstance(InstanceBase):
         self._joined: list[SimRequest] = []
         # ITL samples: per step, (duration, sequences that had emitted a token before it).
         self.itl_steps: list[tuple[float, int]] = []
+        self._num_gaps = 0  # of the step in progress
 
     def start_step(self, now: float) -> float | None:
         self._joined = []
@@ -254,13 +256,14 @@ class DecodeInstance(InstanceBase):
         if not len(self.running):
             return None
         work = self.running.plan(self.step, self.limits.max_num_batched_tokens)
-        duration = self._price(decode_shape(work))
-        self.itl_steps.append((duration, len(self.running) - len(self._joined)))
-        self.is_busy, self.busy_seconds = True, self.busy_seconds + duration
-        return duration
+        self._num_gaps = len(self.running) - len(self._joined)
+        self.is_busy = True
+        return self._price(decode_shape(work))
 
     def finish_step(self, now: float, duration: float) -> list[SimRequest]:
         """Requests that finished with this step."""
+        self.itl_steps.append((duration, self._num_gaps))
+        self.busy_seconds += duration
         for request in self._joined:
             request.first_token_time, request.first_token_step = now, self.step
         done = self.running.finish(self.step)

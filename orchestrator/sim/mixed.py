@@ -43,6 +43,7 @@ class MixedInstance(InstanceBase):
         self.step = 0
         self._chunks: list[tuple[SimRequest, int]] = []
         self.itl_steps: list[tuple[float, int]] = []
+        self._num_gaps = 0  # of the step in progress
 
     def cached_tokens(self, request: SimRequest) -> int:
         """Prompt tokens found cached here (all but the last, which is computed to sample)."""
@@ -83,14 +84,15 @@ class MixedInstance(InstanceBase):
                 num_mtp_tokens=work.num_mtp_tokens + tokens,
                 num_mtp_passes=max(1, work.num_mtp_passes),
             )
-        duration = self._price(decode_shape(work, tokens, attention))
         # Every running sequence emitted its first token at the end of its last prefill step.
-        self.itl_steps.append((duration, num_decodes))
-        self.is_busy, self.busy_seconds = True, self.busy_seconds + duration
-        return duration
+        self._num_gaps = num_decodes
+        self.is_busy = True
+        return self._price(decode_shape(work, tokens, attention))
 
     def finish_step(self, now: float, duration: float) -> list[SimRequest]:
         """Requests that finished with this step."""
+        self.itl_steps.append((duration, self._num_gaps))
+        self.busy_seconds += duration
         done = self.running.finish(self.step)
         for request, take in self._chunks:
             request.num_prefilled += take

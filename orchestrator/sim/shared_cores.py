@@ -14,8 +14,11 @@ A step that needs ``w`` core-seconds takes ``w / share`` while its share holds.
 
 `alone_seconds` turns traced busy cycles into core-seconds (the integral of the worker's
 share over its cycle, every worker of the run aligned on one clock: ``time.perf_counter`` is
-Linux's CLOCK_MONOTONIC, one clock for every process of a machine); `SharedCores.slowdown`
-turns them back into seconds for the instances in a step when a simulated step starts.
+Linux's CLOCK_MONOTONIC, one clock for every process of a machine); `ProcessorSharing` turns
+them back into seconds in the simulator, the same integral run forward: every simulated step
+in progress runs at its share of a core, re-divided whenever a step starts or ends. (Fixing
+a step's share when it starts, `SharedCores.slowdown`, priced a long prefill chunk that began
+beside idle workers at a whole core however soon they started steps of their own.)
 Left out: the router, the load generator and Ray's own processes, which take their share of
 the same cores; the fits' intercepts carry their mean cost.
 """
@@ -23,7 +26,8 @@ the same cores; the fits' intercepts carry their mean cost.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+import itertools
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 
@@ -71,11 +75,76 @@ class SharedCores:
     def weight(self, role: str) -> float:
         return nice_weight(self.nice(role))
 
+    def shares(self, roles: Sequence[str]) -> list[float]:
+        """Each one's share of a core while instances of these roles are all in a step."""
+        return core_shares([self.weight(role) for role in roles], self.cores)
+
     def slowdown(self, role: str, other_roles: Sequence[str]) -> float:
         """Seconds per core-second of a step of ``role`` that starts while instances of
         ``other_roles`` are in a step (its share of a core, inverted)."""
         weights = [self.weight(role), *(self.weight(r) for r in other_roles)]
         return 1.0 / core_shares(weights, self.cores)[0]
+
+
+@dataclass
+class _Step:
+    role: str
+    start: float
+    core_seconds: float  # left to run
+    share: float = 0.0
+    version: int = 0  # of its end time, new at each re-division (unique in the run)
+
+
+# A step in progress's end time as last divided: (its key, version, time).
+StepEnd = tuple[Hashable, int, float]
+
+
+class ProcessorSharing:
+    """The steps in progress on shared cores, each advancing at its share of a core.
+
+    `start` and `end` return the new end times of every step in progress (shares change for
+    all of them); an end time whose version is not the step's latest is stale, and `end`
+    answers None to it. Between two of those calls the shares hold, so a step's core-seconds
+    run down linearly and its end time is exact.
+    """
+
+    def __init__(self, cores: SharedCores) -> None:
+        self._cores = cores
+        self._steps: dict[Hashable, _Step] = {}
+        self._now = 0.0
+        # One count for every step: a stale end of an instance's last step must not match
+        # the version of its next.
+        self._versions = itertools.count(1)
+
+    def start(self, key: Hashable, role: str, alone_seconds: float, now: float) -> list[StepEnd]:
+        """A step of ``role`` that would take ``alone_seconds`` with the cores to itself."""
+        self._advance(now)
+        core_seconds = alone_seconds * self._cores.shares([role])[0]
+        self._steps[key] = _Step(role, now, core_seconds)
+        return self._divide(now)
+
+    def end(self, key: Hashable, version: int, now: float) -> tuple[float, list[StepEnd]] | None:
+        """The seconds the step took and the others' new end times; None for a stale end."""
+        step = self._steps.get(key)
+        if step is None or step.version != version:
+            return None
+        self._advance(now)
+        del self._steps[key]
+        return now - step.start, self._divide(now)
+
+    def _advance(self, now: float) -> None:
+        for step in self._steps.values():
+            step.core_seconds -= step.share * (now - self._now)
+        self._now = now
+
+    def _divide(self, now: float) -> list[StepEnd]:
+        steps = list(self._steps.items())
+        shares = self._cores.shares([step.role for _, step in steps])
+        ends = []
+        for (key, step), share in zip(steps, shares, strict=True):
+            step.share, step.version = share, next(self._versions)
+            ends.append((key, step.version, now + max(0.0, step.core_seconds) / share))
+        return ends
 
 
 # One worker's busy cycles: (start, seconds) each, in the trace's order.

@@ -11,8 +11,10 @@ with the least uncached work once this prompt is added. A conversation's later t
 event the instances it touched start a step if they are idle and have work. A request reaches
 the router `CostModel.request_overhead_seconds` after it arrives (the fixed costs outside engine
 steps), so that delay is part of its TTFT and of nothing else's. A step is priced with the
-other instances in a step when it starts, their count and roles (a cost model of instances that
-share one machine's cores charges for them; the price is fixed for the step's length).
+other instances in a step when it starts, their count and roles, and keeps that price; with a
+cost model of instances that share one machine's cores (`CostModel.shared_cores`) a step is
+priced alone instead and runs at its share of the cores, re-divided whenever any instance's
+step starts or ends (`shared_cores.ProcessorSharing`).
 
 The transfer model: the KV push overlaps the prefill passes layer by layer, so a request
 waits only for `cost.exposed_transfer_seconds` after its prefill ends. Only the prompt pages
@@ -28,7 +30,7 @@ import functools
 import heapq
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,6 +46,7 @@ from orchestrator.sim.instances import (
 from orchestrator.sim.mixed import MixedInstance
 from orchestrator.sim.noise import StepNoise
 from orchestrator.sim.options import ServingOptions
+from orchestrator.sim.shared_cores import ProcessorSharing, StepEnd
 from orchestrator.sim.workload import Arrivals, RequestSpec
 
 
@@ -231,6 +234,8 @@ class Simulator:
         for instance in [*self.prefills, *self.decodes]:
             instance.noise = noise
         self._seed = seed
+        shared = cost.shared_cores
+        self._sharing = ProcessorSharing(shared) if shared is not None else None
 
     def run(self, workload: Arrivals | list[RequestSpec]) -> SimResult:
         specs = workload if isinstance(workload, list) else workload.requests()
@@ -335,6 +340,11 @@ class Simulator:
     def _kick(self, instance: PrefillInstance | DecodeInstance | MixedInstance, now: float) -> None:
         if instance.is_busy:
             return
+        if self._sharing is not None:
+            price = instance.start_step(now)  # priced alone (busy_other_roles stays empty)
+            if price is not None:
+                self._schedule(self._sharing.start(instance, instance.role, price, now))
+            return
         instance.busy_other_roles = tuple(
             other.role
             for other in [*self.prefills, *self.decodes]
@@ -343,6 +353,20 @@ class Simulator:
         duration = instance.start_step(now)
         if duration is not None:
             self._push(now + duration, lambda end: self._step_done(instance, end, duration))
+
+    def _schedule(self, ends: list[StepEnd]) -> None:
+        for instance, version, time in ends:
+            self._push(time, functools.partial(self._shared_step_end, instance, version))
+
+    def _shared_step_end(self, instance: Hashable, version: int, now: float) -> None:
+        assert self._sharing is not None
+        ended = self._sharing.end(instance, version, now)
+        if ended is None:
+            return  # the cores were re-divided after this end time was set
+        seconds, ends = ended
+        self._schedule(ends)
+        assert isinstance(instance, PrefillInstance | DecodeInstance | MixedInstance)
+        self._step_done(instance, now, seconds)
 
     def _step_done(
         self,

@@ -24,10 +24,10 @@ noise in seconds"). Per role: seconds = a + b * prefill tokens + c * prefill att
 With ``--shared-cores C`` (the cores of the machine the runs were measured on), each busy
 cycle's seconds become the core-seconds the worker got in it (`shared_cores.alone_seconds`,
 every worker of a run on one clock, each weighted by its group's ``nice``), and the file
-records ``"shared_cores": {"cores": C, "nice": {role: nice}}``: the simulator then prices
-a step at its core-seconds over the share of a core it gets beside the instances in a step
-when it starts, so that a layout with fewer (or more) processes per core than the measured
-ones is priced with its own contention.
+records ``"shared_cores": {"cores": C, "nice": {role: nice}}``: the simulator then runs a
+step's core-seconds at the share of a core it gets beside the instances in a step, re-divided
+as their steps start and end (`shared_cores.ProcessorSharing`), so that a layout with fewer
+(or more) processes per core than the measured ones is priced with its own contention.
 
 Predicting the run a trace was taken from checks the simulator's queueing and batching, given
 the step costs the run actually had; predicting other runs with it (other repeats of the same

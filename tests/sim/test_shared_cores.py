@@ -20,7 +20,13 @@ from orchestrator.sim.emit import checked_cluster_config, helm_values
 from orchestrator.sim.instances import EngineLimits
 from orchestrator.sim.metrics import SLO
 from orchestrator.sim.planner import PlanSpec, plan
-from orchestrator.sim.shared_cores import SharedCores, alone_seconds, core_shares, nice_weight
+from orchestrator.sim.shared_cores import (
+    ProcessorSharing,
+    SharedCores,
+    alone_seconds,
+    core_shares,
+    nice_weight,
+)
 from orchestrator.sim.simulator import Layout, Simulator
 from orchestrator.sim.workload import LengthDist, RequestSpec, Workload
 from tests.sim.test_trace_fit import (
@@ -185,12 +191,37 @@ def test_the_simulator_stretches_steps_that_share_the_cores() -> None:
     for cores in (None, 3, 2, 1):
         result = Simulator(_toy(cores), Layout(num_mixed=3), limits).run(together)
         ttfts[cores] = sorted(r.ttft for r in result.records)
-    # A step is priced by the steps in progress when it starts (the simulator's rule): the
-    # instances start one after another at the same instant, the later ones beside the
-    # earlier ones.
+    # Three steps of 0.3 core-seconds in progress together, each at its share of the cores.
     assert ttfts[None] == ttfts[3] == pytest.approx([0.3] * 3)
-    assert ttfts[2] == pytest.approx([0.3, 0.3, 0.45])  # the third: 2/3 of a core
-    assert ttfts[1] == pytest.approx([0.3, 0.6, 0.9])  # a whole core, half, a third
+    assert ttfts[2] == pytest.approx([0.45] * 3)  # 2/3 of a core each
+    assert ttfts[1] == pytest.approx([0.9] * 3)  # a third each
+
+
+def test_a_step_in_progress_slows_when_another_starts_beside_it() -> None:
+    limits = EngineLimits(max_num_seqs=8, max_num_batched_tokens=256)
+    staggered = [RequestSpec(0, 0.0, 200, 1), RequestSpec(1, 0.1, 200, 1)]  # prefill only
+    result = Simulator(_toy(1), Layout(num_mixed=2), limits).run(staggered)
+    # On one core: the first chunk runs alone for 0.1 s, both then run at half a core until
+    # the first ends at 0.5 (0.2 core-seconds left at half speed), the second alone to 0.6.
+    # Priced once at its start the first would have kept its whole core and ended at 0.3.
+    assert [r.ttft for r in result.records] == pytest.approx([0.5, 0.5])
+    assert sum(result.busy_seconds) == pytest.approx(0.5 + 0.5)
+
+
+def test_processor_sharing_divides_by_priority_and_conserves_core_seconds() -> None:
+    sharing = ProcessorSharing(_on_cores(2))
+    ((_, _, alone),) = sharing.start("d", "decode", 1.0, 0.0)
+    assert alone == pytest.approx(1.0)
+    sharing.start("p1", "prefill", 0.5, 0.0)
+    ends = {key: (version, time) for key, version, time in sharing.start("p2", "prefill", 0.5, 0.0)}
+    # The decoder at nice 0 keeps its core; the two prefill steps at nice 10 share the other.
+    assert ends["d"][1] == pytest.approx(1.0)
+    assert ends["p1"][1] == ends["p2"][1] == pytest.approx(1.0)
+    # An end time set before the last re-division is stale.
+    assert sharing.end("p1", ends["p1"][0] - 1, 1.0) is None
+    seconds, others = sharing.end("p1", ends["p1"][0], 1.0) or (0.0, [])
+    assert seconds == pytest.approx(1.0)
+    assert {key for key, _, _ in others} == {"d", "p2"}
 
 
 def test_on_shared_cores_the_planner_ranks_by_goodput_not_per_instance() -> None:
