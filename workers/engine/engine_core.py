@@ -281,6 +281,27 @@ class EngineCore:
         """Pages a decoder reserves for a prompt: the KV of all its tokens but the last."""
         return self.block_manager.pages_for_tokens(num_prompt_tokens - 1)
 
+    def final_pages(self, num_prompt_tokens: int, max_tokens: int) -> int:
+        """Pages a request holds at most before it finishes: the KV of its prompt and answer
+        (at most ``max_model_len`` tokens) and of the drafts a step verifies after them."""
+        spec = self.config.speculative
+        drafts = spec.num_speculative_tokens if spec is not None else 0
+        tokens = min(num_prompt_tokens + max_tokens, self.max_model_len) + drafts
+        return self.block_manager.pages_for_tokens(tokens)
+
+    def num_pages_to_finish(self) -> int:
+        """Pages the engine's requests (running, waiting or preempted) still take before they
+        finish, over what they hold: a decoder keeps them free before it pins a new prompt's
+        (`workers.kv.decode_messenger`)."""
+        scheduler = self.scheduler
+        return sum(
+            max(
+                0,
+                self.final_pages(seq.num_prompt_tokens, seq.params.max_tokens) - len(seq.page_ids),
+            )
+            for seq in (*scheduler.running, *scheduler.waiting)
+        )
+
     def acquire_cached_prefix(self, prompt: list[int], hashes: list[bytes]) -> list[int]:
         """Decode role with prefix caching: share the cached pages holding the longest cached
         prefix of a prompt's KV (full pages of all its tokens but the last), which then need no

@@ -254,7 +254,7 @@ class DecodeMessenger:
             # The prompt's cached prefix (decode role with prefix caching) is not asked for.
             cached = engine.acquire_cached_prefix(incoming.prompt, incoming.page_hashes)
             num_pages = engine.num_prefill_pages(len(incoming.prompt)) - len(cached)
-            if not engine.block_manager.can_allocate(num_pages):
+            if not engine.block_manager.can_allocate(num_pages + self._reserve(incoming)):
                 engine.release_cached(cached)
                 return
             request_id = self._pending.popleft()
@@ -269,6 +269,33 @@ class DecodeMessenger:
                 self._request(request_id, incoming, num_pages)
             except (KvTransferError, FabricError) as error:
                 self._fail(request_id, f"could not request the KV: {error}")
+
+    def _reserve(self, incoming: Incoming) -> int:
+        """Pages to keep free beside a new prompt's pinned ones: what it and every other live
+        request (in the engine, or with a transfer in flight) still take before they finish.
+        Without them a running answer that needs a page would preempt another by recompute,
+        and the decoder would prefill that prompt again itself, beside the prefill workers
+        and ahead of its own decode steps: under overload more prompts wait, more pages are
+        pinned, more answers are recomputed, and throughput falls instead of levelling off
+        (bench/history/RESULTS-notebook.md, "A decoder that recomputed its own prompts").
+        0 when nothing else is live: a request that outgrows the pool alone still starts, and
+        ends at ``length`` as before."""
+        engine = self.engine
+        in_flight = [i for i in self._by_id.values() if i.transfer is not None]
+        if not in_flight and not engine.scheduler.has_work():
+            return 0
+        others = engine.num_pages_to_finish() + sum(
+            max(
+                0,
+                engine.final_pages(len(i.prompt), i.params.max_tokens)
+                - len(i.cached_pages)
+                - len(i.transfer.page_ids),
+            )
+            for i in in_flight
+            if i.transfer is not None
+        )
+        own = engine.final_pages(len(incoming.prompt), incoming.params.max_tokens)
+        return others + own - engine.num_prefill_pages(len(incoming.prompt))
 
     def _request(self, request_id: str, incoming: Incoming, num_pages: int) -> None:
         now = time.monotonic()
