@@ -41,9 +41,10 @@ alone: the points were measured inside the cluster, so its contention is in them
 then the points are core-seconds, and the simulator runs a step priced alone at its share of
 a core, re-divided among the steps in progress as they start and end, weighed by their roles'
 CPU priorities (`shared_cores.ProcessorSharing`); ``step_seconds`` given ``busy_others``
-stretches the step by the share it would get if they all kept stepping for its length. The points' spread around their role's fit, as quantiles of
-measured - fitted seconds per step kind (`noise.Spread`), is the model's ``step_noise``: the
-simulator adds a draw from it to each step's price. Such a file needs no ``"prefill"`` /
+stretches the step by the share it would get if they all kept stepping for its length. The
+points' spread around their role's fit, as quantiles of measured - fitted seconds per step
+kind (`noise.Spread`), is the model's ``step_noise``: the simulator adds a draw from it to
+each step's price. Such a file needs no ``"prefill"`` /
 ``"decode"`` points: the role-less fits (for a role the traces lack) are taken from its
 prefill-only and decode-only cycles.
 """

@@ -22,7 +22,6 @@ from workers.engine.config import EngineConfig
 from workers.engine.sampling_params import SamplingParams
 from workers.service.kv_worker import DecodeWorker
 
-PAGE = 16
 DECODE_PAGES = 40  # 640 tokens: two of the requests below to the end, not three
 PREFILL_PAGES = 96
 LENGTHS = [150, 151, 152, 153]  # 10 pages of prompt KV each
@@ -43,8 +42,8 @@ def test_a_decoder_never_recomputes_a_prompt_it_was_sent(
         engine = decode.engine
         # Two requests fit the pool to their ends, three do not; all four prompts pinned at
         # once would fill it, leaving no page for the first answer's growth.
-        final = engine.final_pages(LENGTHS[-1], GREEDY.max_tokens)
-        assert 2 * final <= DECODE_PAGES < 3 * final
+        final_pages = engine.final_pages(LENGTHS[-1], GREEDY.max_tokens)
+        assert 2 * final_pages <= DECODE_PAGES < 3 * final_pages
         assert len(LENGTHS) * engine.num_prefill_pages(LENGTHS[0]) >= DECODE_PAGES
         streams = [
             decode.submit(f"r{i}", prompt, GREEDY, prefill.endpoint)
