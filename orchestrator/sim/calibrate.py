@@ -424,11 +424,11 @@ def run_calibration(
             for b in decode_batches
             for c in decode_contexts
         )
-        pages = max(pages, -(-prefill_context // 16))  # the long prefill prompt's pages
+        pages = max(pages, -(-prefill_context // PAGE_SIZE))  # the long prefill prompt's pages
         # A mixed point runs its decoders (KV reserved for prompt and output at admission)
         # and one more prompt at once.
         mixed_pages = (
-            b * -(-(mixed_context + MIXED_MAX_TOKENS) // 16) + -(-mixed_context // 16)
+            b * -(-(mixed_context + MIXED_MAX_TOKENS) // PAGE_SIZE) + -(-mixed_context // PAGE_SIZE)
             for b in mixed_batches
         )
         pages = max((pages, *mixed_pages))

@@ -29,6 +29,7 @@ import heapq
 import itertools
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 
 def nice_weight(nice: int) -> float:
@@ -95,11 +96,12 @@ class _Step:
     version: int = 0  # of its end time, new at each re-division (unique in the run)
 
 
+K = TypeVar("K", bound=Hashable)  # what names a step in progress (the simulator's instance)
 # A step in progress's end time as last divided: (its key, version, time).
-StepEnd = tuple[Hashable, int, float]
+StepEnd = tuple[K, int, float]
 
 
-class ProcessorSharing:
+class ProcessorSharing(Generic[K]):
     """The steps in progress on shared cores, each advancing at its share of a core.
 
     `start` and `end` return the new end times of every step in progress (shares change for
@@ -110,20 +112,20 @@ class ProcessorSharing:
 
     def __init__(self, cores: SharedCores) -> None:
         self._cores = cores
-        self._steps: dict[Hashable, _Step] = {}
+        self._steps: dict[K, _Step] = {}
         self._now = 0.0
         # One count for every step: a stale end of an instance's last step must not match
         # the version of its next.
         self._versions = itertools.count(1)
 
-    def start(self, key: Hashable, role: str, alone_seconds: float, now: float) -> list[StepEnd]:
+    def start(self, key: K, role: str, alone_seconds: float, now: float) -> list[StepEnd[K]]:
         """A step of ``role`` that would take ``alone_seconds`` with the cores to itself."""
         self._advance(now)
         core_seconds = alone_seconds * self._cores.shares([role])[0]
         self._steps[key] = _Step(role, now, core_seconds)
         return self._divide(now)
 
-    def end(self, key: Hashable, version: int, now: float) -> tuple[float, list[StepEnd]] | None:
+    def end(self, key: K, version: int, now: float) -> tuple[float, list[StepEnd[K]]] | None:
         """The seconds the step took and the others' new end times; None for a stale end."""
         step = self._steps.get(key)
         if step is None or step.version != version:
@@ -137,7 +139,7 @@ class ProcessorSharing:
             step.core_seconds -= step.share * (now - self._now)
         self._now = now
 
-    def _divide(self, now: float) -> list[StepEnd]:
+    def _divide(self, now: float) -> list[StepEnd[K]]:
         steps = list(self._steps.items())
         shares = self._cores.shares([step.role for _, step in steps])
         ends = []

@@ -30,7 +30,7 @@ import functools
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,6 +48,9 @@ from orchestrator.sim.noise import StepNoise
 from orchestrator.sim.options import ServingOptions
 from orchestrator.sim.shared_cores import ProcessorSharing, StepEnd
 from orchestrator.sim.workload import Arrivals, RequestSpec
+
+# An instance of any role: what the simulator steps.
+Instance = PrefillInstance | DecodeInstance | MixedInstance
 
 
 @dataclass(frozen=True)
@@ -235,7 +238,9 @@ class Simulator:
             instance.noise = noise
         self._seed = seed
         shared = cost.shared_cores
-        self._sharing = ProcessorSharing(shared) if shared is not None else None
+        self._sharing: ProcessorSharing[Instance] | None = (
+            ProcessorSharing(shared) if shared is not None else None
+        )
 
     def run(self, workload: Arrivals | list[RequestSpec]) -> SimResult:
         specs = workload if isinstance(workload, list) else workload.requests()
@@ -337,7 +342,7 @@ class Simulator:
             key=lambda p: p.num_queued_tokens + prompt_kv - p.cached_tokens(request),
         )
 
-    def _kick(self, instance: PrefillInstance | DecodeInstance | MixedInstance, now: float) -> None:
+    def _kick(self, instance: Instance, now: float) -> None:
         if instance.is_busy:
             return
         if self._sharing is not None:
@@ -354,23 +359,22 @@ class Simulator:
         if duration is not None:
             self._push(now + duration, lambda end: self._step_done(instance, end, duration))
 
-    def _schedule(self, ends: list[StepEnd]) -> None:
+    def _schedule(self, ends: list[StepEnd[Instance]]) -> None:
         for instance, version, time in ends:
             self._push(time, functools.partial(self._shared_step_end, instance, version))
 
-    def _shared_step_end(self, instance: Hashable, version: int, now: float) -> None:
+    def _shared_step_end(self, instance: Instance, version: int, now: float) -> None:
         assert self._sharing is not None
         ended = self._sharing.end(instance, version, now)
         if ended is None:
             return  # the cores were re-divided after this end time was set
         seconds, ends = ended
         self._schedule(ends)
-        assert isinstance(instance, PrefillInstance | DecodeInstance | MixedInstance)
         self._step_done(instance, now, seconds)
 
     def _step_done(
         self,
-        instance: PrefillInstance | DecodeInstance | MixedInstance,
+        instance: Instance,
         now: float,
         duration: float,
     ) -> None:

@@ -277,25 +277,25 @@ class DecodeMessenger:
         and the decoder would prefill that prompt again itself, beside the prefill workers
         and ahead of its own decode steps: under overload more prompts wait, more pages are
         pinned, more answers are recomputed, and throughput falls instead of levelling off
-        (bench/history/RESULTS-notebook.md, "A decoder that recomputed its own prompts").
-        0 when nothing else is live: a request that outgrows the pool alone still starts, and
-        ends at ``length`` as before."""
+        (bench/history/RESULTS-notebook.md, "Goodput in steady state, and a decoder that
+        recomputed its own prompts"). 0 when nothing else is live: a request that outgrows
+        the pool alone still starts, and ends at ``length`` as before."""
         engine = self.engine
-        in_flight = [i for i in self._by_id.values() if i.transfer is not None]
-        if not in_flight and not engine.scheduler.has_work():
+        transfers = [(i, i.transfer) for i in self._by_id.values() if i.transfer is not None]
+        if not transfers and not engine.scheduler.has_work():
             return 0
-        others = engine.num_pages_to_finish() + sum(
+        in_flight = sum(
             max(
                 0,
                 engine.final_pages(len(i.prompt), i.params.max_tokens)
                 - len(i.cached_pages)
-                - len(i.transfer.page_ids),
+                - len(transfer.page_ids),
             )
-            for i in in_flight
-            if i.transfer is not None
+            for i, transfer in transfers
         )
         own = engine.final_pages(len(incoming.prompt), incoming.params.max_tokens)
-        return others + own - engine.num_prefill_pages(len(incoming.prompt))
+        own -= engine.num_prefill_pages(len(incoming.prompt))
+        return engine.num_pages_to_finish() + in_flight + own
 
     def _request(self, request_id: str, incoming: Incoming, num_pages: int) -> None:
         now = time.monotonic()
