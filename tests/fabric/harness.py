@@ -201,3 +201,26 @@ class StuckPosts:
             args[-1][0] = -self.real.FI_EAGAIN  # rc_out: nothing posted
             return 0
         return int(self.real.pd_post_writes(*args))
+
+
+class StuckPoll:
+    """NAMED TEST FAULT, in place of ``workers.fabric.completions.lib`` (where the fabric reads
+    its CQ): once ``armed``, a CQ poll blocks until ``release``, then reports that it read
+    nothing. On shm a poll that never returns (it progresses commands of a peer killed while it
+    held its region lock) happened in a CI run, but cannot be produced on demand."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+        self.armed = threading.Event()
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    def pd_poll(self, *args: Any) -> int:
+        if self.armed.is_set():
+            self.entered.set()
+            self.release.wait(60)
+            return 0
+        return int(self.real.pd_poll(*args))

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.fabric.harness import RemoteTarget, StuckPosts, close_engine
+from tests.fabric.harness import RemoteTarget, StuckPoll, StuckPosts, close_engine
 from workers.fabric import (
     AddressError,
     EngineClosedError,
@@ -21,6 +21,7 @@ from workers.fabric import (
     PeerStuckError,
     TransferEngine,
     TransferError,
+    completions,
     progress,
     watchdog,
 )
@@ -200,6 +201,54 @@ def test_exited_shm_peer_is_failed_without_posting_to_it(
     assert engine.stats().progress.ops_posted == posted  # never handed to the provider
     with pytest.raises(PeerFailedError):
         engine.submit_write(handle, 0, peer, victim.descriptor, 0, 16, imm=1)
+
+
+def test_a_cq_poll_stuck_behind_an_exited_shm_peer_fails_it_as_exited(
+    make_engine: Callable[..., TransferEngine],
+    make_target: Callable[[int], RemoteTarget],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """shm: a peer killed while it held its region lock can stall the CQ poll, not only a post
+    to it. The watchdog then fails that peer's operations, and records its failure, as an
+    exited process (proof of death: whoever offered it pages may free them at once); the
+    rest end with the engine."""
+    engine = make_engine(op_timeout=600.0)
+    if engine.provider != "shm":
+        pytest.skip("process watching is shm-only (tcp reports a dead peer itself)")
+    victim = make_target(MIB)
+    handle, _ = engine.register(np.ones(MIB, dtype=np.uint8))
+    peer = engine.add_peer(victim.address)
+    first = threading.Event()
+    engine.submit_write(handle, 0, peer, victim.descriptor, 0, 4096, imm=1, on_done=first.set)
+    assert first.wait(30)  # the first post opened the watch on its process
+    stuck = StuckPoll(completions.lib)
+    monkeypatch.setattr(completions, "lib", stuck)
+    monkeypatch.setattr(watchdog, "_WATCHDOG_PERIOD_S", 0.05)
+    monkeypatch.setattr(watchdog, "_STALL_S", 3600.0)  # not before the victim is dead
+    stuck.armed.set()
+    assert stuck.entered.wait(30)
+    errors: list[FabricError] = []
+    ended = threading.Semaphore(0)
+
+    def on_error(error: FabricError) -> None:
+        errors.append(error)
+        ended.release()
+
+    engine.submit_write(handle, 0, peer, victim.descriptor, 0, 4096, imm=1, on_error=on_error)
+    counter_errors: list[FabricError] = []
+    engine.expect_imm(9, 1, lambda: None, counter_errors.append)
+    victim.kill()
+    monkeypatch.setattr(watchdog, "_STALL_S", 0.2)
+    assert ended.acquire(timeout=30)
+    assert len(errors) == 1 and type(errors[0]) is PeerFailedError, errors
+    assert "exited" in str(errors[0])
+    failure = engine.peer_failure(victim.address)
+    assert type(failure) is PeerFailedError and "exited" in str(failure)
+    assert "polling the CQ" in (engine.closed_reason() or "")
+    stuck.release.set()
+    close_engine(engine)
+    assert len(counter_errors) == 1 and isinstance(counter_errors[0], EngineClosedError)
+    assert len(errors) == 1  # ended once
 
 
 def test_stuck_provider_call_still_ends_every_operation_once(

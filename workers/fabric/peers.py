@@ -28,7 +28,8 @@ Threads: everything here runs on the progress thread (or inline before it starts
 `check_accepts` (submitters, under the lock), `failure` (any thread, no lock: a failure is
 recorded before its peer is marked failed, and the mark cleared before the failure) and the
 watchdog, which asks `has_exited` of the peer a stuck post is addressed to (a killed peer may
-die holding its lock after the post began) and marks it failed under the lock. The lock is the
+die holding its lock after the post began), and `exited_peers` when any call is stuck, and
+marks them failed under the lock. The lock is the
 progress loop's, shared: the current handles change only under it, and the loop's `jobs` is
 iterated only under it.
 """
@@ -249,6 +250,16 @@ class PeerTable:
         except (OSError, ValueError):  # closed meanwhile: the progress thread returned
             return False
         return bool(readable)
+
+    def exited_peers(self) -> list[PeerHandle]:
+        """The current handles of every watched peer whose process has exited. The watchdog
+        asks while the progress thread is stuck (so no watch changes meanwhile)."""
+        exited = []
+        for peer in list(self._fd_peers.values()):
+            current = self._current_peers.get(peer.fi_addr)
+            if current is not None and current.address == peer.address and self.has_exited(peer):
+                exited.append(current)
+        return exited
 
     def _unwatch(self, address: bytes) -> None:
         fd = self._exit_fds.pop(address, None)

@@ -47,12 +47,13 @@ Every accepted job ends in exactly one callback within its deadline plus a bound
   on its lock, any other provider call that never returns). It reads `native_call()`, which
   this thread keeps current around each post and poll by plain attribute stores (no lock).
   When one native call has not returned for `watchdog._STALL_S` it calls `_abandon`, which
-  fails every outstanding job (`PeerStuckError` for the peer being posted to, recorded as
-  its failure: it may only be stopped, so that is no proof of its death, unless its watched
-  process has exited, then `PeerFailedError`: a peer killed while it held its lock, after our
-  post began; `EngineClosedError` for the rest), fails pending `call()`s and armed counters
-  (which then refuse arming: nothing would fire or expire them), and refuses new work. The stuck thread,
-  should it ever return, finds every job already finished. `_abandon` stays here, beside
+  fails every outstanding job (`PeerFailedError` for each watched peer whose process has
+  exited, recorded as its failure: killed while it held its lock, it stalls a post to it or
+  a CQ poll that progresses its commands; `PeerStuckError` for a live peer being posted to:
+  it may only be stopped, so that is no proof of its death; `EngineClosedError` for the
+  rest), fails pending `call()`s and armed counters (which then refuse arming: nothing would
+  fire or expire them), and refuses new work. The stuck thread, should it ever return, finds
+  every job already finished. `_abandon` stays here, beside
   `_shutdown`: both end the loop's work and act on the state its lock guards.
 
 So this module is the loop itself: queues, posting, the thread's passes, and how the loop ends.
@@ -448,21 +449,24 @@ class ProgressLoop:
             f"fabric progress thread stuck in {self.provider_name} ({call} has not returned "
             f"for {stalled_s:.1f} s); engine abandoned"
         )
-        stuck: tuple[int, FabricError] | None = None
-        if peer is not None and self.peers.has_exited(peer):
-            # Killed while it held its region lock, after this post began: proof of death, so
-            # whoever offered it pages may free them (nothing of it can write any more).
-            stuck = (peer.fi_addr, PeerFailedError(f"peer {peer.name}: its process has exited"))
-        elif peer is not None:
+        # Each watched peer whose process has exited is failed as such, whatever call is stuck:
+        # proof of death, so whoever offered it pages may free them (nothing of it can write any
+        # more). A peer killed while it held its region lock may stall a post to it (after the
+        # post began) or a CQ poll that progresses its commands.
+        failures: dict[int, FabricError] = {
+            exited.fi_addr: PeerFailedError(f"peer {exited.name}: its process has exited")
+            for exited in self.peers.exited_peers()
+        }
+        if peer is not None and peer.fi_addr not in failures:
             # Not proof that the peer's process is gone: it may only be stopped.
-            stuck = (peer.fi_addr, PeerStuckError(f"{peer.name}: {reason}"))
+            failures[peer.fi_addr] = PeerStuckError(f"{peer.name}: {reason}")
         with self._lock:
             if self._wedged or self._stopped:
                 return
             self._wedged = reason
             self._stopping = True
-            if stuck is not None:
-                self.peers.record_failure(*stuck)
+            for fi_addr, error in failures.items():
+                self.peers.record_failure(fi_addr, error)
             commands = list(self._commands)
             self._commands.clear()
             jobs = list(self.jobs.values())
@@ -474,10 +478,8 @@ class ProgressLoop:
         for job in jobs:
             if ledger.claim(job):  # send slots stay with the stuck thread
                 # The stuck thread may be posting this job's ops: their count is not known.
-                if stuck is not None and job.peer.fi_addr == stuck[0]:
-                    ledger.deliver(job, stuck[1], exact=False)
-                else:
-                    ledger.deliver(job, EngineClosedError(reason), exact=False)
+                error = failures.get(job.peer.fi_addr) or EngineClosedError(reason)
+                ledger.deliver(job, error, exact=False)
         self.dispatcher.submit_all(self.counters.fail_all(EngineClosedError(reason)))
         self._end_work()
 

@@ -471,8 +471,11 @@ class DecodeMessenger:
         if not incoming.armed:
             try:
                 self._arm(incoming, decoded.expected_write_count)
-            except FabricError as error:  # the fabric closed (this poll's `_fabric_lost` follows)
-                self._fail(decoded.request_id, f"KV fabric unusable: {error}")
+            except FabricError as error:
+                if self.fabric.closed_reason() is None:
+                    self._fail(decoded.request_id, f"KV fabric unusable: {error}")
+                # Else this poll's `_fabric_lost` follows: it first frees the transfers of a
+                # prefill process the fabric found gone, failed as such.
 
     def _handle_fired(self, imm: int, fired_s: float) -> None:
         request_id = self.slots.resolve(imm)
