@@ -1,9 +1,11 @@
-"""The CQ drain against a provider that misbehaves (NAMED TEST FAULT `fakes.FakeCqOps`): a
-completion's flags are trusted only as far as its context allows, and a CQ error entry that
-cannot be read ends the loop instead of spinning in C."""
+"""The CQ drain against a provider that misbehaves: a completion's flags are trusted only as
+far as its context allows, and a CQ error entry that cannot be read ends the loop instead of
+spinning in C (both NAMED TEST FAULT `fakes.FakeCqOps`); a wait fd that stays readable with
+nothing to read (a real tcp socket closed before its handshake) turns waits into naps."""
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Callable
 
@@ -19,7 +21,8 @@ from tests.fabric.fakes import (
 )
 from tests.waiting import wait_until
 from workers.fabric import EngineClosedError, FabricError, TransferEngine
-from workers.fabric.messages import RECEIVE_ID_BASE
+from workers.fabric.messages import RECEIVE_ID_BASE, Message
+from workers.kv.peer_liveness import tcp_address
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -79,3 +82,33 @@ def test_an_unreadable_cq_error_ends_the_loop_instead_of_spinning(
     assert ("engine_close", 0) in binding_log.events
     engine._loop.waker.wake()  # e.g. a `wakes_deferred` block ending after the close
     assert binding_log.late_wakes == 0
+
+
+def test_a_connection_closed_before_its_handshake_does_not_keep_the_thread_spinning(
+    provider: str, make_engine: Callable[..., TransferEngine]
+) -> None:
+    """tcp: a bare connect and close to an engine's listener (a port scan, a TCP health check)
+    stays in libfabric 1.17's poll set, readable for good, so every CQ wait returns at once and
+    the idle progress thread would spin a core from then on. The engine stops waiting on that
+    fd (its waits become naps) and still moves messages and counted writes."""
+    if provider != "tcp;ofi_rxm":
+        pytest.skip("shm has no listening socket (and no CQ wait fd)")
+    engine = make_engine()
+    sender = make_engine()
+    address = tcp_address(sender.add_peer(engine.address).name)
+    assert address is not None
+    assert not engine.stats().progress.wait_fd_dropped
+    socket.create_connection(address, timeout=10).close()
+    wait_until(lambda: engine.stats().progress.wait_fd_dropped, what="the wait fd dropped")
+    messages: list[Message] = []
+    arrived, landed = threading.Event(), threading.Event()
+    engine.on_message(lambda message: (messages.append(message), arrived.set()))
+    _, descriptor = engine.register(np.zeros(4096, dtype=np.uint8))
+    handle, _ = sender.register(np.full(4096, 7, dtype=np.uint8))
+    peer = sender.add_peer(engine.address)
+    engine.expect_imm(3, 1, landed.set)
+    sender.submit_write(handle, 0, peer, descriptor, 0, 4096, imm=3)
+    sender.submit_send(peer, b"after the write")
+    assert landed.wait(30) and arrived.wait(30)
+    assert [m.payload for m in messages] == [b"after the write"]
+    assert engine.closed_reason() is None

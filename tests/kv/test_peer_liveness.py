@@ -1,7 +1,8 @@
 """A peer's process is judged alive or gone on evidence, never on time.
 
 - On ``tcp`` a killed peer's listening socket refuses connections, while a stopped one's still
-  accepts (`workers.kv.peer_liveness.listener_refuses`).
+  accepts (`workers.kv.peer_liveness.listener_refuses`); a probe leaves a live peer's fabric
+  as it was.
 - A message from a decoder the prefill fabric marked failed (an operation to it missed its
   deadline) proves it alive: the prefill side resolves it afresh and serves it.
 
@@ -12,6 +13,7 @@ Killed and stopped prefill processes end to end: `test_messenger_faults.py`,
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +23,7 @@ from tests.engine.engine_helpers import make_engine, prompts_of_lengths, run_eng
 from tests.kv.harness import wait_pools_full
 from workers.engine.config import EngineConfig
 from workers.engine.sampling_params import SamplingParams
-from workers.fabric import OperationTimeoutError
+from workers.fabric import OperationTimeoutError, TransferEngine
 from workers.kv.decode_messenger import DecodeMessengerConfig
 from workers.kv.peer_liveness import listener_refuses, tcp_address
 from workers.service.kv_worker import DecodeWorker, PrefillWorker
@@ -43,6 +45,24 @@ def test_tcp_names_parse_and_a_closed_port_is_refused() -> None:
         port = listener.getsockname()[1]
         assert not listener_refuses(f"fi_sockaddr_in://127.0.0.1:{port}")
     assert listener_refuses(f"fi_sockaddr_in://127.0.0.1:{port}")  # closed with its owner
+
+
+def test_probing_a_live_engine_leaves_its_progress_thread_asleep() -> None:
+    """The probe resets its connection: closed with a FIN before the provider's handshake, it
+    stayed readable for good in libfabric 1.17's tcp poll set, and the probed prefill worker's
+    idle progress thread spun a core from then on (under load: slower prefill steps, until the
+    engine dropped its wait fd for naps)."""
+    engine = TransferEngine(PROVIDER, "127.0.0.1")
+    try:
+        name = engine.add_peer(engine.address).name
+        for _ in range(3):
+            assert not listener_refuses(name)
+        # Longer than the engine takes to notice a wait fd that stays readable (~1 s).
+        time.sleep(2.0)
+        assert not engine.stats().progress.wait_fd_dropped
+        assert engine.closed_reason() is None
+    finally:
+        engine.close()
 
 
 @pytest.fixture

@@ -5,11 +5,19 @@ arrivals, received messages and error completions.
 so this loops per row, not per completion. Callbacks are queued in CQ order: imm arrivals are
 handed to the counters before any later row of the same drain (a message, a local completion)
 is dispatched. An error completion that names a connection error fails the job's peer.
+
+The CQ wait fd can stay readable with nothing to read: libfabric 1.17's tcp provider keeps a
+connection that closed before its handshake (a bare connect and close, as a port scanner or a
+TCP health check makes) in its poll set, so every wait returns at once and the idle thread
+spins a core for good. `read` notices waits that keep returning early and empty
+(`_STORM_WAITS` of them over `_STORM_S`) and stops waiting on the fd (`pd_engine_drop_wait_fd`):
+waits become timed naps (`NAP_WAIT_US`), as for a provider without a wait fd.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 from workers.fabric._lib import ffi, lib, strerror
@@ -27,6 +35,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _POLL_ROWS = 256
+# An idle wait without a CQ fd: a timed nap, woken early only by the engine's own eventfd.
+NAP_WAIT_US = 200
+# Waits that returned early with nothing read, one after another, over at least this long:
+# the fd is readable for good (a legitimate wake reads something, or is the eventfd's).
+_STORM_WAITS = 10_000
+_STORM_S = 1.0
 # errno values that mean the connection to the peer is gone, not that one operation was bad.
 _CONNECTION_ERRORS = {32, 103, 104, 107, 110, 111, 112, 113}  # EPIPE ECONNABORTED ... EHOSTUNREACH
 
@@ -54,14 +68,43 @@ class CompletionDrain:
         self._stats = stats
         self._rows = [ffi.new("uint64_t[]", _POLL_ROWS) for _ in range(4)]
         self._error = ffi.new("pd_error_t *")
+        self.waits_on_fd = lib.pd_engine_wait_fd(native) >= 0
+        self._empty_waits = 0  # early, empty waits in a row
+        self._empty_since = 0.0
 
     def read(self, spin_us: int, wait_us: int) -> int:
         """The native call: drain the CQ into the row arrays, spinning and then waiting for
         at most the given times when it is empty. Its result goes to `dispatch`."""
         kinds, ids, data, lens = self._rows
-        return lib.pd_poll(
+        began = time.monotonic()
+        n = lib.pd_poll(
             self._native, _POLL_ROWS, kinds, ids, data, lens, spin_us, wait_us, self._error
         )
+        if wait_us and self.waits_on_fd:
+            now = time.monotonic()
+            # Early: well before both the spin and the wait could have run out.
+            if n == 0 and now - began < (spin_us + wait_us) / 2e6:
+                self._note_empty_wait(now)
+            else:
+                self._empty_waits = 0
+        return n
+
+    def _note_empty_wait(self, now: float) -> None:
+        if self._empty_waits == 0:
+            self._empty_since = now
+        self._empty_waits += 1
+        if self._empty_waits >= _STORM_WAITS and now - self._empty_since >= _STORM_S:
+            lib.pd_engine_drop_wait_fd(self._native)
+            self.waits_on_fd = False
+            self._stats.wait_fd_dropped = True
+            log.warning(
+                "the CQ wait fd stayed readable with nothing to read (%d waits in %.1f s; "
+                "a connection to this endpoint closed before its handshake?): idle waits are "
+                "%d us naps from now on",
+                self._empty_waits,
+                now - self._empty_since,
+                NAP_WAIT_US,
+            )
 
     def dispatch(self, n: int) -> bool:
         """Act on what `read` returned; True if it read anything."""

@@ -44,6 +44,7 @@ from workers.fabric._lib import lib
 from workers.fabric.addresses import PeerDirectory
 from workers.fabric.callbacks import CallbackDispatcher, Inline
 from workers.fabric.closing import EngineClosing
+from workers.fabric.completions import NAP_WAIT_US
 from workers.fabric.counters import ImmCounters, ImmStats
 from workers.fabric.descriptors import MemoryRegionDescriptor
 from workers.fabric.endpoint import close_endpoint, endpoint_name, open_endpoint
@@ -126,7 +127,7 @@ class TransferEngine:
             self._dispatcher = CallbackDispatcher(f"fabric-callbacks-{self._id}")
             if idle_wait_us is None:
                 # With a CQ fd the idle thread wakes on traffic; without one it must poll.
-                idle_wait_us = 20_000 if lib.pd_engine_wait_fd(native) >= 0 else 200
+                idle_wait_us = 20_000 if lib.pd_engine_wait_fd(native) >= 0 else NAP_WAIT_US
             self._loop = ProgressLoop(
                 native,
                 name=f"fabric-progress-{self._id}",

@@ -73,6 +73,8 @@ class ProgressStats:
     ops_stranded: int = 0
     # Times the thread slept on the CQ (idle, or every queue refused) instead of spinning.
     sleeps: int = 0
+    # The CQ wait fd stayed readable with nothing to read: idle waits are naps (`completions`).
+    wait_fd_dropped: bool = False
     # Address-vector entries removed (`forget_peer`, once nothing posted to them remained).
     peers_removed: int = 0
     # Writes carrying immediate data that landed on this endpoint. The counters

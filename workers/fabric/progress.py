@@ -73,7 +73,7 @@ from typing import TYPE_CHECKING, Any
 
 from workers.fabric._lib import ffi, lib, strerror
 from workers.fabric.callbacks import CallbackDispatcher, Fire
-from workers.fabric.completions import CompletionDrain
+from workers.fabric.completions import NAP_WAIT_US, CompletionDrain
 from workers.fabric.counters import ImmCounters
 from workers.fabric.deadlines import SWEEP_PERIOD_S, DeadlineSweep
 from workers.fabric.errors import (
@@ -342,6 +342,8 @@ class ProgressLoop:
         self._native_since = time.monotonic()
         n = self._drain.read(spin_us, wait_us)
         self._native_since = 0.0
+        if not self._drain.waits_on_fd:
+            self._idle_wait_us = min(self._idle_wait_us, NAP_WAIT_US)
         return self._drain.dispatch(n)
 
     def _post_pending(self) -> bool:

@@ -15,8 +15,10 @@ address on evidence, never on time:
   the fabric's operation deadline and then fails like a send to a merely stalled peer. The
   peer's listening socket tells the two apart: it closes with the process (a connect is
   refused), while the kernel keeps accepting connections for a stopped (SIGSTOP), descheduled
-  or swapped process. It connects once and closes at once, without a byte sent (rxm's listener
-  drops such a connection). A peer found alive that missed a deadline is resolved afresh, so
+  or swapped process. It connects once and resets the connection at once, without a byte sent:
+  the provider then drops it, where a plain close (FIN) leaves the socket in libfabric 1.17's
+  tcp poll set, readable for good, and the probed worker's progress thread would spin a core
+  from then on (its engine notices and naps instead, `workers.fabric.completions`). A peer found alive that missed a deadline is resolved afresh, so
   the next send to it does not fail on the old record.
 
 Gone, the address is handed to ``on_gone`` (the messenger fails its transfers and frees its
@@ -31,6 +33,7 @@ import logging
 import queue
 import re
 import socket
+import struct
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -75,6 +78,8 @@ def listener_refuses(peer_name: str, timeout_s: float = 2.0) -> bool:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.settimeout(timeout_s)
+        # Close with a reset, not a FIN (see the module's docstring).
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         try:
             code = probe.connect_ex((host, port))
         except OSError:

@@ -108,6 +108,12 @@ uint64_t pd_engine_mr_mode(pd_engine *e) { return (uint64_t)e->info->domain_attr
 uint32_t pd_engine_free_slots(pd_engine *e) { return e->free_count; }
 int pd_engine_wait_fd(pd_engine *e) { return e->cq_fd; }
 
+/* Stop waiting on the CQ's fd: later waits are timed naps on the wake eventfd, as for a
+ * provider without one. For an fd that stays readable with nothing to read (libfabric 1.17
+ * tcp keeps a connection closed before its handshake in its poll set), which would turn every
+ * wait into a spin. Progress thread only (pd_poll reads the field). */
+void pd_engine_drop_wait_fd(pd_engine *e) { e->cq_fd = -1; }
+
 int pd_av_insert(pd_engine *e, const void *addr, fi_addr_t *out)
 {
     int n = fi_av_insert(e->av, addr, 1, out, 0, NULL);
