@@ -29,9 +29,8 @@ Threads: everything here runs on the progress thread (or inline before it starts
 recorded before its peer is marked failed, and the mark cleared before the failure) and the
 watchdog, which asks `has_exited` of the peer a stuck post is addressed to (a killed peer may
 die holding its lock after the post began), and `exited_peers` when any call is stuck, and
-marks them failed under the lock. The lock is the
-progress loop's, shared: the current handles change only under it, and the loop's `jobs` is
-iterated only under it.
+marks them failed under the lock. The lock is the progress loop's, shared: the current
+handles change only under it, and the loop's `jobs` is iterated only under it.
 """
 
 from __future__ import annotations

@@ -53,8 +53,8 @@ Every accepted job ends in exactly one callback within its deadline plus a bound
   it may only be stopped, so that is no proof of its death; `EngineClosedError` for the
   rest), fails pending `call()`s and armed counters (which then refuse arming: nothing would
   fire or expire them), and refuses new work. The stuck thread, should it ever return, finds
-  every job already finished. `_abandon` stays here, beside
-  `_shutdown`: both end the loop's work and act on the state its lock guards.
+  every job already finished. `_abandon` stays here, beside `_shutdown`: both end the loop's
+  work and act on the state its lock guards.
 
 So this module is the loop itself: queues, posting, the thread's passes, and how the loop ends.
 Posting stays here (tests replace this module's `lib` to make a post hang).
