@@ -16,8 +16,10 @@ from workers.fabric import (
     AddressError,
     EngineClosedError,
     FabricError,
+    MemoryRegionHandle,
     MessageTooLargeError,
     PeerFailedError,
+    PeerHandle,
     PeerStuckError,
     TransferEngine,
     TransferError,
@@ -160,13 +162,12 @@ def test_oversize_message_refused(make_engine: Callable[..., TransferEngine]) ->
     assert engine.recv(timeout=30).payload == b"y" * 1024
 
 
-def test_exited_shm_peer_is_failed_without_posting_to_it(
+def _watched_shm_peer(
     make_engine: Callable[..., TransferEngine], make_target: Callable[[int], RemoteTarget]
-) -> None:
-    """shm: a peer killed while holding its region lock would make any post to it spin forever
-    (libfabric 1.17 takes that lock in every post), so once its process has exited the engine
-    fails it and never calls into the provider for it again."""
-    engine = make_engine(op_timeout=600.0)  # a deadline cannot be what fails it
+) -> tuple[TransferEngine, RemoteTarget, MemoryRegionHandle, PeerHandle]:
+    """An shm engine (no operation deadline: none can be what fails a peer) that has written
+    once to a spawned target, so the target's process is watched (opened at the first post)."""
+    engine = make_engine(op_timeout=600.0)
     if engine.provider != "shm":
         pytest.skip("process watching is shm-only (tcp reports a dead peer itself)")
     victim = make_target(MIB)
@@ -175,6 +176,16 @@ def test_exited_shm_peer_is_failed_without_posting_to_it(
     first = threading.Event()
     engine.submit_write(handle, 0, peer, victim.descriptor, 0, 4096, imm=1, on_done=first.set)
     assert first.wait(30)
+    return engine, victim, handle, peer
+
+
+def test_exited_shm_peer_is_failed_without_posting_to_it(
+    make_engine: Callable[..., TransferEngine], make_target: Callable[[int], RemoteTarget]
+) -> None:
+    """shm: a peer killed while holding its region lock would make any post to it spin forever
+    (libfabric 1.17 takes that lock in every post), so once its process has exited the engine
+    fails it and never calls into the provider for it again."""
+    engine, victim, handle, peer = _watched_shm_peer(make_engine, make_target)
     victim.kill()
     posted = engine.stats().progress.ops_posted
     errors: list[FabricError] = []
@@ -212,15 +223,7 @@ def test_a_cq_poll_stuck_behind_an_exited_shm_peer_fails_it_as_exited(
     to it. The watchdog then fails that peer's operations, and records its failure, as an
     exited process (proof of death: whoever offered it pages may free them at once); the
     rest end with the engine."""
-    engine = make_engine(op_timeout=600.0)
-    if engine.provider != "shm":
-        pytest.skip("process watching is shm-only (tcp reports a dead peer itself)")
-    victim = make_target(MIB)
-    handle, _ = engine.register(np.ones(MIB, dtype=np.uint8))
-    peer = engine.add_peer(victim.address)
-    first = threading.Event()
-    engine.submit_write(handle, 0, peer, victim.descriptor, 0, 4096, imm=1, on_done=first.set)
-    assert first.wait(30)  # the first post opened the watch on its process
+    engine, victim, handle, peer = _watched_shm_peer(make_engine, make_target)
     stuck = StuckPoll(completions.lib)
     monkeypatch.setattr(completions, "lib", stuck)
     monkeypatch.setattr(watchdog, "_WATCHDOG_PERIOD_S", 0.05)
