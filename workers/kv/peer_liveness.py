@@ -18,8 +18,9 @@ address on evidence, never on time:
   or swapped process. It connects once and resets the connection at once, without a byte sent:
   the provider then drops it, where a plain close (FIN) leaves the socket in libfabric 1.17's
   tcp poll set, readable for good, and the probed worker's progress thread would spin a core
-  from then on (its engine notices and naps instead, `workers.fabric.completions`). A peer found alive that missed a deadline is resolved afresh, so
-  the next send to it does not fail on the old record.
+  from then on (its engine notices and naps instead, `workers.fabric.completions`). A peer
+  found alive that missed a deadline is resolved afresh, so the next send to it does not fail
+  on the old record.
 
 Gone, the address is handed to ``on_gone`` (the messenger fails its transfers and frees its
 quarantined pages). A slow or paused prefill worker still accepts: its transfers wait, as
