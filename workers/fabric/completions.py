@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from workers.fabric._lib import ffi, lib, strerror
@@ -58,8 +59,11 @@ class CompletionDrain:
         dispatcher: CallbackDispatcher,
         pools: MessagePools,
         stats: ProgressStats,
+        on_wait_fd_dropped: Callable[[], None],
     ) -> None:
+        """``on_wait_fd_dropped``: called once, on the progress thread, when waits become naps."""
         self._native = native
+        self._on_wait_fd_dropped = on_wait_fd_dropped
         self._ledger = ledger
         self._peers = peers
         self._counters = counters
@@ -68,7 +72,7 @@ class CompletionDrain:
         self._stats = stats
         self._rows = [ffi.new("uint64_t[]", _POLL_ROWS) for _ in range(4)]
         self._error = ffi.new("pd_error_t *")
-        self.waits_on_fd = lib.pd_engine_wait_fd(native) >= 0
+        self._waits_on_fd = lib.pd_engine_wait_fd(native) >= 0
         self._empty_waits = 0  # early, empty waits in a row
         self._empty_since = 0.0
 
@@ -76,11 +80,12 @@ class CompletionDrain:
         """The native call: drain the CQ into the row arrays, spinning and then waiting for
         at most the given times when it is empty. Its result goes to `dispatch`."""
         kinds, ids, data, lens = self._rows
-        began = time.monotonic()
+        watch = wait_us > 0 and self._waits_on_fd  # not on the spinning path
+        began = time.monotonic() if watch else 0.0
         n = lib.pd_poll(
             self._native, _POLL_ROWS, kinds, ids, data, lens, spin_us, wait_us, self._error
         )
-        if wait_us and self.waits_on_fd:
+        if watch:
             now = time.monotonic()
             # Early: well before both the spin and the wait could have run out.
             if n == 0 and now - began < (spin_us + wait_us) / 2e6:
@@ -95,8 +100,9 @@ class CompletionDrain:
         self._empty_waits += 1
         if self._empty_waits >= _STORM_WAITS and now - self._empty_since >= _STORM_S:
             lib.pd_engine_drop_wait_fd(self._native)
-            self.waits_on_fd = False
+            self._waits_on_fd = False
             self._stats.wait_fd_dropped = True
+            self._on_wait_fd_dropped()
             log.warning(
                 "the CQ wait fd stayed readable with nothing to read (%d waits in %.1f s; "
                 "a connection to this endpoint closed before its handshake?): idle waits are "

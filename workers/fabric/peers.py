@@ -255,10 +255,15 @@ class PeerTable:
         asks while the progress thread is stuck (so no watch changes meanwhile)."""
         exited = []
         for peer in list(self._fd_peers.values()):
-            current = self._current_peers.get(peer.fi_addr)
-            if current is not None and current.address == peer.address and self.has_exited(peer):
+            current = self._current_handle(peer)
+            if current is not None and self.has_exited(peer):
                 exited.append(current)
         return exited
+
+    def _current_handle(self, peer: PeerHandle) -> PeerHandle | None:
+        """The current handle of ``peer``'s address (None: its slot now serves another)."""
+        current = self._current_peers.get(peer.fi_addr)
+        return current if current is not None and current.address == peer.address else None
 
     def _unwatch(self, address: bytes) -> None:
         fd = self._exit_fds.pop(address, None)
@@ -277,9 +282,7 @@ class PeerTable:
             self._exit_fds[peer.address] = None
             # The process behind the address is gone: fail the address's current handle too
             # (the watch may have been opened by a forgotten one of the same address).
-            current = self._current_peers.get(peer.fi_addr)
-            if current is not None and current.address == peer.address:
-                peer = current
+            peer = self._current_handle(peer) or peer
             self.fail(peer, PeerFailedError(f"peer {peer.name}: its process has exited"))
 
     def close_watches(self) -> None:

@@ -176,6 +176,7 @@ class ProgressLoop:
             dispatcher=dispatcher,
             pools=pools,
             stats=self.stats,
+            on_wait_fd_dropped=self._nap_when_idle,
         )
         self.waker = Waker(native)
         self._max_queued = max_queued_submits
@@ -342,9 +343,12 @@ class ProgressLoop:
         self._native_since = time.monotonic()
         n = self._drain.read(spin_us, wait_us)
         self._native_since = 0.0
-        if not self._drain.waits_on_fd:
-            self._idle_wait_us = min(self._idle_wait_us, NAP_WAIT_US)
         return self._drain.dispatch(n)
+
+    def _nap_when_idle(self) -> None:
+        """The CQ wait fd was dropped: idle waits are timed naps, short enough to notice
+        traffic (`completions`)."""
+        self._idle_wait_us = min(self._idle_wait_us, NAP_WAIT_US)
 
     def _post_pending(self) -> bool:
         """Post from every peer's queue; True if any operation was posted."""
