@@ -8,7 +8,8 @@ Layout (every key optional unless marked; `configs/*.yaml` are complete examples
     page_size: 16                   # tokens per KV page, a power of two
     worker_host: null               # where workers' gRPC and /metrics listen (see ClusterConfig)
     limits: {max_model_len, max_num_seqs, max_num_batched_tokens,
-             num_pages | kv_memory_bytes, enable_chunked_prefill}
+             num_pages | kv_memory_bytes, enable_chunked_prefill, enable_prefix_caching,
+             min_step_interval_ms}
     groups:                         # required; prefill + decode, or mixed alone
       prefill | decode | mixed:
         replicas: 1
@@ -109,6 +110,7 @@ GROUP_LIMIT_KEYS: tuple[str, ...] = (
     "kv_memory_bytes",
     "enable_chunked_prefill",
     "enable_prefix_caching",
+    "min_step_interval_ms",
 )
 # One prefill replica keeps about three decode replicas busy in the reference deployment; a
 # ratio beyond this, either way, leaves one side idle and is almost surely a typo.
@@ -421,6 +423,7 @@ class ClusterConfig(Section):
             device=self.device,
             speculative=_speculative(spec) if spec is not None else None,
             mtp_kv=mtp_kv,
+            min_step_interval_s=limits.min_step_interval_ms / 1000,
         )
 
     @property

@@ -86,6 +86,13 @@ class Limits(Section):
     decoder that holds them is not sent them again. null (the default): on, except in groups
     that draft with MTP and prefill groups computing the MTP layer for them (not supported
     together yet); true / false: on / off (true with MTP drafting is refused)."""
+    min_step_interval_ms: float = Field(default=0.0, ge=0.0, le=1000.0, allow_inf_nan=False)
+    """A step that only decodes starts at least this long after the previous step started;
+    steps with prompt work (a prompt chunk, a decoder admitting arrived KV) start at once, so
+    prefill workers never wait on it. 0 (the default): decode steps run back to back. For
+    decoders that share cores with prefill workers: a step costs about the same for one row as
+    for several (it reads every weight), so fewer, fuller steps leave the prefill workers CPU,
+    at a TPOT of about this interval."""
 
     @model_validator(mode="after")
     def _consistent(self) -> Limits:

@@ -79,6 +79,7 @@ def limits_of(config: ClusterConfig, role: str, cost: CostModel) -> EngineLimits
         limits.max_num_batched_tokens,
         num_pages * config.page_size,
         config.page_size,
+        limits.min_step_interval_ms / 1000,
     )
 
 

@@ -225,6 +225,12 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument(
+        "--min-step-interval-ms",
+        type=float,
+        default=0.0,
+        help="decode-only steps start at least this long apart (limits.min_step_interval_ms)",
+    )
     p.add_argument("--ttft-slo", type=float, default=2.0, help="seconds")
     p.add_argument("--tpot-slo", type=float, default=0.05, help="seconds per output token")
     p.add_argument(
@@ -281,7 +287,11 @@ def _inputs(
     check_warmup(args.warmup)
     workload = arrivals_from_args(args)
     options = options_from_args(args)
-    limits = EngineLimits(args.max_num_seqs, args.max_num_batched_tokens)
+    limits = EngineLimits(
+        args.max_num_seqs,
+        args.max_num_batched_tokens,
+        min_step_interval_s=args.min_step_interval_ms / 1000,
+    )
     return workload, SLO(args.ttft_slo, args.tpot_slo, args.max_itl_slo), limits, options
 
 

@@ -118,6 +118,8 @@ def cluster_config(
     }
     if not options.prefix_caching:
         config_limits["enable_prefix_caching"] = False
+    if limits.min_step_interval_s:
+        config_limits["min_step_interval_ms"] = limits.min_step_interval_s * 1000
     return {
         "model": model_path,
         "dtype": dtype,
@@ -225,6 +227,11 @@ def helm_values(
                 "max_num_seqs": limits.max_num_seqs,
                 "max_num_batched_tokens": limits.max_num_batched_tokens,
                 "enable_chunked_prefill": True,
+                **(
+                    {"min_step_interval_ms": limits.min_step_interval_s * 1000}
+                    if limits.min_step_interval_s
+                    else {}
+                ),
             },
             "router": {"policy": (options or ServingOptions()).routing},
         },

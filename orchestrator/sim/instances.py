@@ -23,6 +23,7 @@ it took (its price, unless the simulator re-divides shared cores while it runs).
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -58,12 +59,15 @@ class EngineLimits:
 
     kv_capacity_tokens: KV tokens one instance holds (a served config's pool); None: the cost
     model's ``kv_capacity_tokens(tp)``.
+    min_step_interval_s: a step with no prompt work starts at least this long after the
+    previous one started (`workers.engine.step_loop`'s pacing); 0: at once.
     """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     kv_capacity_tokens: int | None = None
     page_size: int = 16  # a prompt's chunks but its last end on a page boundary, as served
+    min_step_interval_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.page_size < 1:
@@ -76,6 +80,8 @@ class EngineLimits:
             )
         if self.kv_capacity_tokens is not None and self.kv_capacity_tokens < 1:
             raise ValueError(f"kv_capacity_tokens must be >= 1, got {self.kv_capacity_tokens}")
+        if not 0.0 <= self.min_step_interval_s < float("inf"):  # also refuses NaN
+            raise ValueError(f"min_step_interval_s must be >= 0, got {self.min_step_interval_s}")
 
 
 def chunk_tokens(done: int, left: int, budget: int, page_size: int) -> int:
@@ -129,6 +135,30 @@ class InstanceBase:
         self.num_reserved_tokens = 0  # KV of admitted requests, prompt + output
         # The roles of the other instances in a step when this one starts one (simulator).
         self.busy_other_roles: tuple[str, ...] = ()
+        self.last_step_start = -math.inf
+        self.pace_wake_at: float | None = None  # when the simulator will kick it (pacing)
+        self._last_step_end: float | None = None
+
+    def _gap(self, now: float, duration: float) -> float:
+        """A step ending at ``now``: the gap its running sequences saw since their previous
+        token, the step before's end. Its duration when the steps ran back to back; longer
+        after a paced wait (an instance with running sequences idles for nothing else)."""
+        gap = duration if self._last_step_end is None else now - self._last_step_end
+        self._last_step_end = now
+        return gap
+
+    def has_prompt_work(self) -> bool:
+        """Its next step would compute prompt tokens or admit a request: pacing never delays
+        that step. Every prefill step does."""
+        return True
+
+    def paced_until(self, now: float) -> float | None:
+        """When its next step may start, if that is later than ``now`` (pacing); else None."""
+        interval = self.limits.min_step_interval_s
+        if interval <= 0 or self.has_prompt_work():
+            return None
+        due = self.last_step_start + interval
+        return due if due > now else None
 
     def _new_decode_batch(self) -> DecodeBatch:
         spec = self.options.speculative
@@ -243,6 +273,9 @@ class DecodeInstance(InstanceBase):
         self.itl_steps: list[tuple[float, int]] = []
         self._num_gaps = 0  # of the step in progress
 
+    def has_prompt_work(self) -> bool:
+        return bool(self.waiting)  # arrived KV to admit: its first token
+
     def start_step(self, now: float) -> float | None:
         self._joined = []
         while self.waiting and self._admits(self.waiting[0], len(self.running)):
@@ -262,7 +295,7 @@ class DecodeInstance(InstanceBase):
 
     def finish_step(self, now: float, duration: float) -> list[SimRequest]:
         """Requests that finished with this step."""
-        self.itl_steps.append((duration, self._num_gaps))
+        self.itl_steps.append((self._gap(now, duration), self._num_gaps))
         self.busy_seconds += duration
         for request in self._joined:
             request.first_token_time, request.first_token_step = now, self.step

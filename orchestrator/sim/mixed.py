@@ -49,6 +49,9 @@ class MixedInstance(InstanceBase):
         """Prompt tokens found cached here (all but the last, which is computed to sample)."""
         return self.cache.hit(request.spec, request.spec.num_prompt_tokens - 1)
 
+    def has_prompt_work(self) -> bool:
+        return bool(self.waiting or self.prefilling)
+
     def start_step(self, now: float) -> float | None:
         while self.waiting and self._admits(
             self.waiting[0], len(self.running) + len(self.prefilling)
@@ -91,7 +94,7 @@ class MixedInstance(InstanceBase):
 
     def finish_step(self, now: float, duration: float) -> list[SimRequest]:
         """Requests that finished with this step."""
-        self.itl_steps.append((duration, self._num_gaps))
+        self.itl_steps.append((self._gap(now, duration), self._num_gaps))
         self.busy_seconds += duration
         done = self.running.finish(self.step)
         for request, take in self._chunks:

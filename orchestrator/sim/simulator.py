@@ -8,7 +8,9 @@ queued prompt tokens (mixed: the instance with the fewest outstanding requests);
 of the prompt, weighed against its load as the router weighs it, and to the prefill instance
 with the least uncached work once this prompt is added. A conversation's later turn arrives
 ``think_time_s`` after its previous turn's last token (`conversations`). After every
-event the instances it touched start a step if they are idle and have work. A request reaches
+event the instances it touched start a step if they are idle and have work; a decode-only step
+of paced limits (`EngineLimits.min_step_interval_s`) waits until its interval has passed since
+the instance's previous step started, as the engine's step loop paces it. A request reaches
 the router `CostModel.request_overhead_seconds` after it arrives (the fixed costs outside engine
 steps), so that delay is part of its TTFT and of nothing else's. A step is priced with the
 other instances in a step when it starts, their count and roles, and keeps that price; with a
@@ -345,9 +347,16 @@ class Simulator:
     def _kick(self, instance: Instance, now: float) -> None:
         if instance.is_busy:
             return
+        due = instance.paced_until(now)
+        if due is not None:  # a decode-only step paced (`EngineLimits.min_step_interval_s`)
+            if instance.pace_wake_at != due:
+                instance.pace_wake_at = due
+                self._push(due, functools.partial(self._kick, instance))
+            return
         if self._sharing is not None:
             price = instance.start_step(now)  # priced alone (busy_other_roles stays empty)
             if price is not None:
+                instance.last_step_start = now
                 self._schedule(self._sharing.start(instance, instance.role, price, now))
             return
         instance.busy_other_roles = tuple(
@@ -357,6 +366,7 @@ class Simulator:
         )
         duration = instance.start_step(now)
         if duration is not None:
+            instance.last_step_start = now
             self._push(now + duration, lambda end: self._step_done(instance, end, duration))
 
     def _schedule(self, ends: list[StepEnd[Instance]]) -> None:
@@ -456,7 +466,8 @@ class Simulator:
             raise RuntimeError(f"request {request.spec.request_id} finished without {times}")
         start, ready, first, finish = (float(t) for t in times)  # type: ignore[arg-type]
         spec = request.spec
-        # Its instance steps back to back while it runs: each later step's gap is one step.
+        # Its instance steps back to back while it runs (or paced): each later step's gap is
+        # the time since the step before it ended (`InstanceBase._gap`).
         steps = durations[request.decode_index][
             request.first_token_step + 1 : request.last_step + 1
         ]

@@ -1,5 +1,6 @@
 """The engine step loop: closing (stop, death), the error hook, waiting when blocked, and calls
-that time out (cancelled before they start, or reported as still running)."""
+that time out (cancelled before they start, or reported as still running), and paced decode
+steps."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.engine_helpers import GREEDY, make_engine, prompts_of_lengths
+from tests.engine.engine_helpers import GREEDY, make_engine, prompts_of_lengths, run_engine
 from tests.waiting import wait_until
 from workers.engine.errors import EngineCallTimeoutError, EngineClosedError
 from workers.engine.outputs import RequestOutput
+from workers.engine.sampling_params import SamplingParams
 from workers.engine.step_loop import StepLoop
 
 DEADLINE_S = 30.0  # bounds a wait for something that should happen within milliseconds
@@ -200,3 +202,51 @@ def test_call_whose_function_raises_timeout_error_passes_it_on(tiny_model_dir: P
         assert not isinstance(info.value, EngineCallTimeoutError)
     finally:
         loop.stop()
+
+
+def test_paced_decode_steps_wait_for_their_interval_and_prompt_steps_do_not(
+    tiny_model_dir: Path,
+) -> None:
+    """``min_step_interval_s``, with the pacing clock held still: once a request only decodes,
+    its next step never comes due, and the loop waits (a call still runs) instead of stepping.
+    A second request's chunked prompt is computed at once all the same, the first request
+    decoding in those steps. When the clock moves on, both finish with the greedy tokens of an
+    unpaced engine."""
+    prompt_a, prompt_b = prompts_of_lengths([5, 60], seed=11)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    expected = run_engine(make_engine(tiny_model_dir), [prompt_a, prompt_b], params)
+    engine = make_engine(tiny_model_dir, min_step_interval_s=0.5, max_num_batched_tokens=32)
+    now = [0.0]
+    tokens: dict[str, list[int]] = {"a": [], "b": []}
+
+    def on_outputs(outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            tokens[output.request_id].extend(output.new_token_ids)
+
+    loop = StepLoop("test-step", engine, on_outputs, clock=lambda: now[0])
+    loop.thread.start()
+
+    def still_for_five_waits() -> int:
+        """The loop's steps after it waited five more times without running one."""
+        steps = loop.call(lambda: engine.stats.num_steps)
+        waits = loop.num_waits
+        wait_until(lambda: loop.num_waits >= waits + 5, DEADLINE_S, "five paced waits")
+        assert loop.call(lambda: engine.stats.num_steps) == steps
+        return steps
+
+    try:
+        loop.call(lambda: engine.add_request("a", prompt_a, params))
+        wait_until(lambda: len(tokens["a"]) == 1, DEADLINE_S, "a's first token")
+        assert still_for_five_waits() == 1 and len(tokens["a"]) == 1
+        loop.call(lambda: engine.add_request("b", prompt_b, params))
+        wait_until(lambda: len(tokens["b"]) == 1, DEADLINE_S, "b's first token")
+        # 60 prompt tokens in chunks of 16 (the budget less a's decode row, page-aligned): four
+        # steps, each decoding a as well; then neither has prompt work left, and both wait.
+        assert still_for_five_waits() == 5 and len(tokens["a"]) == 5
+        now[0] = 1e9
+        wait_until(lambda: not loop.call(engine.has_unfinished), DEADLINE_S, "both to finish")
+    finally:
+        loop.stop()
+    assert loop.error is None
+    assert [tokens["a"], tokens["b"]] == expected
+    assert engine.block_manager.num_free_pages == engine.num_pages

@@ -88,6 +88,19 @@ def test_the_speculating_bench_configs_differ_only_in_their_drafts(
     assert without == load_config(CONFIGS / plain, "/nonexistent/model")
 
 
+def test_the_paced_bench_config_differs_only_in_its_step_shapes() -> None:
+    """The goodput config: whole prompts per prefill step, decode steps paced 30 ms apart."""
+    config = load_config(CONFIGS / "bench-disagg-2p1d-paced.yaml", "/nonexistent/model")
+    plain = load_config(CONFIGS / "bench-disagg-2p1d.yaml", "/nonexistent/model")
+    assert config.engine_config("prefill").max_num_batched_tokens == 2048
+    assert config.engine_config("decode").min_step_interval_s == 0.03
+    assert limits_of(config, "decode", affine()).min_step_interval_s == 0.03
+    unpaced = config.replace(
+        groups=tuple(g.replace(limits=plain.group(g.role).limits) for g in config.groups)
+    )
+    assert unpaced == plain
+
+
 def test_predictions_from_a_calibration_file(tmp_path: Path) -> None:
     # A hand-made calibration: prefill 1 ms + 0.1 ms/token, decode 10 ms + 1 ms/sequence.
     calibration = {

@@ -81,19 +81,20 @@ def test_mtp_drafts_on_a_model_without_the_module_are_refused(
     assert main([*argv, "--spec-method", "ngram"]) == 0
 
 
-def test_plan_emits_the_drafts_and_the_routing_it_assumed(
+def test_plan_emits_the_drafts_routing_and_pacing_it_assumed(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     config = tmp_path / "cluster.yaml"
     argv = ["plan", "--cost", "roofline:llama-3-70b:h100", "--gpus", "8", "--tp", "4",
             "--num-requests", "30", "--prompt", "fixed:1000", "--output", "fixed:32",
             "--min-duration", "2", "--spec-k", "2", "--spec-acceptance", "0.8,0.6",
-            "--spec-method", "ngram", "--routing", "kv_aware",
+            "--spec-method", "ngram", "--routing", "kv_aware", "--min-step-interval-ms", "20",
             "--emit-config", str(config), "--model-path", str(tmp_path / "model")]  # fmt: skip
     assert main(argv) == 0
     assert "serving: ngram k=2" in capsys.readouterr().out
     emitted = yaml.safe_load(config.read_text())
     assert emitted["router"]["policy"] == "kv_aware"
+    assert emitted["limits"]["min_step_interval_ms"] == 20
     drafting = emitted["groups"].get("decode") or emitted["groups"]["mixed"]
     assert drafting["speculative"] == {"method": "ngram", "num_speculative_tokens": 2}
     ClusterConfig.from_yaml(config)  # the loader accepts it

@@ -191,6 +191,36 @@ def test_prompt_chunks_end_on_page_boundaries_as_the_engine_schedules_them(
     assert result.records[1].ttft == pytest.approx(ttft)
 
 
+@pytest.mark.parametrize(
+    "layout",
+    [Layout(num_prefill=1, num_decode=1), Layout(num_mixed=1)],
+    ids=lambda layout: layout.label,
+)
+def test_paced_decode_steps_start_an_interval_apart_and_first_tokens_are_not_delayed(
+    layout: Layout,
+) -> None:
+    # Every step costs 1 s; decode-only steps start 3 s apart. A alone gets a token per 3 s
+    # instead of per 1 s. B arrives at 4.5 s, mid-interval: its prompt (mixed) or its arrived
+    # KV (decode) is prompt work, which starts at once (its TTFT is A's), and that step
+    # decodes A too, 1.5 s after A's token before.
+    cost = affine(prefill=(1.0, 0.0, 0.0), decode=(1.0, 0.0, 0.0))
+    requests = [RequestSpec(0, 0.0, 16, 5), RequestSpec(1, 4.5, 16, 2)]
+    plain = Simulator(cost, layout, EngineLimits(8, 256)).run(requests[:1]).records[0]
+    paced = EngineLimits(8, 256, min_step_interval_s=3.0)
+    alone = Simulator(cost, layout, paced).run(requests[:1]).records[0]
+    a, b = sorted(Simulator(cost, layout, paced).run(requests).records, key=lambda r: r.request_id)
+    assert list(plain.itl_gaps) == pytest.approx([1.0] * 4)
+    assert list(alone.itl_gaps) == pytest.approx([3.0] * 4)
+    assert alone.ttft == a.ttft == pytest.approx(plain.ttft)
+    assert b.ttft == pytest.approx(a.ttft)
+    assert list(a.itl_gaps) == pytest.approx([3.0, 1.5, 3.0, 3.0])
+
+
+def test_a_negative_step_interval_is_refused() -> None:
+    with pytest.raises(ValueError, match="min_step_interval_s must be >= 0"):
+        EngineLimits(min_step_interval_s=-0.01)
+
+
 def test_a_token_budget_under_one_page_is_refused() -> None:
     with pytest.raises(ValueError, match="at least page_size"):
         EngineLimits(max_num_batched_tokens=8, page_size=16)

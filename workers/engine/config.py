@@ -51,6 +51,8 @@ class EngineConfig:
     mtp_kv: prefill role: also run the checkpoint's MTP module over the prompt and send its KV
         as the pool's last layer, which decoders that draft with ``mtp`` need (the cluster
         sets it on the prefill group when its decode group does).
+    min_step_interval_s: a step that only decodes starts at least this long after the previous
+        step started (`workers.engine.step_loop`); 0: at once. For workers sharing cores.
     tensor_parallel_size: ranks (processes) the model is split over; rank 0 runs the engine.
         Whether the model's heads divide is checked when it is loaded. With TP, ``num_pages``
         / ``kv_memory_bytes`` size each rank's pool (its share of the KV heads).
@@ -73,6 +75,7 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     speculative: SpeculativeConfig | None = None
     mtp_kv: bool = False
+    min_step_interval_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -123,6 +126,10 @@ class EngineConfig:
                 raise ValueError(
                     "MTP speculative decoding with enable_prefix_caching is not supported yet"
                 )
+        if not 0.0 <= self.min_step_interval_s <= 1.0:  # also refuses NaN
+            raise ValueError(
+                f"min_step_interval_s must be within 0-1 s, got {self.min_step_interval_s}"
+            )
         if self.tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"

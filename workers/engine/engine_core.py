@@ -432,6 +432,11 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return bool(self._requests or self._pending)
 
+    def has_prompt_work(self) -> bool:
+        """The next step would compute prompt tokens or admit a request (`StepLoop` pacing
+        never delays those), or has outputs to hand out."""
+        return bool(self._pending) or self.scheduler.has_prompt_work()
+
     # --- the step --------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

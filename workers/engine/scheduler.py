@@ -104,6 +104,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def has_prompt_work(self) -> bool:
+        """A request waits for admission, or a running one has prompt tokens left to compute."""
+        return bool(self.waiting) or any(
+            seq.num_computed_tokens < seq.num_prompt_tokens for seq in self.running
+        )
+
     # --- the step --------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:

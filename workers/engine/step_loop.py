@@ -10,6 +10,13 @@ messenger) and by the colocated worker backend (no messenger). A call that times
 cancelled unless its function already started (`EngineCallTimeoutError.started`): a late run
 would act for a caller that gave up.
 
+With ``EngineConfig.min_step_interval_s`` set, a step that would only decode starts no sooner
+than that after the previous step started (calls are still run meanwhile): on cores it shares
+with other workers, a decoder stepping as fast as it can spends CPU they need on steps of one
+or two rows, each costing about as much as a larger batch (every step reads all the weights).
+A step with prompt work (a prompt, or a chunk of one, to compute; a decoder's arrived KV to
+admit) starts at once: pacing never delays a first token.
+
 A step that schedules nothing (every waiting request blocked by pages held for transfers) waits
 too: spinning would hold the GIL against the messenger and fabric threads that free the pages;
 whatever frees them calls ``wake()``.
@@ -81,6 +88,7 @@ class StepLoop:
         poll: Callable[[], None] = _nothing,
         has_work: Callable[[], bool] = _no_work,
         on_error: Callable[[BaseException], None] = _ignore_error,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._engine = engine
         self._poll = poll
@@ -95,6 +103,9 @@ class StepLoop:
         self._closed = False
         self.error: BaseException | None = None
         self.num_waits = 0  # times the loop waited for a call or a wake-up
+        self._interval_s = engine.config.min_step_interval_s
+        self._clock = clock  # of pacing (a test holds it still)
+        self._paced_until = 0.0  # the clock's time before which a decode-only step waits
         self.trace = StepTrace()  # appended on the loop thread: read it with `trace_snapshot`
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
 
@@ -185,8 +196,16 @@ class StepLoop:
             while not self._closed:
                 self._run_calls()
                 self._poll()
-                if self._engine.has_unfinished() and self._step():
-                    continue
+                if self._engine.has_unfinished():
+                    early_s = self._paced_until - self._clock()
+                    if early_s > 0 and not self._engine.has_prompt_work():
+                        self.num_waits += 1
+                        self.trace.mark_wait()
+                        self._wake.wait(min(early_s, _BUSY_WAIT_S))
+                        self._wake.clear()
+                        continue
+                    if self._step():
+                        continue
                 self.num_waits += 1
                 self.trace.mark_wait()
                 self._wake.wait(_BUSY_WAIT_S if self._has_work() else _IDLE_WAIT_S)
@@ -207,12 +226,15 @@ class StepLoop:
         """One engine step; whether it did anything (ran the model, preempted or output)."""
         stats = self._engine.stats
         before = (stats.num_steps, stats.num_preemptions)
+        paced_from = self._clock()
         start = time.perf_counter()
         outputs = self._engine.step()
         self._on_outputs(outputs)
         shape = self._engine.last_step_shape
-        if stats.num_steps != before[0] and shape is not None:
-            self.trace.record(start, time.perf_counter() - start, shape)
+        if stats.num_steps != before[0]:
+            self._paced_until = paced_from + self._interval_s
+            if shape is not None:
+                self.trace.record(start, time.perf_counter() - start, shape)
         return bool(outputs) or (stats.num_steps, stats.num_preemptions) != before
 
     def _report(self, error: BaseException) -> None:

@@ -132,6 +132,16 @@ def test_byte_sizes_and_provider_aliases(smol_dir: Path) -> None:
     assert decode.resources_per_rank.bundle() == {"CPU": 1, "memory": 2 * 10**9}
 
 
+def test_a_step_interval_reaches_the_engines_of_its_groups(smol_dir: Path) -> None:
+    raw = base_dict(smol_dir)
+    raw["limits"] = {"min_step_interval_ms": 5}
+    raw["groups"]["decode"]["limits"] = {"min_step_interval_ms": 25}
+    config = ClusterConfig.from_dict(raw)
+    assert config.engine_config("decode").min_step_interval_s == 0.025
+    # Prefill steps always carry prompt work, which pacing never delays (`StepLoop`).
+    assert config.engine_config("prefill").min_step_interval_s == 0.005
+
+
 def test_direct_construction_validates_too() -> None:
     with pytest.raises(ConfigError, match=r"^tp: must be >= 1, got 0"):
         GroupConfig(role="mixed", tp=0)

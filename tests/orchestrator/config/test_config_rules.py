@@ -98,6 +98,16 @@ REJECTIONS: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
         set_key("groups.decode.resources_per_rank.custom", {"node_a": 0}),
         "> 0",
     ),
+    (
+        "groups.decode.limits.min_step_interval_ms",
+        set_key("groups.decode.limits.min_step_interval_ms", -5),
+        ">= 0",
+    ),
+    (
+        "limits.min_step_interval_ms",
+        set_key("limits.min_step_interval_ms", float("nan")),
+        "finite",
+    ),
     ("transfer.deadline_seconds", set_key("transfer.deadline_seconds", 0), "must be > 0"),
     ("transfer.coalesce_pages", set_key("transfer.coalesce_pages", 1), "true or false"),
     (
