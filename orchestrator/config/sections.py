@@ -90,9 +90,9 @@ class Limits(Section):
     """A step that only decodes starts at least this long after the previous step started;
     steps with prompt work (a prompt chunk, a decoder admitting arrived KV) start at once, so
     prefill workers never wait on it. 0 (the default): decode steps run back to back. For
-    decoders that share cores with prefill workers: a step costs about the same for one row as
-    for several (it reads every weight), so fewer, fuller steps leave the prefill workers CPU,
-    at a TPOT of about this interval."""
+    decoders that share cores with prefill workers: a step reads every weight once however many
+    requests it decodes, so fewer, fuller steps leave the prefill workers CPU, at a TPOT of
+    about this interval."""
 
     @model_validator(mode="after")
     def _consistent(self) -> Limits:

@@ -4,6 +4,7 @@ steps."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 from pathlib import Path
 
@@ -216,14 +217,20 @@ def test_paced_decode_steps_wait_for_their_interval_and_prompt_steps_do_not(
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     expected = run_engine(make_engine(tiny_model_dir), [prompt_a, prompt_b], params)
     engine = make_engine(tiny_model_dir, min_step_interval_s=0.5, max_num_batched_tokens=32)
-    now = [0.0]
+    frozen = [True]
+    later = itertools.count(1)
+
+    def clock() -> float:
+        """Held at 0 while frozen; then each read a second after the one before."""
+        return 0.0 if frozen[0] else float(next(later))
+
     tokens: dict[str, list[int]] = {"a": [], "b": []}
 
     def on_outputs(outputs: list[RequestOutput]) -> None:
         for output in outputs:
             tokens[output.request_id].extend(output.new_token_ids)
 
-    loop = StepLoop("test-step", engine, on_outputs, clock=lambda: now[0])
+    loop = StepLoop("test-step", engine, on_outputs, clock=clock)
     loop.thread.start()
 
     def still_for_five_waits() -> int:
@@ -240,10 +247,11 @@ def test_paced_decode_steps_wait_for_their_interval_and_prompt_steps_do_not(
         assert still_for_five_waits() == 1 and len(tokens["a"]) == 1
         loop.call(lambda: engine.add_request("b", prompt_b, params))
         wait_until(lambda: len(tokens["b"]) == 1, DEADLINE_S, "b's first token")
-        # 60 prompt tokens in chunks of 16 (the budget less a's decode row, page-aligned): four
-        # steps, each decoding a as well; then neither has prompt work left, and both wait.
-        assert still_for_five_waits() == 5 and len(tokens["a"]) == 5
-        now[0] = 1e9
+        # 60 prompt tokens in chunks of 16, 16 and 28 (the budget less a's decode row; all but
+        # the last end on a page): three steps, each decoding a as well; then neither has
+        # prompt work left, and both wait.
+        assert still_for_five_waits() == 4 and len(tokens["a"]) == 4
+        frozen[0] = False
         wait_until(lambda: not loop.call(engine.has_unfinished), DEADLINE_S, "both to finish")
     finally:
         loop.stop()

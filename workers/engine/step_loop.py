@@ -13,7 +13,7 @@ would act for a caller that gave up.
 With ``EngineConfig.min_step_interval_s`` set, a step that would only decode starts no sooner
 than that after the previous step started (calls are still run meanwhile): on cores it shares
 with other workers, a decoder stepping as fast as it can spends CPU they need on steps of one
-or two rows, each costing about as much as a larger batch (every step reads all the weights).
+or two rows, each reading every weight once, as a step of several rows would.
 A step with prompt work (a prompt, or a chunk of one, to compute; a decoder's arrived KV to
 admit) starts at once: pacing never delays a first token.
 
