@@ -111,15 +111,9 @@ def cluster_config(
     if spec is not None:
         drafting = groups["mixed" if layout.is_mixed else "decode"]
         drafting["speculative"] = {"method": spec.method, "num_speculative_tokens": spec.k}
-    config_limits: dict[str, Any] = {
-        "max_num_seqs": limits.max_num_seqs,
-        "max_num_batched_tokens": limits.max_num_batched_tokens,
-        "enable_chunked_prefill": True,
-    }
+    config_limits = _config_limits(limits)
     if not options.prefix_caching:
         config_limits["enable_prefix_caching"] = False
-    if limits.min_step_interval_s:
-        config_limits["min_step_interval_ms"] = limits.min_step_interval_s * 1000
     return {
         "model": model_path,
         "dtype": dtype,
@@ -223,16 +217,20 @@ def helm_values(
         "clusterConfig": {
             "device": "cuda",
             "page_size": PAGE_SIZE,  # the pages' size, whatever the chart's default
-            "limits": {
-                "max_num_seqs": limits.max_num_seqs,
-                "max_num_batched_tokens": limits.max_num_batched_tokens,
-                "enable_chunked_prefill": True,
-                **(
-                    {"min_step_interval_ms": limits.min_step_interval_s * 1000}
-                    if limits.min_step_interval_s
-                    else {}
-                ),
-            },
+            "limits": _config_limits(limits),
             "router": {"policy": (options or ServingOptions()).routing},
         },
     }
+
+
+def _config_limits(limits: EngineLimits) -> dict[str, Any]:
+    """The top-level ``limits`` of a cluster config (or the chart's ``clusterConfig``) for the
+    batch shape and pacing the plan assumed."""
+    out: dict[str, Any] = {
+        "max_num_seqs": limits.max_num_seqs,
+        "max_num_batched_tokens": limits.max_num_batched_tokens,
+        "enable_chunked_prefill": True,
+    }
+    if limits.min_step_interval_s:
+        out["min_step_interval_ms"] = limits.min_step_interval_s * 1000
+    return out

@@ -196,19 +196,16 @@ class StepLoop:
             while not self._closed:
                 self._run_calls()
                 self._poll()
+                paced_s = 0.0  # how long a paced decode-only step has yet to wait
                 if self._engine.has_unfinished():
                     early_s = self._paced_until - self._clock()
                     if early_s > 0 and not self._engine.has_prompt_work():
-                        self.num_waits += 1
-                        self.trace.mark_wait()
-                        self._wake.wait(min(early_s, _BUSY_WAIT_S))
-                        self._wake.clear()
-                        continue
-                    if self._step():
+                        paced_s = min(early_s, _BUSY_WAIT_S)
+                    elif self._step():
                         continue
                 self.num_waits += 1
                 self.trace.mark_wait()
-                self._wake.wait(_BUSY_WAIT_S if self._has_work() else _IDLE_WAIT_S)
+                self._wake.wait(paced_s or (_BUSY_WAIT_S if self._has_work() else _IDLE_WAIT_S))
                 self._wake.clear()
         except BaseException as error:  # reported to callers through call() and health
             log.exception("engine step loop failed")
