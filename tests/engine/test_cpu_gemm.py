@@ -1,8 +1,11 @@
 """Projection weights packed for oneDNN at load (`workers.engine.cpu_gemm`): the same products
-as plain weights, the same greedy tokens, and the switch that turns it off."""
+as plain weights, the same greedy tokens, the switch that turns it off, and row counts
+bucketed so that oneDNN's kernels per shape stay few."""
 
 from __future__ import annotations
 
+import ctypes
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -12,12 +15,14 @@ import torch.nn.functional as F
 from workers.engine import cpu_gemm
 from workers.engine.cpu_gemm import (
     ENV_SWITCH,
+    EXACT_ROWS,
     FLOAT32_COPY,
     can_prepack,
     dense,
     linear,
     native_half,
     pack,
+    row_bucket,
 )
 from workers.engine.layers import DecoderLayer
 from workers.engine.llm import LLM
@@ -29,7 +34,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("rows", [0, 1, 16, 300])
+@pytest.mark.parametrize("rows", [0, 1, 16, 300, 1100])
 def test_packed_linear_equals_plain(rows: int) -> None:
     generator = torch.Generator().manual_seed(rows)
     weight = torch.randn(96, 40, generator=generator)
@@ -41,6 +46,46 @@ def test_packed_linear_equals_plain(rows: int) -> None:
     with torch.inference_mode():
         torch.testing.assert_close(linear(x, packed, bias), F.linear(x, weight, bias))
         assert torch.equal(linear(x, weight, bias), F.linear(x, weight, bias))
+
+
+def test_row_counts_fall_into_few_buckets_a_few_percent_up() -> None:
+    buckets = {row_bucket(rows) for rows in range(1, 16385)}
+    assert all(row_bucket(rows) == rows for rows in range(EXACT_ROWS + 1))
+    for rows in range(EXACT_ROWS + 1, 16385):
+        assert rows <= row_bucket(rows) <= max(rows + 31, rows * 33 / 32), rows
+        assert row_bucket(row_bucket(rows)) == row_bucket(rows)  # a bucket is its own
+    assert len(buckets) < EXACT_ROWS + 200  # 16384 counts, ~32 sizes an octave
+
+
+def test_many_row_counts_leave_memory_flat() -> None:
+    # oneDNN keeps a kernel (~0.5 MB) for every GEMM shape it builds: 300 row counts held
+    # ~160 MB unbucketed, ~5 MB in buckets (module docstring).
+    mallinfo = _mallinfo2()
+    weight = pack(torch.randn(128, 64))
+    with torch.inference_mode():
+        x = torch.randn(400, 64)
+        before = mallinfo()
+        for rows in range(100, 400):
+            out = linear(x[:rows], weight)
+        grown = mallinfo() - before
+    assert out.shape == (399, 128)
+    assert grown < 40 * 2**20, f"{grown / 2**20:.0f} MB held after 300 row counts"
+
+
+def _mallinfo2() -> Callable[[], int]:
+    """Bytes glibc's malloc has handed out and not had back (``mallinfo2().uordblks``)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        function = libc.mallinfo2
+    except (OSError, AttributeError):
+        pytest.skip("needs glibc 2.33 or newer (mallinfo2)")
+    fields = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks")
+
+    class Info(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in (*fields, "fordblks", "keepcost")]
+
+    function.restype = Info
+    return lambda: int(function().uordblks)
 
 
 def test_what_is_packed() -> None:

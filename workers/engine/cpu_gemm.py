@@ -19,6 +19,17 @@ machine, SmolLM2-135M in bfloat16: decode at batch 16 3x and prefill 6x faster t
 bfloat16 GEMMs alone, batch 1 unchanged, for three times the projections' bfloat16 bytes
 (bench/history/RESULTS-notebook.md, "bfloat16 on a CPU without bfloat16 dot products").
 ``PDSERVE_CPU_PREPACK=0`` keeps plain weights (a fallback should a oneDNN build misbehave).
+
+oneDNN builds (JIT-compiles) a kernel for each shape it sees and keeps it: a GEMM of every
+new row count costs ~0.5 MB of memory for as long as the process lives and a JIT pass the
+first time. A prefill worker whose prompts are of any length sees hundreds of row counts:
+on SmolLM-sized layers, whole prompts of 1500-1900 tokens grew an engine's RSS from 0.5 to
+1.5 GB over 400 prompts, and still growing. So a GEMM of more than `EXACT_ROWS` rows runs
+on rows padded with zeros up to a bucket (`row_bucket`, at most ~3% more rows), and the same
+prompts leave it flat at 0.68 GB from the 50th on, in the same time
+(bench/history/RESULTS-notebook.md, "Prefill workers' memory"). Up to `EXACT_ROWS` (decode
+batches) rows run as they are: there are few such counts, and padding one costs a
+memory-bound GEMM more than it saves.
 """
 
 from __future__ import annotations
@@ -37,6 +48,7 @@ def prepack_enabled() -> bool:
 
 
 _HALF = (torch.bfloat16, torch.float16)
+EXACT_ROWS = 64  # GEMMs of up to this many rows run unpadded (`row_bucket`)
 # The attribute of a plain half-precision weight that holds its float32 packed copy (`pack`).
 FLOAT32_COPY = "float32_packed"
 
@@ -76,12 +88,35 @@ def dense(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_dense() if weight.is_mkldnn else weight
 
 
+def row_bucket(rows: int) -> int:
+    """The rows a oneDNN GEMM of ``rows`` rows runs with (module docstring): as many up to
+    `EXACT_ROWS`, then rounded up to a multiple of 32, or of 1/32 of the power of two below
+    from 1024 rows on (at most ~3% more rows, ~32 sizes an octave)."""
+    if rows <= EXACT_ROWS:
+        return rows
+    step = max(32, 1 << (rows.bit_length() - 6))
+    return -(-rows // step) * step
+
+
+def _onednn_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    rows = x.numel() // x.shape[-1]
+    padded = row_bucket(rows)
+    if padded == rows:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    full = x.new_zeros(padded, x.shape[-1])
+    full[:rows] = x.reshape(rows, x.shape[-1])
+    out = torch.ops.mkldnn._linear_pointwise(full, packed, bias, "none", [], "")
+    return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` for plain and packed weights alike."""
     if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return _onednn_linear(x, weight, bias)
     copy = getattr(weight, FLOAT32_COPY, None)
     if copy is None or x.numel() == x.shape[-1]:
         return F.linear(x, weight, bias)
     bias32 = None if bias is None else bias.float()
-    return torch.ops.mkldnn._linear_pointwise(x.float(), copy, bias32, "none", [], "").to(x.dtype)
+    return _onednn_linear(x.float(), copy, bias32).to(x.dtype)
