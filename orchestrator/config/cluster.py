@@ -99,6 +99,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+# Model directories already warned about as missing on this host (`ClusterConfig._check_model`).
+_MISSING_MODELS_WARNED: set[Path] = set()
+
 _S = TypeVar("_S", bound=Section)
 
 # Limits a group may override: the engine's batch shape and KV pool. max_model_len is not among
@@ -327,6 +330,10 @@ class ClusterConfig(Section):
 
     def _check_model(self) -> None:
         if not self.model.exists():
+            if self.model in _MISSING_MODELS_WARNED:
+                return
+            # Once a path: a planner checks several configs of the same model.
+            _MISSING_MODELS_WARNED.add(self.model)
             logger.warning(
                 "model directory %s does not exist on this host; rules that need its "
                 "config.json (TP against KV heads, max_model_len) are left to the workers",

@@ -100,6 +100,9 @@ class CalibratedCostModel:
     shared_cores: SharedCores | None = None
     max_tp: int = 8
     source: str = "calibrated"
+    # Arrivals per second of the runs a trace fit came from (`trace_fit`): steps priced at one
+    # load are off at another (`load_mismatch`).
+    traced_rates: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         coefficients: tuple[float, ...] = (
@@ -380,6 +383,33 @@ def fit(data: dict[str, Any], source: str = "calibrated") -> CalibratedCostModel
         step_noise_spreads=noise,
         shared_cores=_shared_cores(data.get("shared_cores")),
         source=source,
+        traced_rates=tuple(
+            _finite(rate, "from_trace.rates")
+            for rate in (data.get("from_trace") or {}).get("rates", ())
+        ),
+    )
+
+
+# How far a planned or simulated rate may lie from the traced ones before `load_mismatch` says.
+LOAD_TOLERANCE = 1.5
+
+
+def load_mismatch(model: object, rate: float) -> str | None:
+    """A warning when ``model`` was fitted to traces of runs at rates far from ``rate``
+    (beyond `LOAD_TOLERANCE` times either way); None otherwise, or for a model with no
+    traced rates. Measured steps take another time under another load: the other processes'
+    share of shared cores, caches, the batch shapes the load makes. A calibration traced at
+    low load prices a loaded cluster's steps high, and the reverse."""
+    rates = getattr(model, "traced_rates", ())
+    if not rates or min(rates) / LOAD_TOLERANCE <= rate <= max(rates) * LOAD_TOLERANCE:
+        return None
+    low, high = min(rates), max(rates)
+    traced = f"{low:g}" if low == high else f"{low:g}-{high:g}"
+    return (
+        f"the calibration's steps were traced at {traced} req/s and this is {rate:.3g} req/s: "
+        "steps run at another speed under another load, so prices may be off; trace runs near "
+        f"{rate:.3g} req/s (pdserve bench compare --rate {rate:.3g} ... --json OUT) and "
+        "calibrate on those (pdserve calibrate --from-trace OUT ...)"
     )
 
 

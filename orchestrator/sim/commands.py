@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from orchestrator.cli.flags import add_connection_arguments, add_multiturn_arguments
 
@@ -224,12 +224,19 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
         help="drafts from the model's MTP module (priced) or n-gram lookup (free)",
     )
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument(
+        "--max-num-batched-tokens",
+        default="2048",
+        metavar="N[,N...]",
+        help="prompt tokens a step may take (plan: a list to search on the instances that "
+        "prefill; a disaggregated layout's decoders keep the first)",
+    )
     p.add_argument(
         "--min-step-interval-ms",
-        type=float,
-        default=0.0,
-        help="decode-only steps start at least this long apart (limits.min_step_interval_ms)",
+        default="0",
+        metavar="MS[,MS...]",
+        help="decode-only steps start at least this long apart (limits.min_step_interval_ms; "
+        "plan: a list to search on the instances that decode)",
     )
     p.add_argument("--ttft-slo", type=float, default=2.0, help="seconds")
     p.add_argument("--tpot-slo", type=float, default=0.05, help="seconds per output token")
@@ -287,12 +294,28 @@ def _inputs(
     check_warmup(args.warmup)
     workload = arrivals_from_args(args)
     options = options_from_args(args)
-    limits = EngineLimits(
-        args.max_num_seqs,
-        args.max_num_batched_tokens,
-        min_step_interval_s=args.min_step_interval_ms / 1000,
-    )
+    budgets, intervals = _step_settings(args)
+    limits = EngineLimits(args.max_num_seqs, budgets[0], min_step_interval_s=intervals[0] / 1000)
     return workload, SLO(args.ttft_slo, args.tpot_slo, args.max_itl_slo), limits, options
+
+
+def _step_settings(args: argparse.Namespace) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """``--max-num-batched-tokens`` and ``--min-step-interval-ms`` as their lists of values
+    (ValueError naming the flag for a value that is not a number)."""
+
+    def values(flag: str, text: str, kind: type[int] | type[float]) -> tuple[Any, ...]:
+        try:
+            found = tuple(kind(part) for part in text.split(","))
+        except ValueError:
+            raise ValueError(f"{flag} wants a number or a comma list, got {text!r}") from None
+        if len(set(found)) != len(found):
+            raise ValueError(f"{flag} lists a value twice: {text!r}")
+        return found
+
+    return (
+        values("--max-num-batched-tokens", args.max_num_batched_tokens, int),
+        values("--min-step-interval-ms", args.min_step_interval_ms, float),
+    )
 
 
 def _workload_text(workload: Arrivals, args: argparse.Namespace) -> str:
@@ -326,6 +349,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _run_simulate(args: argparse.Namespace) -> int:
+    from orchestrator.sim.calibrated import load_mismatch
     from orchestrator.sim.cost import create_cost_model
     from orchestrator.sim.metrics import overloaded, prompt_work, summarize, unsettled
     from orchestrator.sim.simulator import simulate
@@ -334,10 +358,17 @@ def _run_simulate(args: argparse.Namespace) -> int:
 
     cost = create_cost_model(args.cost)
     workload, slo, limits, options = _inputs(args)
+    if any(len(values) > 1 for values in _step_settings(args)):
+        raise ValueError(
+            "--max-num-batched-tokens and --min-step-interval-ms take one value here "
+            "(pdserve plan searches lists)"
+        )
     layouts = [parse_layout(text) for text in args.layout]
     print(f"cost model: {cost.name}")
     print(f"workload: {_workload_text(workload, args)}; SLO {_slo_text(slo)}")
     print(f"serving: {options.label()}")
+    if isinstance(workload, Workload) and (mismatch := load_mismatch(cost, workload.rate)):
+        warn(mismatch)
     shares_prefixes = not isinstance(workload, Workload) or workload.prefix_hit > 0
     for layout in progress(layouts, desc="simulating", unit="layout"):
         result = simulate(cost, layout, workload, limits, options)
@@ -381,13 +412,17 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
+    from orchestrator.sim.calibrated import load_mismatch
     from orchestrator.sim.cost import create_cost_model
     from orchestrator.sim.emit import check_helm_options, check_options
-    from orchestrator.sim.planner import PlanSpec, format_table, plan
+    from orchestrator.sim.planner import PlanSpec, format_table, plan, role_limits
+    from orchestrator.sim.simulator import Layout
     from orchestrator.sim.workload import Workload
+    from workers.log import warn
 
     cost = create_cost_model(args.cost)
     workload, slo, limits, options = _inputs(args)
+    budgets, intervals = _step_settings(args)
     try:
         tp_choices = tuple(int(tp) for tp in args.tp.split(","))
     except ValueError:
@@ -404,14 +439,24 @@ def _run_plan(args: argparse.Namespace) -> int:
         min_duration_s=args.min_duration,
         options=options,
         expert_parallel=args.expert_parallel,
+        prompt_budgets=budgets if len(budgets) > 1 else (),
+        step_intervals_s=tuple(ms / 1000 for ms in intervals) if len(intervals) > 1 else (),
     )
+    searched = bool(spec.prompt_budgets or spec.step_intervals_s)
     if args.expert_parallel and (args.emit_config or args.emit_helm or args.apply):
         raise ValueError(
             "--expert-parallel plans layouts pdserve's engine does not run (each instance keeps "
             "every expert): leave out --emit-config, --emit-helm and --apply"
         )
     try:  # before a search of minutes: what no emitted config could carry
-        check_options(limits, model_path=args.model_path, provider=args.provider, cost=cost)
+        for settings in role_limits(spec, Layout(1, 1)):
+            check_options(
+                settings.limits,
+                prefill_limits=settings.prefill,
+                model_path=args.model_path,
+                provider=args.provider,
+                cost=cost,
+            )
     except ValueError as error:
         raise ValueError(f"--max-num-batched-tokens / --provider: {error}") from None
     if args.emit_helm:
@@ -434,10 +479,12 @@ def _run_plan(args: argparse.Namespace) -> int:
     print(f"serving: {options.label()}")
     unit = "req/s" if isinstance(workload, Workload) else "conversations started per second"
     print(f"goodput: {unit} with >= {spec.attainment:.0%} meeting {_slo_text(slo)}")
-    print(format_table(candidates, args.top))
+    print(format_table(candidates, args.top, settings=searched))
     if not candidates or candidates[0].goodput == 0:
         print("no layout meets the SLOs; nothing emitted" + (" or applied" if args.apply else ""))
         return 1
+    if isinstance(workload, Workload) and (mismatch := load_mismatch(cost, candidates[0].goodput)):
+        warn(f"{candidates[0].layout.label}'s goodput: {mismatch}")
     if candidates[0].layout.ep_decode > 1:
         print(
             f"\nbest: {candidates[0].layout.label}, decoders as one expert-parallel domain: a "
@@ -445,13 +492,21 @@ def _run_plan(args: argparse.Namespace) -> int:
             + next((c.layout.label for c in candidates if c.layout.ep_decode == 1), "none")
         )
         return 0
-    _emit(candidates[0].layout, limits, cost, args, options)
+    best = candidates[0]
+    settings = best.settings or role_limits(spec, best.layout)[0]
+    _emit(best.layout, settings.limits, cost, args, options, settings.prefill)
     if args.apply:
         import asyncio
 
         from orchestrator.cli.apply_layout import apply_layout
 
-        return asyncio.run(apply_layout(candidates[0].layout, args))
+        if searched:  # scaling changes replica counts, never a running engine's limits
+            print(
+                f"--apply scales the groups to {best.layout.label}; the step settings it was "
+                f"planned with ({settings.label(best.layout)}) take a restart with the config "
+                "above"
+            )
+        return asyncio.run(apply_layout(best.layout, args))
     return 0
 
 
@@ -461,8 +516,10 @@ def _emit(
     cost: CostModel,
     args: argparse.Namespace,
     options: ServingOptions,
+    prefill_limits: EngineLimits,
 ) -> None:
-    """Print the best layout's cluster config and Helm values, and write them when asked:
+    """Print the best layout's cluster config and Helm values (``limits``: its decode or
+    mixed instances', ``prefill_limits`` its prefill instances'), and write them when asked:
     only once the orchestrator's loader accepts the config (a ConfigError otherwise)."""
     import yaml
 
@@ -470,7 +527,13 @@ def _emit(
 
     try:
         config = checked_cluster_config(
-            best, limits, cost, model_path=args.model_path, provider=args.provider, options=options
+            best,
+            limits,
+            cost,
+            model_path=args.model_path,
+            provider=args.provider,
+            options=options,
+            prefill_limits=prefill_limits,
         )
     except ValueError as error:
         raise ValueError(f"the cluster config of {best.label} would be refused: {error}") from None
@@ -488,6 +551,7 @@ def _emit(
             model_path=args.model_path,
             provider=args.provider,
             options=options,
+            prefill_limits=prefill_limits,
         )
     except ValueError as error:
         print(f"(no Helm values: {error})")

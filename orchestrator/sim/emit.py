@@ -60,7 +60,7 @@ def _group(
     replicas: int,
     tp: int,
     provider: str | None,
-    num_pages: int | None,
+    limits: dict[str, Any],
     resources: dict[str, Any],
     nice: int = 0,
 ) -> dict[str, Any]:
@@ -69,9 +69,23 @@ def _group(
         group["nice"] = nice
     if provider is not None:
         group["fabric"] = {"provider": provider}
-    if num_pages is not None:
-        group["limits"] = {"num_pages": num_pages}
+    if limits:
+        group["limits"] = limits
     return group
+
+
+def _role_limits(
+    role: str, limits: EngineLimits, prefill_limits: EngineLimits | None
+) -> dict[str, Any]:
+    """A group's own limits beyond its pool: a prefill group's prompt budget where the plan
+    gave it one of its own, and the pacing of the group that decodes (prefill steps are never
+    paced, so the setting would only mislead there)."""
+    if role == "prefill":
+        budget = (prefill_limits or limits).max_num_batched_tokens
+        return {} if budget == limits.max_num_batched_tokens else {"max_num_batched_tokens": budget}
+    if limits.min_step_interval_s:
+        return {"min_step_interval_ms": limits.min_step_interval_s * 1000}
+    return {}
 
 
 def cluster_config(
@@ -84,8 +98,11 @@ def cluster_config(
     dtype: str = "auto",
     options: ServingOptions | None = None,
     pools: bool = True,
+    prefill_limits: EngineLimits | None = None,
 ) -> dict[str, Any]:
-    """``cost``: the model the plan priced, whose KV capacity becomes each group's pool (and
+    """``limits``: the decode or mixed group's (the config's top-level limits);
+    ``prefill_limits``: the prefill group's (default: the same).
+    ``cost``: the model the plan priced, whose KV capacity becomes each group's pool (and
     whose shared cores, if any, make a CPU config); None, or ``pools`` False, emits no pool
     (only for checking options: the engine's default pool is not the plan's).
     ``options``: the serving options the plan assumed (see the module docstring)."""
@@ -96,9 +113,11 @@ def cluster_config(
         resources = {"cpu": math.floor(100 * shared.cores / layout.num_gpus) / 100 or 0.01}
 
     def group(role: str, replicas: int, tp: int, fabric: str | None) -> dict[str, Any]:
-        pages = None if cost is None or not pools else kv_num_pages(cost, tp, limits)
+        own = _role_limits(role, limits, prefill_limits)
+        if cost is not None and pools:
+            own = {"num_pages": kv_num_pages(cost, tp, limits), **own}
         nice = 0 if shared is None else shared.nice(role)
-        return _group(replicas, tp, fabric, pages, dict(resources), nice)
+        return _group(replicas, tp, fabric, own, dict(resources), nice)
 
     if layout.is_mixed:
         groups = {"mixed": group("mixed", layout.num_mixed, layout.tp_mixed, None)}
@@ -132,23 +151,43 @@ def checked_cluster_config(
     *,
     options: ServingOptions | None = None,
     pools: bool = True,
+    prefill_limits: EngineLimits | None = None,
     **strings: str,
 ) -> dict[str, Any]:
     """`cluster_config` (same options), loaded as the orchestrator loads it; `ConfigError` (a
     ValueError) when the loader would refuse it."""
-    config = cluster_config(layout, limits, cost=cost, options=options, pools=pools, **strings)
+    config = cluster_config(
+        layout,
+        limits,
+        cost=cost,
+        options=options,
+        pools=pools,
+        prefill_limits=prefill_limits,
+        **strings,
+    )
     ClusterConfig.from_dict(config)
     return config
 
 
 def check_options(
-    limits: EngineLimits, *, model_path: str, provider: str, cost: CostModel | None = None
+    limits: EngineLimits,
+    *,
+    model_path: str,
+    provider: str,
+    cost: CostModel | None = None,
+    prefill_limits: EngineLimits | None = None,
 ) -> None:
     """Refuse limits or a provider that no emitted config could carry (ConfigError), before
     a search that takes minutes: the loader's own rules on a one-to-one layout, on the device
     the plan's ``cost`` implies (no pools: the model need not fit that layout)."""
     checked_cluster_config(
-        Layout(1, 1), limits, cost, pools=False, model_path=model_path, provider=provider
+        Layout(1, 1),
+        limits,
+        cost,
+        pools=False,
+        prefill_limits=prefill_limits,
+        model_path=model_path,
+        provider=provider,
     )
 
 
@@ -178,11 +217,12 @@ def helm_values(
     model_path: str = "/models/model",
     provider: str = "verbs;ofi_rxm",
     options: ServingOptions | None = None,
+    prefill_limits: EngineLimits | None = None,
 ) -> dict[str, Any] | None:
     """Overrides of `helm/pdserve/values.yaml`; None for a mixed layout (the chart deploys
-    prefill and decode groups only). ``cost`` and ``options`` as in `cluster_config` (of the
-    options, the chart carries the routing policy); ConfigError as in
-    `check_helm_options`."""
+    prefill and decode groups only). ``cost``, ``options`` and ``prefill_limits`` as in
+    `cluster_config` (of the options, the chart carries the routing policy); ConfigError as
+    in `check_helm_options`."""
     if cost is not None and cost.shared_cores is not None:
         raise ValueError(
             "a plan on one machine's shared CPU cores: the chart's pods run on GPU nodes"
@@ -191,7 +231,7 @@ def helm_values(
         return None
     provider = check_helm_options(model_path=model_path, provider=provider)
 
-    def group(replicas: int, tp: int) -> dict[str, Any]:
+    def group(role: str, replicas: int, tp: int) -> dict[str, Any]:
         # One RDMA device per GPU (docs/design.md §4: each rank's shard goes out of its own NIC).
         rdma = 0 if provider == "tcp;ofi_rxm" else tp
         values: dict[str, Any] = {
@@ -200,8 +240,11 @@ def helm_values(
             "gpuPerRank": 1,
             "rdmaDevicesPerPod": rdma,
         }
+        own = _role_limits(role, limits, prefill_limits)
         if cost is not None:  # the group's cluster config limits: the pool the plan priced
-            values["limits"] = {"num_pages": kv_num_pages(cost, tp, limits)}
+            own = {"num_pages": kv_num_pages(cost, tp, limits), **own}
+        if own:
+            values["limits"] = own
         return values
 
     fabric = {"provider": provider}
@@ -211,8 +254,8 @@ def helm_values(
         "model": {"path": model_path},
         "fabric": fabric,
         "workerGroups": {
-            "prefill": group(layout.num_prefill, layout.tp_prefill),
-            "decode": group(layout.num_decode, layout.tp_decode),
+            "prefill": group("prefill", layout.num_prefill, layout.tp_prefill),
+            "decode": group("decode", layout.num_decode, layout.tp_decode),
         },
         "clusterConfig": {
             "device": "cuda",
@@ -225,12 +268,9 @@ def helm_values(
 
 def _config_limits(limits: EngineLimits) -> dict[str, Any]:
     """The top-level ``limits`` of a cluster config (or the chart's ``clusterConfig``) for the
-    batch shape and pacing the plan assumed."""
-    out: dict[str, Any] = {
+    batch shape the plan assumed (a group's own: `_role_limits`)."""
+    return {
         "max_num_seqs": limits.max_num_seqs,
         "max_num_batched_tokens": limits.max_num_batched_tokens,
         "enable_chunked_prefill": True,
     }
-    if limits.min_step_interval_s:
-        out["min_step_interval_ms"] = limits.min_step_interval_s * 1000
-    return out

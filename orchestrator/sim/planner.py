@@ -9,6 +9,13 @@ Layouts are ranked by goodput per GPU: GPUs are what a deployment pays for. Pric
 machine's shared cores (`CostModel.shared_cores`), every layout runs on the same machine, and
 an instance more is a process, not a GPU: they are ranked by goodput.
 
+Step settings: each layout is planned with every combination of ``prompt_budgets`` (the prompt
+tokens a step of its prefill or mixed instances may take) and ``step_intervals_s`` (the pacing
+of its decode or mixed instances' decode-only steps) and keeps the one with the most goodput
+(`RoleLimits`): whole-prompt prefill steps and paced decode steps pay where the roles share
+cores, and a stall-bound mixed instance wants short chunks, so no one setting serves every
+layout. Ties keep the setting listed first.
+
 With ``expert_parallel`` (a MoE model priced by the roofline model), every disaggregated
 layout of two decode instances or more is also tried with its decode group as one
 expert-parallel domain (`Layout.ep_decode`): a what-if, since pdserve's engine keeps every
@@ -20,7 +27,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from orchestrator.config.cluster import MAX_GROUP_RATIO
 from orchestrator.sim.cost import CostModel
@@ -57,8 +64,14 @@ class PlanSpec:
     min_duration_s: float = 30.0
     options: ServingOptions = field(default_factory=ServingOptions)
     expert_parallel: bool = False  # also each decode group as one expert-parallel domain
+    prompt_budgets: tuple[int, ...] = ()
+    step_intervals_s: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
+        for budget in self.prompt_budgets:  # EngineLimits' own rules, before a long search
+            replace(self.limits, max_num_batched_tokens=budget)
+        for interval in self.step_intervals_s:
+            replace(self.limits, min_step_interval_s=interval)
         if self.gpu_budget < 1:
             raise ValueError(f"gpu_budget must be >= 1, got {self.gpu_budget}")
         if not self.tp_choices or min(self.tp_choices) < 1:
@@ -71,10 +84,46 @@ class PlanSpec:
 
 
 @dataclass(frozen=True)
+class RoleLimits:
+    """A layout's engine limits by role: ``limits`` of its decode or mixed instances,
+    ``prefill`` of its prefill instances (unused by a mixed layout)."""
+
+    limits: EngineLimits
+    prefill: EngineLimits
+
+    def label(self, layout: Layout) -> str:
+        """The searched settings: the prompt budget of the instances that prefill, and the
+        decoding instances' pacing."""
+        prompting = self.limits if layout.is_mixed else self.prefill
+        pace = self.limits.min_step_interval_s
+        return f"{prompting.max_num_batched_tokens} tok" + (f", {pace * 1e3:g} ms" if pace else "")
+
+
+def role_limits(spec: PlanSpec, layout: Layout) -> list[RoleLimits]:
+    """Every setting to plan ``layout`` with: each prompt budget on the instances that prefill
+    (mixed or prefill; a disaggregated layout's decoders keep ``spec.limits``' budget), times
+    each pacing interval on the decoding ones (a prefill step is never paced)."""
+    base = spec.limits
+    budgets = spec.prompt_budgets or (base.max_num_batched_tokens,)
+    intervals = spec.step_intervals_s or (base.min_step_interval_s,)
+    settings = []
+    for budget in budgets:
+        prompting = replace(base, max_num_batched_tokens=budget, min_step_interval_s=0.0)
+        for interval in intervals:
+            if layout.is_mixed:
+                decoding = replace(prompting, min_step_interval_s=interval)
+            else:
+                decoding = replace(base, min_step_interval_s=interval)
+            settings.append(RoleLimits(decoding, prompting))
+    return settings
+
+
+@dataclass(frozen=True)
 class Candidate:
     layout: Layout
     goodput: float  # requests/s meeting the SLOs at the attainment target
     summary: Summary | None  # at that rate; None when no rate meets the target
+    settings: RoleLimits | None = None  # the engine limits it was planned with (its best)
 
     @property
     def goodput_per_gpu(self) -> float:
@@ -115,8 +164,15 @@ def layouts(cost: CostModel, spec: PlanSpec) -> Iterator[Layout]:
                 yield Layout(num_mixed=num_m, tp_mixed=tp)
 
 
-def evaluate(cost: CostModel, layout: Layout, spec: PlanSpec, rate: float) -> Summary | None:
-    """Summary at ``rate``; None when the layout cannot hold a request of the workload.
+def evaluate(
+    cost: CostModel,
+    layout: Layout,
+    spec: PlanSpec,
+    rate: float,
+    settings: RoleLimits | None = None,
+) -> Summary | None:
+    """Summary at ``rate`` with ``settings`` (default: ``spec.limits`` on every instance);
+    None when the layout cannot hold a request of the workload.
 
     A run too short for the cluster to fill up (`metrics.unsettled`) flatters the layout: one
     that meets the SLOs anyway is run again over enough arrivals for the share left out at the
@@ -124,11 +180,14 @@ def evaluate(cost: CostModel, layout: Layout, spec: PlanSpec, rate: float) -> Su
     one whose queue grows while its measured requests arrive (`metrics.overloaded`): a longer
     run's queue is longer, until the TTFT SLO fails. One that misses the SLOs stands, as a
     cluster filling up further only does worse."""
+    settings = settings or RoleLimits(spec.limits, spec.limits)
     duration = spec.min_duration_s
     for _ in range(SETTLE_RUNS):
         workload = spec.workload.at_rate(rate, duration)
         try:
-            result = simulate(cost, layout, workload, spec.limits, spec.options)
+            result = simulate(
+                cost, layout, workload, settings.limits, spec.options, settings.prefill
+            )
         except UnservableError:
             return None
         summary = summarize(result, spec.slo, spec.warmup)
@@ -140,9 +199,14 @@ def evaluate(cost: CostModel, layout: Layout, spec: PlanSpec, rate: float) -> Su
     return summary
 
 
-def max_goodput(cost: CostModel, layout: Layout, spec: PlanSpec) -> Candidate:
+def max_goodput(
+    cost: CostModel, layout: Layout, spec: PlanSpec, settings: RoleLimits | None = None
+) -> Candidate:
+    """The layout's goodput with ``settings`` (default: ``spec.limits`` everywhere)."""
+    settings = settings or RoleLimits(spec.limits, spec.limits)
+
     def meets(rate: float) -> Summary | None:
-        summary = evaluate(cost, layout, spec, rate)
+        summary = evaluate(cost, layout, spec, rate, settings)
         return summary if summary and summary.slo_attainment >= spec.attainment else None
 
     # Start from the workload's rate per GPU scaled to this layout, so that big and small
@@ -163,7 +227,7 @@ def max_goodput(cost: CostModel, layout: Layout, spec: PlanSpec) -> Candidate:
                 break
             rate /= 2
     if not good or bad is None:
-        return Candidate(layout, good, best)
+        return Candidate(layout, good, best, settings)
     for _ in range(spec.bisect_steps):
         rate = (good + bad) / 2
         summary = meets(rate)
@@ -171,18 +235,21 @@ def max_goodput(cost: CostModel, layout: Layout, spec: PlanSpec) -> Candidate:
             good, best = rate, summary
         else:
             bad = rate
-    return Candidate(layout, good, best)
+    return Candidate(layout, good, best, settings)
 
 
 def plan(cost: CostModel, spec: PlanSpec) -> list[Candidate]:
     """Every layout, best goodput per GPU first, or best goodput on shared cores (ties: fewer
     GPUs, then the label)."""
-    candidates = []
-    # One bar step per layout: each is a search of up to ~18 simulations.
-    for layout in progress(list(layouts(cost, spec)), desc="planning", unit="layout"):
-        candidate = max_goodput(cost, layout, spec)
-        logger.debug("%s: %.3f req/s", layout.label, candidate.goodput)
-        candidates.append(candidate)
+    best: dict[Layout, Candidate] = {}
+    searches = [(layout, s) for layout in layouts(cost, spec) for s in role_limits(spec, layout)]
+    # One bar step per layout and setting: each is a search of up to ~18 simulations.
+    for layout, settings in progress(searches, desc="planning", unit="search"):
+        candidate = max_goodput(cost, layout, spec, settings)
+        logger.debug("%s, %s: %.3f req/s", layout.label, settings.label(layout), candidate.goodput)
+        if layout not in best or candidate.goodput > best[layout].goodput:
+            best[layout] = candidate
+    candidates = list(best.values())
 
     def rank(c: Candidate) -> tuple[float, int, str]:
         measure = c.goodput if cost.shared_cores is not None else c.goodput_per_gpu
@@ -191,9 +258,12 @@ def plan(cost: CostModel, spec: PlanSpec) -> list[Candidate]:
     return sorted(candidates, key=rank)
 
 
-def format_table(candidates: list[Candidate], top: int) -> str:
+def format_table(candidates: list[Candidate], top: int, settings: bool = False) -> str:
+    """The ``top`` candidates as a table; ``settings``: with the step settings each kept
+    (`RoleLimits.label`), for a plan that searched them."""
+    extra = f" {'steps':<16}" if settings else ""
     lines = [
-        f"{'#':>2}  {'layout':<22} {'GPUs':>4} {'goodput':>9} {'/GPU':>8} "
+        f"{'#':>2}  {'layout':<22}{extra} {'GPUs':>4} {'goodput':>9} {'/GPU':>8} "
         f"{'TTFT p50':>9} {'TTFT p99':>9} {'TPOT':>7} {'ITL p99':>8} {'tok/s/req':>9}",
     ]
     for rank, c in enumerate(candidates[:top], 1):
@@ -204,8 +274,9 @@ def format_table(candidates: list[Candidate], top: int) -> str:
             if s
             else "   (no rate meets the SLOs)"
         )
+        steps = f" {c.settings.label(c.layout):<16}" if settings and c.settings else ""
         lines.append(
-            f"{rank:>2}  {c.layout.label:<22} {c.layout.num_gpus:>4} {c.goodput:7.3f}/s "
+            f"{rank:>2}  {c.layout.label:<22}{steps} {c.layout.num_gpus:>4} {c.goodput:7.3f}/s "
             f"{c.goodput_per_gpu:8.4f} {cells}"
         )
     return "\n".join(lines)

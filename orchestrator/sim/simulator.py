@@ -509,8 +509,10 @@ def simulate(
     workload: Arrivals,
     limits: EngineLimits | None = None,
     options: ServingOptions | None = None,
+    prefill_limits: EngineLimits | None = None,
 ) -> SimResult:
-    return Simulator(cost, layout, limits, options=options).run(workload)
+    """One run; ``prefill_limits``: the prefill instances' (default: ``limits``)."""
+    return Simulator(cost, layout, limits, prefill_limits, options=options).run(workload)
 
 
 __all__ = [

@@ -173,7 +173,16 @@ def calibration_from_traces(
     config = load_config(first["configs"]["disaggregated"], first.get("model"))
     data = {
         **model_facts(config),
-        "from_trace": {"results": [Path(p).name for p in paths], "fields": POINT_FIELDS},
+        "from_trace": {
+            "results": [Path(p).name for p in paths],
+            "fields": POINT_FIELDS,
+            # Arrivals per second of the runs (a multi-turn run's are conversations: none).
+            "rates": [
+                workload["rate"]
+                for workload in (d.get("workload") for d in documents)
+                if workload and not str(workload.get("prompt", "")).startswith("multiturn")
+            ],
+        },
         "roles": points,
     }
     if shared_cores is not None:

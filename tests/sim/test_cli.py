@@ -136,6 +136,10 @@ PLAN = ["plan", "--cost", "roofline:llama-3-70b:h100", "--gpus", "8", "--tp", "4
         ([*PLAN, "--attainment", "2"], "attainment must be in (0, 1]"),
         ([*PLAN, "--tp", "4,x"], "--tp wants comma-separated TP sizes"),
         ([*PLAN, "--warmup", "0.6"], "warmup must be in [0, 0.5)"),
+        ([*PLAN, "--min-step-interval-ms", "0,x"], "--min-step-interval-ms wants a number"),
+        ([*PLAN, "--max-num-batched-tokens", "256,256"], "lists a value twice"),
+        ([*PLAN, "--min-step-interval-ms", "0,-5"], "min_step_interval_s must be >= 0"),
+        ([*SIMULATE, "--min-step-interval-ms", "0,30"], "take one value here"),
     ],
 )
 def test_input_errors_exit_2_with_a_message_not_a_traceback(
@@ -160,6 +164,7 @@ def test_a_calibration_of_another_shape_is_an_input_error(
     ("flags", "message"),
     [
         (["--max-num-batched-tokens", "1000"], "must be a multiple of page_size (16)"),
+        (["--max-num-batched-tokens", "2048,1000"], "must be a multiple of page_size (16)"),
         (["--provider", "tcp;ofi_rxm"], "cannot register GPU memory"),
     ],
 )

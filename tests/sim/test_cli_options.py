@@ -94,10 +94,38 @@ def test_plan_emits_the_drafts_routing_and_pacing_it_assumed(
     assert "serving: ngram k=2" in capsys.readouterr().out
     emitted = yaml.safe_load(config.read_text())
     assert emitted["router"]["policy"] == "kv_aware"
-    assert emitted["limits"]["min_step_interval_ms"] == 20
     drafting = emitted["groups"].get("decode") or emitted["groups"]["mixed"]
     assert drafting["speculative"] == {"method": "ngram", "num_speculative_tokens": 2}
+    # Pacing on the group that decodes; a prefill group's steps are never paced.
+    assert drafting["limits"]["min_step_interval_ms"] == 20
+    assert "min_step_interval_ms" not in emitted["limits"]
+    assert "min_step_interval_ms" not in emitted["groups"].get("prefill", {}).get("limits", {})
     ClusterConfig.from_yaml(config)  # the loader accepts it
+
+
+def test_plan_searches_listed_step_settings_and_emits_the_best_layouts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "cluster.yaml"
+    argv = ["plan", "--cost", "roofline:llama-3-70b:h100", "--gpus", "8", "--tp", "4",
+            "--num-requests", "30", "--prompt", "fixed:3000", "--output", "fixed:32",
+            "--min-duration", "2", "--max-num-batched-tokens", "1024,4096",
+            "--min-step-interval-ms", "0,20", "--emit-config", str(config),
+            "--model-path", str(tmp_path / "model")]  # fmt: skip
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    top = next(i for i, line in enumerate(lines) if line.lstrip().startswith("#  layout"))
+    header, first = lines[top], lines[top + 1]
+    assert "steps" in header
+    emitted = yaml.safe_load(config.read_text())
+    groups = emitted["groups"]
+    prompting = groups.get("prefill", groups.get("mixed", {})).get("limits", {})
+    budget = prompting.get("max_num_batched_tokens", emitted["limits"]["max_num_batched_tokens"])
+    decoding = (groups.get("decode") or groups["mixed"]).get("limits", {})
+    pace = decoding.get("min_step_interval_ms", 0)
+    # The best row's settings are the ones emitted.
+    assert f"{budget} tok" + (f", {pace:g} ms" if pace else "") in first
+    ClusterConfig.from_yaml(config)
 
 
 def test_plan_searches_conversation_rates_for_a_multiturn_workload(

@@ -4,6 +4,7 @@ chart renders them."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from orchestrator.sim.emit import (
 from orchestrator.sim.instances import EngineLimits
 from orchestrator.sim.metrics import SLO
 from orchestrator.sim.planner import PlanSpec, evaluate, format_table, layouts, plan
+from orchestrator.sim.shared_cores import SharedCores
 from orchestrator.sim.simulator import Layout
 from orchestrator.sim.workload import LengthDist, Workload
 from tests.ops.helm_chart import CHART, NAMESPACE, RELEASE, cluster_yaml
@@ -242,6 +244,70 @@ def test_the_emitted_config_and_helm_values_hold_the_kv_pool_the_plan_assumed() 
     fixed = EngineLimits(kv_capacity_tokens=4096)
     raw = checked_cluster_config(layout, fixed, cost)
     assert raw["groups"]["decode"]["limits"] == {"num_pages": 4096 // PAGE_SIZE}
+
+
+def test_the_planner_keeps_each_layouts_best_step_settings() -> None:
+    # One core: a decoder at nice 0 stepping back to back starves the prefill instance (nice
+    # 10); each 256-token chunk pays the 20 ms intercept again. Paced decode steps and
+    # whole-prompt prefill steps each give prefill more of the core, and both together most.
+    cost = dataclasses.replace(
+        affine(),
+        transfer_coefficients=(0.0, 0.0),
+        role_coefficients=(
+            ("decode", (0.01, 0.0, 0.0, 0.0005, 0.0)),
+            ("prefill", (0.02, 1e-4, 0.0, 0.0, 0.0)),
+        ),
+        shared_cores=SharedCores(1, (("prefill", 10),)),
+    )
+    workload = Workload(
+        2.0, 60, LengthDist.parse("fixed:512"), LengthDist.parse("fixed:32"), seed=1
+    )
+
+    def best(**search: Any) -> planner.Candidate:
+        spec = PlanSpec(
+            workload,
+            SLO(ttft_s=2.0, tpot_s=0.05),
+            2,
+            tp_choices=(1,),
+            include_mixed=False,
+            limits=EngineLimits(max_num_seqs=16, max_num_batched_tokens=256),
+            bisect_steps=4,
+            min_duration_s=10.0,
+            **search,
+        )
+        (only,) = plan(cost, spec)  # 1P:1D: the one layout of two instances
+        return only
+
+    plain = best()
+    paced = best(step_intervals_s=(0.0, 0.03))
+    whole = best(prompt_budgets=(256, 2048))
+    both = best(prompt_budgets=(256, 2048), step_intervals_s=(0.0, 0.03))
+    assert 0 < plain.goodput < min(paced.goodput, whole.goodput) <= both.goodput
+    assert both.settings is not None and both.settings.label(both.layout) == "2048 tok, 30 ms"
+    # The decoder keeps the first budget; the prefill instance is never paced.
+    assert both.settings.limits.max_num_batched_tokens == 256
+    assert both.settings.prefill.min_step_interval_s == 0
+    assert "2048 tok, 30 ms" in format_table([both], top=1, settings=True)
+
+
+def test_the_emitted_config_and_helm_values_hold_each_roles_planned_step_settings() -> None:
+    cost = create_cost_model(LLAMA_H200)
+    layout = Layout(num_prefill=1, num_decode=1, tp_prefill=2, tp_decode=2)
+    decode = EngineLimits(max_num_batched_tokens=512, min_step_interval_s=0.03)
+    prefill = EngineLimits(max_num_batched_tokens=8192)
+    raw = checked_cluster_config(layout, decode, cost, prefill_limits=prefill)
+    values = helm_values(layout, decode, cost=cost, prefill_limits=prefill)
+    assert values is not None
+    for config in (ClusterConfig.from_dict(raw), _rendered_config(values)):
+        served_decode = limits_of(config, "decode", cost)
+        served_prefill = limits_of(config, "prefill", cost)
+        assert served_decode.max_num_batched_tokens == 512
+        assert served_decode.min_step_interval_s == pytest.approx(0.03)
+        assert served_prefill.max_num_batched_tokens == 8192
+        assert served_prefill.min_step_interval_s == 0
+    mixed = checked_cluster_config(Layout(num_mixed=2, tp_mixed=2), decode, cost)
+    assert mixed["limits"]["max_num_batched_tokens"] == 512
+    assert mixed["groups"]["mixed"]["limits"]["min_step_interval_ms"] == pytest.approx(30)
 
 
 @pytest.mark.parametrize(

@@ -59,7 +59,9 @@ MIXED_SHAPES = [
 ]  # fmt: skip
 
 
-def _document(tmp_path: Path, tiny_model_dir: Path, traces: bool = True) -> Path:
+def _document(
+    tmp_path: Path, tiny_model_dir: Path, traces: bool = True, rate: float | None = None
+) -> Path:
     config = tmp_path / "disagg.yaml"
     config.write_text(yaml.safe_dump({
         "model": str(tiny_model_dir), "dtype": "float32", "page_size": 16,
@@ -78,7 +80,13 @@ def _document(tmp_path: Path, tiny_model_dir: Path, traces: bool = True) -> Path
         for run in runs:
             del run["step_traces"]
     path = tmp_path / "compare.json"
-    document = {"command": "compare", "configs": {"disaggregated": str(config)}, "runs": runs}
+    document: dict[str, Any] = {
+        "command": "compare",
+        "configs": {"disaggregated": str(config)},
+        "runs": runs,
+    }
+    if rate is not None:
+        document["workload"] = {"rate": rate, "prompt": "uniform:100-200"}
     path.write_text(json.dumps(document))
     return path
 
@@ -136,6 +144,32 @@ def test_calibrate_from_traces_recovers_each_roles_law(
     assert model.prefill_coefficients[1] > 0 and model.decode_coefficients[1] > 0
     assert model.step_seconds(StepShape(256, 256 * 257 // 2), 1, role="unknown") == (
         model.step_seconds(StepShape(256, 256 * 257 // 2), 1)
+    )
+
+
+def test_a_calibration_warns_of_rates_far_from_the_load_it_was_traced_at(
+    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "traced.json"
+    traced = _document(tmp_path, tiny_model_dir, rate=0.75)
+    assert main(["calibrate", "--from-trace", str(traced), "--out", str(out)]) == 0
+    assert load(out).traced_rates == (0.75,)
+    capsys.readouterr()
+    simulate = ["simulate", "--cost", f"calibrated:{out}", "--layout", "1x1:1x1",
+                "--num-requests", "20", "--prompt", "fixed:64", "--output", "fixed:8"]  # fmt: skip
+    for rate, warned in (("1.0", False), ("0.4", True), ("3", True)):
+        assert main([*simulate, "--rate", rate]) == 0
+        err = capsys.readouterr().err
+        assert ("traced at 0.75 req/s" in err) == warned, rate
+        assert ("--rate " + rate in err) == warned  # how to trace near the asked load
+    # A plan warns of the best layout's goodput, which it cannot know before it searches.
+    plan = ["plan", "--cost", f"calibrated:{out}", "--gpus", "2", "--tp", "1", "--no-mixed",
+            "--num-requests", "20", "--prompt", "fixed:64", "--output", "fixed:8",
+            "--min-duration", "2", "--model-path", str(tiny_model_dir)]  # fmt: skip
+    assert main(plan) == 0
+    captured = capsys.readouterr()
+    assert "1P(tp1):1D(tp1)'s goodput: the calibration's steps were traced at 0.75" in (
+        captured.err
     )
 
 
