@@ -57,9 +57,26 @@ def test_row_counts_fall_into_few_buckets_a_few_percent_up() -> None:
     assert len(buckets) < EXACT_ROWS + 200  # 16384 counts, ~32 sizes an octave
 
 
-def test_many_row_counts_leave_memory_flat() -> None:
+def test_the_first_row_counts_met_run_exact_and_later_ones_in_buckets(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(cpu_gemm, "_exact_counts", set())
+    monkeypatch.setattr(cpu_gemm, "MAX_EXACT_COUNTS", 2)
+    assert [cpu_gemm._run_rows(rows) for rows in (100, 30, 101, 102, 100, 1700)] == [
+        100, 30, 101, 128, 100, 1728,
+    ]  # fmt: skip
+    # The products are the same either way.
+    weight = torch.randn(96, 40)
+    x = torch.randn(102, 40)
+    with torch.inference_mode():
+        torch.testing.assert_close(linear(x, pack(weight)), F.linear(x, weight))
+
+
+def test_many_row_counts_leave_memory_flat(monkeypatch: pytest.MonkeyPatch) -> None:
     # oneDNN keeps a kernel (~0.5 MB) for every GEMM shape it builds: 300 row counts held
-    # ~160 MB unbucketed, ~5 MB in buckets (module docstring).
+    # ~160 MB unbucketed, ~5 MB in buckets (module docstring). Every count past the exact
+    # ones a process allows goes to a bucket: here, from the first.
+    monkeypatch.setattr(cpu_gemm, "MAX_EXACT_COUNTS", 0)
     mallinfo = _mallinfo2()
     weight = pack(torch.randn(128, 64))
     with torch.inference_mode():

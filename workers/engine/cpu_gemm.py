@@ -23,13 +23,16 @@ bfloat16 GEMMs alone, batch 1 unchanged, for three times the projections' bfloat
 oneDNN builds (JIT-compiles) a kernel for each shape it sees and keeps it: a GEMM of every
 new row count costs ~0.5 MB of memory for as long as the process lives and a JIT pass the
 first time. A prefill worker whose prompts are of any length sees hundreds of row counts:
-on SmolLM-sized layers, whole prompts of 1500-1900 tokens grew an engine's RSS from 0.5 to
-1.5 GB over 400 prompts, and still growing. So a GEMM of more than `EXACT_ROWS` rows runs
-on rows padded with zeros up to a bucket (`row_bucket`, at most ~3% more rows), and the same
-prompts leave it flat at 0.68 GB from the 50th on, in the same time
-(bench/history/RESULTS-notebook.md, "Prefill workers' memory"). Up to `EXACT_ROWS` (decode
-batches) rows run as they are: there are few such counts, and padding one costs a
-memory-bound GEMM more than it saves.
+whole prompts of 1500-1900 tokens grew the `small` preset's engine from 0.57 to 1.6 GB over
+400 prompts, still growing. So the first `MAX_EXACT_COUNTS` row counts above `EXACT_ROWS`
+that a process meets run as they are (the common ones: a chunk budget's steps), and any other
+on rows padded with zeros up to a bucket (`row_bucket`, at most ~3% more rows, ~32 sizes an
+octave). The same prompts then leave the engine flat at 0.87 GB from the 50th on, and take
+as long (84.8 s against 84.5-87.4 s). A padded GEMM pays the copy of its input and its extra
+rows: 1.01-1.03x a layer's projections at 1700-1731 rows, 1.03-1.07x at 241-256
+(bench/history/RESULTS-notebook.md, "Prefill workers' memory"). Up to
+`EXACT_ROWS` (decode batches) rows always run as they are: there are few such counts, and
+padding one costs a memory-bound GEMM more than it saves.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ def prepack_enabled() -> bool:
 
 _HALF = (torch.bfloat16, torch.float16)
 EXACT_ROWS = 64  # GEMMs of up to this many rows run unpadded (`row_bucket`)
+MAX_EXACT_COUNTS = 16  # row counts above EXACT_ROWS run unpadded, the first met (`_run_rows`)
+_exact_counts: set[int] = set()
 # The attribute of a plain half-precision weight that holds its float32 packed copy (`pack`).
 FLOAT32_COPY = "float32_packed"
 
@@ -89,7 +94,7 @@ def dense(weight: torch.Tensor) -> torch.Tensor:
 
 
 def row_bucket(rows: int) -> int:
-    """The rows a oneDNN GEMM of ``rows`` rows runs with (module docstring): as many up to
+    """The rows a padded GEMM of ``rows`` rows runs with (module docstring): as many up to
     `EXACT_ROWS`, then rounded up to a multiple of 32, or of 1/32 of the power of two below
     from 1024 rows on (at most ~3% more rows, ~32 sizes an octave)."""
     if rows <= EXACT_ROWS:
@@ -98,15 +103,27 @@ def row_bucket(rows: int) -> int:
     return -(-rows // step) * step
 
 
+def _run_rows(rows: int) -> int:
+    """The rows a GEMM of ``rows`` rows runs with in this process: as many if they are at most
+    `EXACT_ROWS` or among the first `MAX_EXACT_COUNTS` counts above it met, else a bucket."""
+    if rows <= EXACT_ROWS or rows in _exact_counts:
+        return rows
+    if len(_exact_counts) < MAX_EXACT_COUNTS:
+        _exact_counts.add(rows)
+        return rows
+    return row_bucket(rows)
+
+
 def _onednn_linear(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
-    padded = row_bucket(rows)
+    padded = _run_rows(rows)
     if padded == rows:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    full = x.new_zeros(padded, x.shape[-1])
+    full = x.new_empty(padded, x.shape[-1])
     full[:rows] = x.reshape(rows, x.shape[-1])
+    full[rows:].zero_()  # discarded rows, but no NaN from stale memory in them
     out = torch.ops.mkldnn._linear_pointwise(full, packed, bias, "none", [], "")
     return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
 
