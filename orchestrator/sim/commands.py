@@ -439,10 +439,10 @@ def _run_plan(args: argparse.Namespace) -> int:
         min_duration_s=args.min_duration,
         options=options,
         expert_parallel=args.expert_parallel,
-        prompt_budgets=budgets if len(budgets) > 1 else (),
-        step_intervals_s=tuple(ms / 1000 for ms in intervals) if len(intervals) > 1 else (),
+        prompt_budgets=budgets,
+        step_intervals_s=tuple(ms / 1000 for ms in intervals),
     )
-    searched = bool(spec.prompt_budgets or spec.step_intervals_s)
+    searched = len(budgets) > 1 or len(intervals) > 1
     if args.expert_parallel and (args.emit_config or args.emit_helm or args.apply):
         raise ValueError(
             "--expert-parallel plans layouts pdserve's engine does not run (each instance keeps "
@@ -493,7 +493,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         )
         return 0
     best = candidates[0]
-    settings = best.settings or role_limits(spec, best.layout)[0]
+    settings = best.settings
     _emit(best.layout, settings.limits, cost, args, options, settings.prefill)
     if args.apply:
         import asyncio

@@ -16,6 +16,11 @@ KV pools: given the cost model the plan priced, each group gets the pool the sim
 assumed, ``num_pages`` per rank (`kv_num_pages`); without one the engine would fall back to
 its small default pool (`workers.engine.config.DEFAULT_KV_MEMORY_BYTES`).
 
+Step settings: the top-level limits are the decode or mixed group's; a prefill group whose
+plan gave it a prompt budget of its own carries it in its group's ``limits``, and the group
+that decodes its pacing (``min_step_interval_ms``), as the planner searched them
+(`planner.RoleLimits`).
+
 Serving options (`options.ServingOptions`): the routing policy goes to both; speculative
 decoding (the decode or mixed group's ``speculative``) and prefix caching turned off
 (``limits.enable_prefix_caching: false``) to the cluster config only: the chart's worker
@@ -74,18 +79,24 @@ def _group(
     return group
 
 
-def _role_limits(
-    role: str, limits: EngineLimits, prefill_limits: EngineLimits | None
+def _group_limits(
+    role: str,
+    tp: int,
+    limits: EngineLimits,
+    prefill_limits: EngineLimits | None,
+    cost: CostModel | None,
 ) -> dict[str, Any]:
-    """A group's own limits beyond its pool: a prefill group's prompt budget where the plan
-    gave it one of its own, and the pacing of the group that decodes (prefill steps are never
-    paced, so the setting would only mislead there)."""
+    """A group's own limits: the KV pool the plan priced (given ``cost``), a prefill group's
+    prompt budget where the plan gave it one of its own, and the pacing of the group that
+    decodes (prefill steps are never paced, so the setting would only mislead there)."""
+    own: dict[str, Any] = {} if cost is None else {"num_pages": kv_num_pages(cost, tp, limits)}
     if role == "prefill":
         budget = (prefill_limits or limits).max_num_batched_tokens
-        return {} if budget == limits.max_num_batched_tokens else {"max_num_batched_tokens": budget}
-    if limits.min_step_interval_s:
-        return {"min_step_interval_ms": limits.min_step_interval_s * 1000}
-    return {}
+        if budget != limits.max_num_batched_tokens:
+            own["max_num_batched_tokens"] = budget
+    elif limits.min_step_interval_s:
+        own["min_step_interval_ms"] = limits.min_step_interval_s * 1000
+    return own
 
 
 def cluster_config(
@@ -113,9 +124,7 @@ def cluster_config(
         resources = {"cpu": math.floor(100 * shared.cores / layout.num_gpus) / 100 or 0.01}
 
     def group(role: str, replicas: int, tp: int, fabric: str | None) -> dict[str, Any]:
-        own = _role_limits(role, limits, prefill_limits)
-        if cost is not None and pools:
-            own = {"num_pages": kv_num_pages(cost, tp, limits), **own}
+        own = _group_limits(role, tp, limits, prefill_limits, cost if pools else None)
         nice = 0 if shared is None else shared.nice(role)
         return _group(replicas, tp, fabric, own, dict(resources), nice)
 
@@ -240,9 +249,7 @@ def helm_values(
             "gpuPerRank": 1,
             "rdmaDevicesPerPod": rdma,
         }
-        own = _role_limits(role, limits, prefill_limits)
-        if cost is not None:  # the group's cluster config limits: the pool the plan priced
-            own = {"num_pages": kv_num_pages(cost, tp, limits), **own}
+        own = _group_limits(role, tp, limits, prefill_limits, cost)  # its cluster config's
         if own:
             values["limits"] = own
         return values
@@ -268,7 +275,7 @@ def helm_values(
 
 def _config_limits(limits: EngineLimits) -> dict[str, Any]:
     """The top-level ``limits`` of a cluster config (or the chart's ``clusterConfig``) for the
-    batch shape the plan assumed (a group's own: `_role_limits`)."""
+    batch shape the plan assumed (a group's own: `_group_limits`)."""
     return {
         "max_num_seqs": limits.max_num_seqs,
         "max_num_batched_tokens": limits.max_num_batched_tokens,

@@ -123,7 +123,7 @@ class Candidate:
     layout: Layout
     goodput: float  # requests/s meeting the SLOs at the attainment target
     summary: Summary | None  # at that rate; None when no rate meets the target
-    settings: RoleLimits | None = None  # the engine limits it was planned with (its best)
+    settings: RoleLimits  # the engine limits it was planned with (its best)
 
     @property
     def goodput_per_gpu(self) -> float:
@@ -274,7 +274,7 @@ def format_table(candidates: list[Candidate], top: int, settings: bool = False) 
             if s
             else "   (no rate meets the SLOs)"
         )
-        steps = f" {c.settings.label(c.layout):<16}" if settings and c.settings else ""
+        steps = f" {c.settings.label(c.layout):<16}" if settings else ""
         lines.append(
             f"{rank:>2}  {c.layout.label:<22}{steps} {c.layout.num_gpus:>4} {c.goodput:7.3f}/s "
             f"{c.goodput_per_gpu:8.4f} {cells}"

@@ -14,6 +14,8 @@ from orchestrator.config.cluster import ClusterConfig
 
 R1 = ["--cost", "roofline:deepseek-r1:h200:8x400g", "--layout", "1x8:1x8", "--layout", "2x8"]
 SMALL = ["--num-requests", "20", "--prompt", "fixed:2048", "--output", "fixed:64"]
+LLAMA_PLAN = ["plan", "--cost", "roofline:llama-3-70b:h100", "--gpus", "8", "--tp", "4",
+              "--num-requests", "30", "--min-duration", "2"]  # fmt: skip
 
 
 def test_simulate_with_mtp_drafts_prints_the_options_and_runs(
@@ -85,9 +87,8 @@ def test_plan_emits_the_drafts_routing_and_pacing_it_assumed(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     config = tmp_path / "cluster.yaml"
-    argv = ["plan", "--cost", "roofline:llama-3-70b:h100", "--gpus", "8", "--tp", "4",
-            "--num-requests", "30", "--prompt", "fixed:1000", "--output", "fixed:32",
-            "--min-duration", "2", "--spec-k", "2", "--spec-acceptance", "0.8,0.6",
+    argv = [*LLAMA_PLAN, "--prompt", "fixed:1000", "--output", "fixed:32",
+            "--spec-k", "2", "--spec-acceptance", "0.8,0.6",
             "--spec-method", "ngram", "--routing", "kv_aware", "--min-step-interval-ms", "20",
             "--emit-config", str(config), "--model-path", str(tmp_path / "model")]  # fmt: skip
     assert main(argv) == 0
@@ -107,9 +108,8 @@ def test_plan_searches_listed_step_settings_and_emits_the_best_layouts(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     config = tmp_path / "cluster.yaml"
-    argv = ["plan", "--cost", "roofline:llama-3-70b:h100", "--gpus", "8", "--tp", "4",
-            "--num-requests", "30", "--prompt", "fixed:3000", "--output", "fixed:32",
-            "--min-duration", "2", "--max-num-batched-tokens", "1024,4096",
+    argv = [*LLAMA_PLAN, "--prompt", "fixed:3000", "--output", "fixed:32",
+            "--max-num-batched-tokens", "1024,4096",
             "--min-step-interval-ms", "0,20", "--emit-config", str(config),
             "--model-path", str(tmp_path / "model")]  # fmt: skip
     assert main(argv) == 0
