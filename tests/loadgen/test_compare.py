@@ -101,6 +101,17 @@ def test_the_paced_bench_config_differs_only_in_its_step_shapes() -> None:
     assert unpaced == plain
 
 
+def test_the_chat_pick_config_is_the_paced_one_with_one_prefill_worker_and_two_decoders() -> None:
+    """The planner's pick for the chat mix on two shared cores, as a config to sweep."""
+    config = load_config(CONFIGS / "bench-disagg-1p2d-paced.yaml", "/nonexistent/model")
+    paced = load_config(CONFIGS / "bench-disagg-2p1d-paced.yaml", "/nonexistent/model")
+    assert layout_of(config) == Layout(num_prefill=1, num_decode=2)
+    swapped = config.replace(
+        groups=tuple(g.replace(replicas=paced.group(g.role).replicas) for g in config.groups)
+    )
+    assert swapped == paced
+
+
 def test_predictions_from_a_calibration_file(tmp_path: Path) -> None:
     # A hand-made calibration: prefill 1 ms + 0.1 ms/token, decode 10 ms + 1 ms/sequence.
     calibration = {
