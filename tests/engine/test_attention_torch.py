@@ -152,6 +152,7 @@ def test_prefill_path_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     """The prefill kernel is the default for a contiguous float32 or bfloat16 CPU cache whose
     head size is a multiple of 16, on a CPU where it is preferred; chunks go to SDPA otherwise."""
     monkeypatch.setattr(cpu_kernel, "preferred", lambda: True)
+    monkeypatch.setattr(cpu_kernel, "amx", lambda: False)
     cache = torch.zeros(2, 4, 2, 2, 16, 16)
     for dtype in (torch.float32, torch.bfloat16):
         assert TorchAttentionBackend(cache.to(dtype), 16, 1.0).prefill_kernel
@@ -169,6 +170,21 @@ def test_prefill_path_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu_kernel, "_loaded", None)
 
 
+def test_half_precision_chunks_go_to_sdpa_on_a_cpu_with_amx(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With AMX tiles, torch's flash attention computes bfloat16 chunks on them (2-4x the
+    kernel's speed, measured): a bfloat16 cache attends chunks with SDPA unless the kernel is
+    asked for; float32 chunks and every decode token keep the kernels."""
+    monkeypatch.setattr(cpu_kernel, "preferred", lambda: True)
+    monkeypatch.setattr(cpu_kernel, "amx", lambda: True)
+    cache = torch.zeros(2, 4, 2, 2, 16, 16)
+    half = TorchAttentionBackend(cache.bfloat16(), 16, 1.0)
+    assert not half.prefill_kernel and half.decode_kernel
+    assert TorchAttentionBackend(cache, 16, 1.0).prefill_kernel
+    assert TorchAttentionBackend(cache.bfloat16(), 16, 1.0, prefill_kernel=True).prefill_kernel
+
+
 def test_kernels_are_not_the_default_where_not_preferred(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a CPU without AVX-512 the torch paths attend unless a kernel is asked for."""
     monkeypatch.setattr(cpu_kernel, "preferred", lambda: False)
@@ -182,6 +198,8 @@ def test_kernels_are_not_the_default_where_not_preferred(monkeypatch: pytest.Mon
 def test_preferred_follows_the_cpu() -> None:
     expected = torch.backends.cpu.get_cpu_capability() == "AVX512"
     assert cpu_kernel.preferred() is expected
+    assert cpu_kernel.prefill_preferred(torch.float32) is expected
+    assert cpu_kernel.prefill_preferred(torch.bfloat16) is (expected and not cpu_kernel.amx())
 
 
 def test_kernels_take_queries_of_another_dtype_than_the_cache() -> None:

@@ -13,6 +13,7 @@ from workers.engine.sampler import (
     SamplingRow,
     apply_penalties,
     apply_top_k_top_p,
+    argmax,
     probabilities,
 )
 from workers.engine.sampling_params import SamplingParams
@@ -25,6 +26,18 @@ def _row(
     generator: torch.Generator | None = None,
 ) -> SamplingRow:
     return SamplingRow(params, prompt or [], out or [], generator)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_is_torchs_argmax_with_ties_and_nan(dtype: torch.dtype) -> None:
+    """The faster reduction picks what ``Tensor.argmax`` picks: the first of tied maxima, and
+    a NaN over any number."""
+    logits = torch.randint(0, 4, (64, 49152), generator=torch.Generator().manual_seed(0))
+    logits = logits.to(dtype)  # many ties per row
+    logits[3, 100] = logits[3, 7] = float("nan")
+    logits[5] = 1.0  # every value tied
+    assert torch.equal(argmax(logits), logits.argmax(dim=-1))
+    assert argmax(logits)[3] == 7 and argmax(logits)[5] == 0
 
 
 def test_greedy_takes_the_argmax_per_row() -> None:

@@ -30,6 +30,7 @@ from workers.engine.kv_cache import allocate_kv_cache
 from workers.engine.loader import load_model
 from workers.engine.model_config import ModelConfig
 from workers.engine.paged_batch import last_rows, paged_batch
+from workers.engine.sampler import argmax
 from workers.engine.sequence import Sequence as Seq
 
 logger = logging.getLogger(__name__)
@@ -105,5 +106,5 @@ class DraftModelDrafter:
         input_ids = torch.tensor(ids, dtype=torch.long, device=device)
         hidden = model(input_ids, positions, batch, self.backend)
         logits = model.compute_logits(hidden.index_select(0, last_rows(batch)))
-        chosen: list[int] = logits.argmax(dim=-1).tolist()
+        chosen: list[int] = argmax(logits).tolist()
         return chosen

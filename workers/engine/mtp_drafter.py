@@ -41,6 +41,7 @@ from workers.engine.layer_progress import LayerProgress
 from workers.engine.model import CausalLM
 from workers.engine.mtp import MTPModule
 from workers.engine.paged_batch import last_rows, paged_batch
+from workers.engine.sampler import argmax
 from workers.engine.sequence import Sequence as Seq
 
 # (sequence, first position, the main model's final hidden states of the positions from there)
@@ -136,7 +137,7 @@ class MTPDrafter:
         """The module's head over output rows: the greedy draft of each."""
         module = self.module
         logits = linear(module.shared_head_norm(out), module.shared_head_weight)
-        drafts: list[int] = logits.argmax(dim=-1).tolist()
+        drafts: list[int] = argmax(logits).tolist()
         return drafts
 
     def _step(

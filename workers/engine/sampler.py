@@ -49,7 +49,7 @@ class Sampler:
         if any(p.has_penalties for p in params):
             logits = apply_penalties(logits.clone(), rows)
 
-        token_ids = logits.argmax(dim=-1)
+        token_ids = argmax(logits)
         # Python-side row selection: an all-greedy batch (the common case) builds no tensor.
         random_list = [i for i, p in enumerate(params) if not p.is_greedy]
         if random_list:
@@ -66,6 +66,15 @@ class Sampler:
             chosen = torch.log_softmax(raw_logits, dim=-1).gather(1, token_ids[:, None])
             logprobs = chosen.flatten().tolist()
         return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's index of its largest value, the first where several tie (NaN counts as the
+    largest), as ``Tensor.argmax(dim=-1)`` gives. Why not that: on CPU, ``max(dim=-1)`` runs a
+    vectorised reduction that was 2.7x faster in float32 and 4.7x in bfloat16 over 64 rows of
+    SmolLM2's 49152 logits (0.85 against 2.3 ms, 1.25 against 5.9 ms; 2-vCPU Xeon VM), the
+    same indices, ties and NaN included."""
+    return logits.max(dim=-1).indices
 
 
 def apply_penalties(logits: torch.Tensor, rows: SequenceOf[SamplingRow]) -> torch.Tensor:
@@ -143,7 +152,7 @@ def exponential_race(
         if generator is not None:
             row = torch.empty(probs.shape[-1], dtype=probs.dtype)
             noise[i] = row.exponential_(generator=generator).to(probs.device)
-    return (probs / noise).argmax(dim=-1)
+    return argmax(probs / noise)
 
 
 def _token_counts(

@@ -27,7 +27,8 @@ Per step (`begin_step`) the batch is split once into
 - *chunk* sequences (several new tokens: prefill chunks, a whole prompt, a verify step's
   drafts). Two ways:
   - *kernel* (the default for a contiguous float32 or bfloat16 CPU cache with a head size that
-    is a multiple of 16 on an AVX-512 CPU, when built): our C++ operator
+    is a multiple of 16 on an AVX-512 CPU, when built, but for a bfloat16 cache on a CPU with
+    AMX tiles, where SDPA's own kernel uses them: `cpu_kernel.prefill_preferred`): our C++ operator
     (`csrc/paged_prefill.cpp`) attends every chunk sequence of the step in one call,
     causally, reading the sequence's keys and values from the cache where they lie (the new
     tokens' K/V are stored first). Measured on the same VM (`bench/engine.py --attention`,
@@ -225,6 +226,7 @@ class TorchAttentionBackend(AttentionBackend):
         _check_kernel_request(decode_kernel, "decode", kernel_fits, self._kernel)
         self.decode_kernel = self._kernel is not None
         prefill_fits = kernel_fits and kv_cache.shape[-1] % 16 == 0
+        preferred = cpu_kernel.prefill_preferred(kv_cache.dtype)  # not on AMX in half precision
         wanted = prefill_fits and (prefill_kernel or (prefill_kernel is None and preferred))
         self._prefill_kernel = cpu_kernel.paged_prefill_attention() if wanted else None
         _check_kernel_request(prefill_kernel, "prefill", prefill_fits, self._prefill_kernel)
