@@ -7,6 +7,7 @@ imports what it runs, so that ``pdserve --help`` stays fast.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
     from orchestrator.sim.instances import EngineLimits
     from orchestrator.sim.metrics import SLO
     from orchestrator.sim.options import ServingOptions
+    from orchestrator.sim.planner import Candidate
     from orchestrator.sim.simulator import Layout, SimResult
     from orchestrator.sim.workload import Arrivals
 
@@ -52,6 +54,13 @@ def add_subcommands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.add_argument("--emit-config", default=None, help="write the best layout's cluster config")
     p.add_argument("--emit-helm", default=None, help="write the best layout's Helm values")
+    p.add_argument(
+        "--emit-rival-config",
+        default=None,
+        help="write the cluster config of the best layout of the other kind (mixed against a "
+        "disaggregated pick, and the other way round) and print the `pdserve bench sweep` "
+        "that measures the pick against it: the check that the plan holds on this machine",
+    )
     p.add_argument("--model-path", default="/models/model", help="model path in the config")
     p.add_argument("--provider", default="verbs;ofi_rxm", help="libfabric provider to emit")
     p.add_argument(
@@ -443,10 +452,17 @@ def _run_plan(args: argparse.Namespace) -> int:
         step_intervals_s=tuple(ms / 1000 for ms in intervals),
     )
     searched = len(budgets) > 1 or len(intervals) > 1
-    if args.expert_parallel and (args.emit_config or args.emit_helm or args.apply):
+    if args.expert_parallel and (
+        args.emit_config or args.emit_helm or args.emit_rival_config or args.apply
+    ):
         raise ValueError(
             "--expert-parallel plans layouts pdserve's engine does not run (each instance keeps "
-            "every expert): leave out --emit-config, --emit-helm and --apply"
+            "every expert): leave out --emit-config, --emit-helm, --emit-rival-config and --apply"
+        )
+    if args.emit_rival_config and not args.emit_config:
+        raise ValueError(
+            "--emit-rival-config: give --emit-config too (the sweep measures the pick's config "
+            "against the rival's)"
         )
     try:  # before a search of minutes: what no emitted config could carry
         for settings in role_limits(spec, Layout(1, 1)):
@@ -495,6 +511,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     best = candidates[0]
     settings = best.settings
     _emit(best.layout, settings.limits, cost, args, options, settings.prefill)
+    if args.emit_rival_config:
+        _emit_rival(candidates, cost, args, options, sweepable=isinstance(workload, Workload))
     if args.apply:
         import asyncio
 
@@ -566,6 +584,69 @@ def _emit(
         if args.emit_helm:
             with open(args.emit_helm, "w") as out:
                 yaml.safe_dump(values, out, sort_keys=False)
+
+
+def _emit_rival(
+    candidates: list[Candidate],
+    cost: CostModel,
+    args: argparse.Namespace,
+    options: ServingOptions,
+    sweepable: bool,
+) -> None:
+    """Write the rival's config (`planner.rival`) and print the sweep of the pick against it
+    (``sweepable``: for a workload of single requests; a multi-turn plan gets the config only).
+
+    Why: a plan is a prediction of a cost model; on shared cores it has picked a layout that
+    lost the measured sweep (bench/history/RESULTS-notebook.md, "The planner's pick for the
+    chat-like mix on the Zen 5 VM"). The sweep's runs last the plan's --min-duration at its
+    highest rate, so that both sides reach steady state, as the plan's simulations did."""
+    import yaml
+
+    from orchestrator.sim.emit import checked_cluster_config
+    from orchestrator.sim.planner import rival
+
+    best, other = candidates[0], rival(candidates)
+    if other is None:
+        print("\nno layout of the other kind meets the SLOs: no rival config written")
+        return
+    try:
+        config = checked_cluster_config(
+            other.layout,
+            other.settings.limits,
+            cost,
+            model_path=args.model_path,
+            provider=args.provider,
+            options=options,
+            prefill_limits=other.settings.prefill,
+        )
+    except ValueError as error:
+        message = f"the rival's config ({other.layout.label}) would be refused: {error}"
+        raise ValueError(message) from None
+    with open(args.emit_rival_config, "w") as out:
+        yaml.safe_dump(config, out, sort_keys=False)
+    print(
+        f"\nrival: {other.layout.label} ({other.goodput:.3f} req/s predicted, against "
+        f"{best.goodput:.3f} for {best.layout.label}): {args.emit_rival_config}"
+    )
+    if not sweepable:
+        return
+    mixed, disaggregated = args.emit_config, args.emit_rival_config
+    if not best.layout.is_mixed:
+        mixed, disaggregated = disaggregated, mixed
+    low, high = sorted((best.goodput, other.goodput))
+    rates = sorted({round(rate, 2) for rate in (0.75 * low, low, high, 1.25 * high)})
+    requests = math.ceil(rates[-1] * args.min_duration)
+    # Layouts on GPUs are ranked per GPU; on one machine's shared cores, by goodput.
+    measure = "goodput" if cost.shared_cores is not None else "goodput per GPU"
+    prefix = f" --prefix-hit {args.prefix_hit:g}" if args.prefix_hit else ""
+    print(
+        f"measure the pick against it (the plan holds if the pick's {measure} is the higher):\n"
+        f"  pdserve bench sweep --disaggregated {disaggregated} --colocated {mixed} "
+        f"--model {args.model_path} --rates {','.join(f'{r:g}' for r in rates)} "
+        f"--seeds 0,1,2 --bisect 1 --prompt {args.prompt} --output {args.output}{prefix} "
+        f"--num-requests {requests} --warmup {math.ceil(args.warmup * requests)} "
+        f"--ttft-slo {args.ttft_slo:g} --tpot-slo {args.tpot_slo:g}"
+    )
 
 
 def _calibrate(args: argparse.Namespace) -> int:

@@ -258,6 +258,25 @@ def plan(cost: CostModel, spec: PlanSpec) -> list[Candidate]:
     return sorted(candidates, key=rank)
 
 
+def rival(candidates: list[Candidate]) -> Candidate | None:
+    """The best of ``candidates`` (ranked, `plan`) of the other kind than the first: mixed
+    against disaggregated, and the other way round; one with a goodput, that the engine runs
+    (no expert-parallel what-if). With the first, the pair whose measured sweep checks the
+    plan (`pdserve bench sweep` runs a disaggregated config against a mixed one). None when
+    there is none."""
+    if not candidates:
+        return None
+    kind = candidates[0].layout.is_mixed
+    return next(
+        (
+            c
+            for c in candidates[1:]
+            if c.layout.is_mixed != kind and c.goodput > 0 and c.layout.ep_decode == 1
+        ),
+        None,
+    )
+
+
 def format_table(candidates: list[Candidate], top: int, settings: bool = False) -> str:
     """The ``top`` candidates as a table; ``settings``: with the step settings each kept
     (`RoleLimits.label`), for a plan that searched them."""

@@ -5,6 +5,7 @@ numbers, calibration points that cannot be measured) refused in one line before 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,34 @@ def test_plan_prints_a_table_and_emits_a_loadable_config(
     assert sum(group.num_ranks for group in loaded.groups) <= 8
     if loaded.is_disaggregated:
         assert yaml.safe_load(helm.read_text())["workerGroups"]["decode"]["gpuPerRank"] == 1
+
+
+def test_plan_emits_the_rival_of_the_other_kind_and_the_sweep_that_checks_the_pick(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pick, rival = tmp_path / "pick.yaml", tmp_path / "rival.yaml"
+    argv = ["plan", "--cost", "roofline:llama-3-70b:h100", "--gpus", "8", "--tp", "4,8",
+            "--num-requests", "40", "--prompt", "fixed:1000", "--output", "fixed:32",
+            "--min-duration", "2", "--model-path", str(tmp_path / "model")]  # fmt: skip
+    # The sweep needs both configs: refused before the search, nothing written.
+    assert main([*argv, "--emit-rival-config", str(rival)]) == 2
+    assert "--emit-rival-config: give --emit-config too" in capsys.readouterr().err
+    assert not rival.exists()
+    assert main([*argv, "--emit-config", str(pick), "--emit-rival-config", str(rival)]) == 0
+    out = capsys.readouterr().out
+    picked, other = ClusterConfig.from_yaml(pick), ClusterConfig.from_yaml(rival)
+    assert picked.is_disaggregated != other.is_disaggregated
+    disaggregated, mixed = (pick, rival) if picked.is_disaggregated else (rival, pick)
+    command = next(line for line in out.splitlines() if "pdserve bench sweep" in line).split()
+    assert command[command.index("--disaggregated") + 1] == str(disaggregated)
+    assert command[command.index("--colocated") + 1] == str(mixed)
+    rates = [float(r) for r in command[command.index("--rates") + 1].split(",")]
+    assert rates == sorted(rates) and len(rates) >= 2
+    # Runs as long as the plan's simulations at the highest rate, a tenth left out.
+    requests = int(command[command.index("--num-requests") + 1])
+    assert requests == math.ceil(rates[-1] * 2)
+    assert int(command[command.index("--warmup") + 1]) == math.ceil(0.1 * requests)
+    assert "goodput per GPU is the higher" in out and "rival: " in out
 
 
 def test_calibrate_subcommand_exists() -> None:

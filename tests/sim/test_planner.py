@@ -362,3 +362,21 @@ def test_plan_refuses_helm_values_the_chart_cannot_deploy_before_searching(
     captured = capsys.readouterr()
     assert captured.err.startswith("pdserve plan: --emit-helm: ") and message in captured.err
     assert "goodput" not in captured.out and not helm_path.exists()
+
+
+def test_the_rival_is_the_best_layout_of_the_other_kind_with_a_goodput() -> None:
+    settings = planner.RoleLimits(EngineLimits(), EngineLimits())
+
+    def candidate(layout: Layout, goodput: float) -> planner.Candidate:
+        return planner.Candidate(layout, goodput, None, settings)
+
+    pick = candidate(Layout(num_prefill=1, num_decode=2), 7.0)
+    same_kind = candidate(Layout(num_prefill=2, num_decode=1), 6.9)
+    what_if = candidate(Layout(num_prefill=1, num_decode=2, ep_decode=2), 6.8)
+    mixed = candidate(Layout(num_mixed=2), 6.7)
+    worse_mixed = candidate(Layout(num_mixed=3), 5.0)
+    assert planner.rival([pick, same_kind, what_if, mixed, worse_mixed]) is mixed
+    # A mixed pick's rival is disaggregated; none of the other kind with a goodput: None.
+    assert planner.rival([mixed, worse_mixed, same_kind]) is same_kind
+    assert planner.rival([pick, same_kind, candidate(Layout(num_mixed=2), 0.0)]) is None
+    assert planner.rival([]) is None
