@@ -226,8 +226,9 @@ class TorchAttentionBackend(AttentionBackend):
         _check_kernel_request(decode_kernel, "decode", kernel_fits, self._kernel)
         self.decode_kernel = self._kernel is not None
         prefill_fits = kernel_fits and kv_cache.shape[-1] % 16 == 0
-        preferred = cpu_kernel.prefill_preferred(kv_cache.dtype)  # not on AMX in half precision
-        wanted = prefill_fits and (prefill_kernel or (prefill_kernel is None and preferred))
+        # Not for half precision on AMX, where SDPA computes on the tiles.
+        prefill_preferred = cpu_kernel.prefill_preferred(kv_cache.dtype)
+        wanted = prefill_fits and (prefill_kernel or (prefill_kernel is None and prefill_preferred))
         self._prefill_kernel = cpu_kernel.paged_prefill_attention() if wanted else None
         _check_kernel_request(prefill_kernel, "prefill", prefill_fits, self._prefill_kernel)
         self.prefill_kernel = self._prefill_kernel is not None
