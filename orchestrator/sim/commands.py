@@ -528,6 +528,33 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cluster_config(
+    layout: Layout,
+    limits: EngineLimits,
+    cost: CostModel,
+    args: argparse.Namespace,
+    options: ServingOptions,
+    prefill_limits: EngineLimits,
+) -> dict[str, Any]:
+    """``layout``'s cluster config as the orchestrator's loader accepts it (`emit`), or a
+    ValueError naming the layout."""
+    from orchestrator.sim.emit import checked_cluster_config
+
+    try:
+        return checked_cluster_config(
+            layout,
+            limits,
+            cost,
+            model_path=args.model_path,
+            provider=args.provider,
+            options=options,
+            prefill_limits=prefill_limits,
+        )
+    except ValueError as error:
+        message = f"the cluster config of {layout.label} would be refused: {error}"
+        raise ValueError(message) from None
+
+
 def _emit(
     best: Layout,
     limits: EngineLimits,
@@ -541,20 +568,9 @@ def _emit(
     only once the orchestrator's loader accepts the config (a ConfigError otherwise)."""
     import yaml
 
-    from orchestrator.sim.emit import checked_cluster_config, helm_values
+    from orchestrator.sim.emit import helm_values
 
-    try:
-        config = checked_cluster_config(
-            best,
-            limits,
-            cost,
-            model_path=args.model_path,
-            provider=args.provider,
-            options=options,
-            prefill_limits=prefill_limits,
-        )
-    except ValueError as error:
-        raise ValueError(f"the cluster config of {best.label} would be refused: {error}") from None
+    config = _cluster_config(best, limits, cost, args, options, prefill_limits)
     print(f"\nbest: {best.label}")
     print("--- cluster config ---")
     print(yaml.safe_dump(config, sort_keys=False), end="")
@@ -602,26 +618,14 @@ def _emit_rival(
     highest rate, so that both sides reach steady state, as the plan's simulations did."""
     import yaml
 
-    from orchestrator.sim.emit import checked_cluster_config
     from orchestrator.sim.planner import rival
 
     best, other = candidates[0], rival(candidates)
     if other is None:
         print("\nno layout of the other kind meets the SLOs: no rival config written")
         return
-    try:
-        config = checked_cluster_config(
-            other.layout,
-            other.settings.limits,
-            cost,
-            model_path=args.model_path,
-            provider=args.provider,
-            options=options,
-            prefill_limits=other.settings.prefill,
-        )
-    except ValueError as error:
-        message = f"the rival's config ({other.layout.label}) would be refused: {error}"
-        raise ValueError(message) from None
+    limits = other.settings
+    config = _cluster_config(other.layout, limits.limits, cost, args, options, limits.prefill)
     with open(args.emit_rival_config, "w") as out:
         yaml.safe_dump(config, out, sort_keys=False)
     print(
