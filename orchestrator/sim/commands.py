@@ -555,6 +555,24 @@ def _cluster_config(
         raise ValueError(message) from None
 
 
+def _write_config(path: str, config: dict[str, Any]) -> None:
+    """Write ``config`` to ``path`` with a relative model path rebased on the file's folder.
+
+    Why: the loader resolves a config file's relative paths against the file's own folder,
+    while --model-path, as every path on a command line, is relative to the working directory
+    (a plan's config written to another folder named a model that was not there)."""
+    import os
+
+    import yaml
+
+    model = os.path.expanduser(config["model"])
+    if not os.path.isabs(model):
+        folder = os.path.dirname(os.path.abspath(path))
+        config = {**config, "model": os.path.relpath(os.path.abspath(model), folder)}
+    with open(path, "w") as out:
+        yaml.safe_dump(config, out, sort_keys=False)
+
+
 def _emit(
     best: Layout,
     limits: EngineLimits,
@@ -575,8 +593,7 @@ def _emit(
     print("--- cluster config ---")
     print(yaml.safe_dump(config, sort_keys=False), end="")
     if args.emit_config:
-        with open(args.emit_config, "w") as out:
-            yaml.safe_dump(config, out, sort_keys=False)
+        _write_config(args.emit_config, config)
     try:  # with --emit-helm, checked before the search
         values = helm_values(
             best,
@@ -616,8 +633,6 @@ def _emit_rival(
     lost the measured sweep (bench/history/RESULTS-notebook.md, "The planner's pick for the
     chat-like mix on the Zen 5 VM"). The sweep's runs last the plan's --min-duration at its
     highest rate, so that both sides reach steady state, as the plan's simulations did."""
-    import yaml
-
     from orchestrator.sim.planner import rival
 
     best, other = candidates[0], rival(candidates)
@@ -626,8 +641,7 @@ def _emit_rival(
         return
     limits = other.settings
     config = _cluster_config(other.layout, limits.limits, cost, args, options, limits.prefill)
-    with open(args.emit_rival_config, "w") as out:
-        yaml.safe_dump(config, out, sort_keys=False)
+    _write_config(args.emit_rival_config, config)
     print(
         f"\nrival: {other.layout.label} ({other.goodput:.3f} req/s predicted, against "
         f"{best.goodput:.3f} for {best.layout.label}): {args.emit_rival_config}"

@@ -98,6 +98,28 @@ def test_plan_emits_the_rival_of_the_other_kind_and_the_sweep_that_checks_the_pi
     assert "goodput per GPU is the higher" in out and "rival: " in out
 
 
+def test_emitted_configs_name_a_relative_model_path_from_their_own_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # --model-path is relative to the working directory; the loader reads a config file's
+    # relative paths from the file's folder: the written files must still find the model.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "plans").mkdir()
+    argv = ["plan", "--cost", "roofline:llama-3-70b:h100", "--gpus", "8", "--tp", "4,8",
+            "--num-requests", "40", "--prompt", "fixed:1000", "--output", "fixed:32",
+            "--min-duration", "2", "--model-path", "models/small",
+            "--emit-config", "plans/pick.yaml", "--emit-rival-config", "plans/rival.yaml"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    for name in ("pick.yaml", "rival.yaml"):
+        written = tmp_path / "plans" / name
+        assert yaml.safe_load(written.read_text())["model"] == "../models/small"
+        model = Path(ClusterConfig.from_yaml(written).model)
+        assert model.resolve() == (tmp_path / "models" / "small").resolve()
+    # The printed config and the sweep's --model (a command line) keep the path as given.
+    assert "model: models/small" in out and "--model models/small " in out
+
+
 def test_calibrate_subcommand_exists() -> None:
     args = build_parser().parse_args(["calibrate", "--out", "x.json", "--fabric"])
     assert args.fabric and args.out == "x.json"
