@@ -9,7 +9,7 @@ its pure-PyTorch paths. `unavailable_reason()` says why they are missing.
 `preferred()`: whether the backend should pick them by default. Only on AVX-512 CPUs: their
 AVX2 copies (forced on the AVX-512 VM, `bench/engine.py --attention`) ran decode 1.2-2.3x slower
 than the PyTorch paths and prefill 9-25x slower than SDPA (16-lane vectors in 16 AVX2 registers
-spill).
+spill); on a CPU with nothing wider (a Zen 3 VM) decode 1.3-2x and prefill 10-22x.
 
 `prefill_preferred(dtype)`: the same for the prefill kernel, except on caches of bfloat16 (or
 float16) where the CPU has AMX tiles: there torch's own flash attention runs the score and value
