@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     from orchestrator.sim.simulator import Layout, SimResult
     from orchestrator.sim.workload import Arrivals
 
+SLO_RUNS = 10  # the printed sweep's runs last at least this many TTFT SLOs of arrivals
+
 
 def add_subcommands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("simulate", help="simulate a cluster layout under a synthetic workload")
@@ -632,7 +634,7 @@ def _emit_rival(
     Why: a plan is a prediction of a cost model; on shared cores it has picked a layout that
     lost the measured sweep (bench/history/RESULTS-notebook.md, "The planner's pick for the
     chat-like mix on the Zen 5 VM"). The sweep's runs last the plan's --min-duration at its
-    highest rate, so that both sides reach steady state, as the plan's simulations did."""
+    highest rate, and at least `SLO_RUNS` TTFT SLOs, so that both sides reach steady state."""
     from orchestrator.sim.planner import rival
 
     best, other = candidates[0], rival(candidates)
@@ -653,7 +655,10 @@ def _emit_rival(
         mixed, disaggregated = disaggregated, mixed
     low, high = sorted((best.goodput, other.goodput))
     rates = sorted({round(rate, 2) for rate in (0.75 * low, low, high, 1.25 * high)})
-    requests = math.ceil(rates[-1] * args.min_duration)
+    # A queue that grows at a tenth of the rate a side holds takes ten TTFT SLOs of arrivals
+    # to delay a request past the SLO: shorter runs pass rates a side cannot hold (a 30-s
+    # sweep passed both sides at 2.81 req/s where 200-request runs failed the rival at 2.25).
+    requests = math.ceil(rates[-1] * max(args.min_duration, SLO_RUNS * args.ttft_slo))
     # Layouts on GPUs are ranked per GPU; on one machine's shared cores, by goodput.
     measure = "goodput" if cost.shared_cores is not None else "goodput per GPU"
     prefix = f" --prefix-hit {args.prefix_hit:g}" if args.prefix_hit else ""

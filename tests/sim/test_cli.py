@@ -91,9 +91,10 @@ def test_plan_emits_the_rival_of_the_other_kind_and_the_sweep_that_checks_the_pi
     assert command[command.index("--colocated") + 1] == str(mixed)
     rates = [float(r) for r in command[command.index("--rates") + 1].split(",")]
     assert rates == sorted(rates) and len(rates) >= 2
-    # Runs as long as the plan's simulations at the highest rate, a tenth left out.
+    # Runs as long as the plan's simulations at the highest rate, and ten TTFT SLOs (the
+    # default 2 s) at least, a tenth left out.
     requests = int(command[command.index("--num-requests") + 1])
-    assert requests == math.ceil(rates[-1] * 2)
+    assert requests == math.ceil(rates[-1] * 20)
     assert int(command[command.index("--warmup") + 1]) == math.ceil(0.1 * requests)
     assert "goodput per GPU is the higher" in out and "rival: " in out
 
